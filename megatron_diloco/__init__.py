@@ -1,0 +1,28 @@
+"""megatron-diloco: DiLoCoX (arXiv 2506.21263) for Megatron-Core.
+
+Public API::
+
+    from megatron_diloco import DiLoCoXConfig, add_diloco_x_args, install, DiLoCoXOptimizer
+
+``add_diloco_x_args`` is a Megatron ``extra_args_provider``; ``install(args)`` (after Megatron's
+argument parsing, before ``pretrain``) turns the flags into a running DiLoCoX setup.
+"""
+
+from megatron_diloco.arguments import add_diloco_x_args
+from megatron_diloco.config import DiLoCoXConfig
+
+__all__ = ["DiLoCoXConfig", "add_diloco_x_args", "install", "DiLoCoXOptimizer"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Megatron-dependent pieces are imported lazily so that the core stays importable without it.
+    if name == "install":
+        from megatron_diloco.integration import install
+
+        return install
+    if name == "DiLoCoXOptimizer":
+        from megatron_diloco.optimizer import DiLoCoXOptimizer
+
+        return DiLoCoXOptimizer
+    raise AttributeError(name)

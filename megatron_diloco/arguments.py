@@ -1,0 +1,113 @@
+"""The ``--diloco-x*`` argparse group and its translation into Megatron arguments.
+
+``add_diloco_x_args`` has the signature Megatron expects of an ``extra_args_provider``
+(``parser -> parser``). ``config_from_args`` builds a validated :class:`DiLoCoXConfig`;
+``validate_megatron_args`` rejects Megatron settings that cannot work with DiLoCoX and sets the ones
+DiLoCoX implies (distributed optimizer, one optimizer instance per replica, contiguous replicas).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_diloco.config import COMPRESSION_CODECS, OVERLAP_MODES, DiLoCoXConfig
+
+
+def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the DiLoCoX flags to a Megatron argument parser and return it."""
+    defaults = DiLoCoXConfig.__dataclass_fields__
+    group = parser.add_argument_group(title="DiLoCoX (megatron-diloco)")
+    group.add_argument("--diloco-x", action="store_true", default=False,
+                       help="Enable DiLoCoX: replicas train H local steps, then exchange "
+                            "pseudo-gradients over the slow network and take an outer Nesterov step.")
+    group.add_argument("--diloco-x-replicas", type=int, default=defaults["replicas"].default,
+                       help="R: number of model replicas (clusters). Must divide the data-parallel "
+                            "size; sets --num-distributed-optimizer-instances R and "
+                            "--use-tp-pp-dp-mapping so each replica is a contiguous block of ranks.")
+    group.add_argument("--diloco-x-local-steps", type=int, default=defaults["local_steps"].default,
+                       help="H: inner optimizer steps per outer round.")
+    group.add_argument("--diloco-x-outer-lr", type=float, default=defaults["outer_lr"].default,
+                       help="eta: outer learning rate (default 0.7).")
+    group.add_argument("--diloco-x-outer-momentum", type=float,
+                       default=defaults["outer_momentum"].default,
+                       help="mu: outer momentum (default 0.9).")
+    group.add_argument("--diloco-x-no-nesterov", action="store_true", default=False,
+                       help="Use heavy-ball instead of Nesterov momentum for the outer step.")
+    group.add_argument("--diloco-x-overlap", choices=OVERLAP_MODES, default=defaults["overlap"].default,
+                       help="delayed: one-step-delay overlap (round t's exchange runs during round "
+                            "t+1, applied one round late); none: blocking exchange (plain DiLoCo).")
+    group.add_argument("--diloco-x-compression", choices=COMPRESSION_CODECS,
+                       default=defaults["compression"].default,
+                       help="Pseudo-gradient codec.")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
+    """Build the validated config from parsed ``--diloco-x*`` arguments (raises ``ValueError``)."""
+    return DiLoCoXConfig(
+        replicas=args.diloco_x_replicas,
+        local_steps=args.diloco_x_local_steps,
+        outer_lr=args.diloco_x_outer_lr,
+        outer_momentum=args.diloco_x_outer_momentum,
+        nesterov=not args.diloco_x_no_nesterov,
+        overlap=args.diloco_x_overlap,
+        compression=args.diloco_x_compression,
+    )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> None:
+    """Check Megatron's (already validated) arguments against DiLoCoX and set what it implies.
+
+    Sets ``use_distributed_optimizer=True``, ``num_distributed_optimizer_instances=R`` and
+    ``use_tp_pp_dp_mapping=True``. Raises ``ValueError`` naming the flag and the fix otherwise.
+    Must run before ``pretrain_cfg_container_from_args`` / ``pretrain`` (they read these fields).
+    """
+    R = config.replicas
+    dp = getattr(args, "data_parallel_size", None)
+    if dp is None:
+        raise ValueError("megatron-diloco: call install(args) after Megatron's argument validation "
+                         "(args.data_parallel_size is not set yet)")
+    if dp % R != 0:
+        raise ValueError(
+            f"--diloco-x-replicas {R} does not divide the data-parallel size {dp} "
+            f"(world size / (TP x PP x CP)); choose R among the divisors of {dp}, or change the world size"
+        )
+    instances = getattr(args, "num_distributed_optimizer_instances", 1)
+    if instances not in (1, R):
+        raise ValueError(
+            f"--num-distributed-optimizer-instances {instances} conflicts with --diloco-x-replicas {R}; "
+            "drop --num-distributed-optimizer-instances (DiLoCoX sets it to R)"
+        )
+    incompatible = {
+        "use_torch_fsdp2": "DiLoCoX shards its outer state like the distributed optimizer; use "
+                           "--use-distributed-optimizer instead of FSDP",
+        "use_megatron_fsdp": "DiLoCoX shards its outer state like the distributed optimizer; use "
+                             "--use-distributed-optimizer instead of Megatron FSDP",
+        "use_layer_wise_distributed_optimizer": "DiLoCoX needs the distributed optimizer's fp32 shards",
+        "check_weight_hash_across_dp_replicas_interval": "replicas differ between outer boundaries by "
+                                                         "design; DiLoCoX checks its own replicas",
+        "calculate_per_token_loss": "per-token loss all-reduces the token count over the global "
+                                    "data-parallel group every step (not yet made per replica)",
+        "num_experts": "MoE expert parameters use separate expert-data-parallel groups that DiLoCoX "
+                       "does not handle yet",
+    }
+    for name, why in incompatible.items():
+        if getattr(args, name, None):
+            raise ValueError(f"{_flag(name)} cannot be used with --diloco-x: {why}")
+    if getattr(args, "reduce_scatter_with_fp32_accumulation", False) and R > 1:
+        raise ValueError("--reduce-scatter-with-fp32-accumulation cannot be used with --diloco-x "
+                         "(Megatron does not support it with several optimizer instances)")
+    if getattr(args, "fp8_param_gather", False):
+        raise ValueError("--fp8-param-gather cannot be used with --diloco-x yet: the outer step needs "
+                         "high-precision model parameters to copy the outer parameters into")
+    if getattr(args, "optimizer", "adam") not in ("adam", "sgd"):
+        raise ValueError(f"--optimizer {args.optimizer} cannot be used with --diloco-x; use adam or sgd "
+                         "(the inner optimizer must be Megatron's distributed optimizer)")
+
+    args.use_distributed_optimizer = True
+    args.num_distributed_optimizer_instances = R
+    args.use_tp_pp_dp_mapping = True

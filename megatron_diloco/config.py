@@ -1,0 +1,86 @@
+"""DiLoCoX hyperparameters: one dataclass, validated, with errors naming the ``--diloco-x-*`` flag."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+OverlapMode = Literal["none", "delayed"]
+
+#: Overlap modes accepted by ``--diloco-x-overlap``.
+OVERLAP_MODES: tuple[str, ...] = ("none", "delayed")
+#: Codecs accepted by ``--diloco-x-compression`` (the compression issue extends this tuple).
+COMPRESSION_CODECS: tuple[str, ...] = ("none",)
+
+
+@dataclasses.dataclass
+class DiLoCoXConfig:
+    """Configuration of the DiLoCoX outer loop (arXiv 2506.21263).
+
+    Symbols follow the DiLoCo / DiLoCoX papers: R replicas (clusters), H inner steps per outer round,
+    outer learning rate eta and momentum mu.
+    """
+
+    # ---------------- topology ----------------
+    replicas: int = 2
+    """R: number of model replicas (clusters), one per Megatron distributed-optimizer instance.
+    Must divide the data-parallel size; each replica owns a contiguous block of ranks."""
+
+    # ---------------- outer loop ----------------
+    local_steps: int = 500
+    """H: inner optimizer ``step()`` calls per outer round (counted in calls, not successful steps)."""
+
+    outer_lr: float = 0.7
+    """eta: outer learning rate applied to the averaged pseudo-gradient."""
+
+    outer_momentum: float = 0.9
+    """mu: outer momentum (PyTorch SGD semantics; 0 disables the momentum buffer entirely)."""
+
+    nesterov: bool = True
+    """Use Nesterov momentum for the outer step (``--diloco-x-no-nesterov`` turns it off)."""
+
+    # ---------------- communication ----------------
+    overlap: OverlapMode = "delayed"
+    """``delayed``: one-step-delay overlap, round t's exchange runs during round t+1 and is applied
+    one round late. ``none``: plain DiLoCo, the exchange blocks at every boundary."""
+
+    compression: str = "none"
+    """Pseudo-gradient codec. ``none`` sends fp32 shards and averages them exactly."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the offending flag for any invalid value."""
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(
+                f"--diloco-x-replicas must be an integer >= 1, got {self.replicas!r}; "
+                "use the number of clusters (model replicas), e.g. --diloco-x-replicas 2"
+            )
+        if not isinstance(self.local_steps, int) or self.local_steps < 1:
+            raise ValueError(
+                f"--diloco-x-local-steps (H) must be an integer >= 1, got {self.local_steps!r}; "
+                "H is the number of inner optimizer steps between outer synchronizations"
+            )
+        if not (self.outer_lr > 0.0) or self.outer_lr != self.outer_lr or self.outer_lr == float("inf"):
+            raise ValueError(
+                f"--diloco-x-outer-lr must be a finite number > 0, got {self.outer_lr!r} "
+                "(the DiLoCo default is 0.7)"
+            )
+        if not (0.0 <= self.outer_momentum < 1.0):
+            raise ValueError(
+                f"--diloco-x-outer-momentum must be in [0, 1), got {self.outer_momentum!r} "
+                "(the DiLoCo default is 0.9)"
+            )
+        if self.nesterov and self.outer_momentum == 0.0:
+            # Nesterov with mu=0 is plain SGD; accept it silently (the update is identical).
+            pass
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(
+                f"--diloco-x-overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}"
+            )
+        if self.compression not in COMPRESSION_CODECS:
+            raise ValueError(
+                f"--diloco-x-compression must be one of {', '.join(COMPRESSION_CODECS)}, "
+                f"got {self.compression!r}"
+            )
