@@ -1,0 +1,115 @@
+"""The pseudo-gradient exchange over the outer group, with byte and time accounting.
+
+The outer group holds R ranks, one per replica, that own the same parameter shard. With no
+compression the exchange is one fp32 all-reduce (SUM, then a division by R that every rank does
+identically), so every replica receives the same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass
+class ExchangeStats:
+    """What one exchange cost this rank."""
+
+    bytes_sent: int = 0
+    """Bytes this rank put on the outer link (ring all-reduce: 2 (R-1)/R x payload)."""
+    bytes_received: int = 0
+    """Bytes this rank took off the outer link (same as sent for an all-reduce)."""
+    exchange_s: float = 0.0
+    """Wall time from launch until the collective completed (the link time, overlapped or not)."""
+    exposed_s: float = 0.0
+    """Wall time the training loop waited for it (the part not hidden under compute)."""
+
+
+def ring_allreduce_bytes(payload_bytes: int, group_size: int) -> int:
+    """Bytes each rank sends (and receives) in a ring all-reduce of ``payload_bytes``."""
+    if group_size <= 1:
+        return 0
+    return 2 * (group_size - 1) * payload_bytes // group_size
+
+
+class ExchangeHandle:
+    """An exchange in flight. :meth:`wait` blocks until the averaged result is in ``buffer``."""
+
+    def __init__(self, buffer: torch.Tensor, work: dist.Work | None, group_size: int,
+                 stats: ExchangeStats) -> None:
+        self.buffer = buffer
+        self.stats = stats
+        self._work = work
+        self._group_size = group_size
+        self._launched = time.perf_counter()
+        self._done_at: float | None = None
+        self._finished = False
+        if work is not None:
+            # Completion time from the collective's own future (fires on the comm thread/stream).
+            try:
+                work.get_future().then(self._mark_done)
+            except (RuntimeError, NotImplementedError):  # backends without futures
+                pass
+
+    @classmethod
+    def completed(cls, buffer: torch.Tensor) -> "ExchangeHandle":
+        """A handle whose averaged result is already in ``buffer`` (restored from a checkpoint)."""
+        handle = cls(buffer, None, 1, ExchangeStats())
+        handle._finished = True
+        return handle
+
+    def _mark_done(self, fut):  # runs on the backend's completion path
+        self._done_at = time.perf_counter()
+        return None
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def wait(self) -> torch.Tensor:
+        """Block until the exchange completed; return ``buffer`` holding the replicas' mean (fp32).
+
+        Idempotent: a second call returns the same buffer without communicating.
+        """
+        if self._finished:
+            return self.buffer
+        t0 = time.perf_counter()
+        if self._work is not None:
+            self._work.wait()
+            if self.buffer.is_cuda:
+                # Exposed time must include the device-side wait for the collective.
+                torch.cuda.current_stream(self.buffer.device).synchronize()
+        t1 = time.perf_counter()
+        if self._group_size > 1:
+            self.buffer.div_(self._group_size)
+        self.stats.exposed_s = t1 - t0
+        self.stats.exchange_s = (self._done_at if self._done_at is not None else t1) - self._launched
+        self._finished = True
+        self._work = None
+        return self.buffer
+
+
+def start_exchange(buffer: torch.Tensor, group: dist.ProcessGroup | None) -> ExchangeHandle:
+    """Launch the asynchronous average of ``buffer`` over ``group`` (the outer group).
+
+    Args:
+        buffer: fp32 ``[numel]`` pseudo-gradient shard; overwritten in place with the mean over the
+            group once :meth:`ExchangeHandle.wait` returns. Must not be touched until then.
+        group: the outer process group (R ranks, one per replica). Collective: every rank of the group
+            must call this, in the same order, with a buffer of the same size. ``None`` or a group of
+            size 1 makes it a no-op (one replica).
+
+    Returns:
+        A handle; the all-reduce runs asynchronously on the group's backend (gloo thread / NCCL stream).
+    """
+    size = dist.get_world_size(group) if group is not None else 1
+    payload = buffer.numel() * buffer.element_size()
+    wire = ring_allreduce_bytes(payload, size)
+    stats = ExchangeStats(bytes_sent=wire, bytes_received=wire)
+    work = None
+    if size > 1:
+        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return ExchangeHandle(buffer, work, size, stats)

@@ -1,0 +1,160 @@
+"""Round-boundary logic of DiLoCoX on one rank's shard: blocking (``none``) or one-step delay.
+
+Notation (DESIGN.md section 1): ``theta`` outer params, ``x`` the replica's local params (the fp32
+main-parameter shards of the inner optimizer), ``Delta`` the replicas' mean pseudo-gradient.
+
+``overlap="none"`` (plain DiLoCo), at each boundary::
+
+    delta  = theta - x ;  Delta = mean_r delta_r  (blocking)
+    theta  = OuterStep(theta, Delta) ;  x <- theta
+
+``overlap="delayed"`` (DiLoCoX), at the boundary ending round t::
+
+    delta_t = theta_{t-1} - x       (against the params round t started from)
+    wait for Delta_{t-1}            (launched one boundary ago; had all of round t to finish)
+    theta_t = OuterStep(theta_{t-1}, Delta_{t-1})   (nothing to apply at the first boundary)
+    launch the exchange of delta_t  (runs during round t+1)
+    x <- theta_t
+
+so every replica starts every round from the same ``theta_t``, bit for bit, and staleness is exactly
+one outer step. :meth:`OuterSync.drain` applies the last exchange at the end of training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from megatron_diloco.collectives import ExchangeHandle, ExchangeStats, start_exchange
+from megatron_diloco.config import DiLoCoXConfig
+from megatron_diloco.outer import OuterNesterov, ShardView
+
+
+@dataclasses.dataclass
+class RoundReport:
+    """What happened at one boundary, on this rank (sums over the shard; not reduced across ranks)."""
+
+    round: int
+    """1-based index of the boundary."""
+    applied: bool
+    """Whether an outer step was applied at this boundary (False at the first delayed boundary)."""
+    launched: ExchangeStats
+    """The exchange launched at this boundary (bytes; times filled when it completes)."""
+    completed: ExchangeStats | None
+    """The exchange whose result was applied here (the same one for ``none``, the previous for
+    ``delayed``), with its exchange and exposed times."""
+    pseudo_grad_sq: float
+    """Squared L2 norm of this rank's shard of the local pseudo-gradient ``theta - x``."""
+
+
+class OuterSync:
+    """Owns the outer state of one rank's shard and runs the boundary protocol.
+
+    Args:
+        view: the rank's fp32 main-parameter shards (``x``), modified in place at each boundary.
+        config: DiLoCoX hyperparameters (eta, mu, nesterov, overlap).
+        group: the outer process group (one rank per replica, same shard). Every boundary, drain
+            and checkpoint call is collective over it: all its ranks must call them in the same order.
+    """
+
+    def __init__(self, view: ShardView, config: DiLoCoXConfig, group: dist.ProcessGroup | None) -> None:
+        self.view = view
+        self.config = config
+        self.group = group
+        theta = torch.empty(view.numel, dtype=torch.float32, device=view.device)  # (N,) fp32
+        view.gather(theta)
+        self.outer = OuterNesterov(theta, config.outer_lr, config.outer_momentum, config.nesterov)
+        # The one exchange buffer: pseudo-gradient out, averaged pseudo-gradient in.
+        self.buffer = torch.empty_like(theta)  # (N,) fp32
+        self.pending: ExchangeHandle | None = None
+        self.rounds = 0
+
+    @property
+    def theta(self) -> torch.Tensor:
+        return self.outer.theta
+
+    def _pseudo_gradient_into_x(self) -> float:
+        """x <- theta - x on the shards, in place; returns the squared norm (a host sync)."""
+        xs = self.view.flat_views
+        if not xs:
+            return 0.0
+        torch._foreach_neg_(xs)
+        torch._foreach_add_(xs, self.view.split(self.theta))
+        return float(torch.stack(torch._foreach_norm(xs, 2)).double().square().sum())
+
+    @torch.no_grad()
+    def boundary(self) -> RoundReport:
+        """Run the boundary ending the current round (collective over the outer group)."""
+        self.rounds += 1
+        if self.config.overlap == "none":
+            with record_function("megatron_diloco::prepare"):
+                sq = self._pseudo_gradient_into_x()
+                self.view.gather(self.buffer)
+                handle = start_exchange(self.buffer, self.group)
+            with record_function("megatron_diloco::perform"):
+                delta = handle.wait()
+                self.outer.step(delta)
+                self.view.scatter_(self.theta)
+            return RoundReport(self.rounds, True, handle.stats, handle.stats, sq)
+
+        # delayed: x holds delta_t after this; the buffer still holds Delta_{t-1} (in flight).
+        with record_function("megatron_diloco::prepare"):
+            sq = self._pseudo_gradient_into_x()
+        completed = None
+        with record_function("megatron_diloco::perform"):
+            if self.pending is not None:
+                delta_prev = self.pending.wait()
+                completed = self.pending.stats
+                self.outer.step(delta_prev)
+                self.pending = None
+        with record_function("megatron_diloco::launch"):
+            self.view.gather(self.buffer)
+            self.pending = start_exchange(self.buffer, self.group)
+            self.view.scatter_(self.theta)
+        return RoundReport(self.rounds, completed is not None, self.pending.stats, completed, sq)
+
+    @torch.no_grad()
+    def drain(self) -> ExchangeStats | None:
+        """Wait for the exchange in flight (if any), apply it, and set x <- theta. Collective."""
+        if self.pending is None:
+            return None
+        with record_function("megatron_diloco::drain"):
+            delta = self.pending.wait()
+            stats = self.pending.stats
+            self.outer.step(delta)
+            self.pending = None
+            self.view.scatter_(self.theta)
+        return stats
+
+    # ---------------- checkpointing ----------------
+    def state_dict(self) -> dict:
+        """Outer state, identical on every replica (the in-flight exchange is completed, not applied).
+
+        Completing the exchange keeps the trajectory unchanged: a resumed run applies it at the next
+        boundary exactly as the uninterrupted run does.
+        """
+        has_pending = self.pending is not None
+        if has_pending:
+            self.pending.wait()
+        return {
+            "rounds": self.rounds,
+            "theta": self.outer.theta,
+            "momentum_buffer": self.outer.momentum_buffer,
+            "pending_delta": self.buffer if has_pending else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["theta"].numel() != self.theta.numel():
+            raise ValueError(
+                f"DiLoCoX checkpoint holds an outer shard of {state['theta'].numel()} elements, this rank "
+                f"owns {self.theta.numel()}: resume with the same TP/PP/DP layout and --diloco-x-replicas"
+            )
+        self.rounds = int(state["rounds"])
+        self.outer.load_state_dict(state)
+        self.pending = None
+        if state.get("pending_delta") is not None:
+            self.buffer.copy_(state["pending_delta"])
+            self.pending = ExchangeHandle.completed(self.buffer)

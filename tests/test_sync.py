@@ -1,0 +1,148 @@
+"""The boundary protocol on plain tensors over real gloo groups, against hand-computed sequences."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_diloco.config import DiLoCoXConfig
+from megatron_diloco.outer import OuterNesterov, ShardView, fingerprint
+from megatron_diloco.sync import OuterSync
+from tests.dist_utils import run_world
+
+H, ROUNDS = 3, 5
+
+
+def grad(r: int, step: int, x: torch.Tensor) -> torch.Tensor:
+    """A deterministic, replica-dependent, parameter-dependent 'gradient'."""
+    return torch.sin(x * (r + 1) + step) + 0.1 * (r - 0.5)
+
+
+def reference(R: int, overlap: str, x0: torch.Tensor, lr_in: float, cfg: DiLoCoXConfig) -> list:
+    """Straight-line re-statement of DESIGN.md section 1, one process, float64 free of tricks."""
+    theta = x0.clone()
+    m = torch.zeros_like(theta)
+    xs = [x0.clone() for _ in range(R)]
+    pending = None
+    trace = []
+    step = 0
+    for _t in range(ROUNDS):
+        for _ in range(H):
+            for r in range(R):
+                xs[r] = xs[r] - lr_in * grad(r, step, xs[r])
+            step += 1
+        delta = sum(theta - xs[r] for r in range(R)) / R
+        apply = delta if overlap == "none" else pending
+        pending = delta
+        if apply is not None:
+            m = cfg.outer_momentum * m + apply
+            upd = apply + cfg.outer_momentum * m if cfg.nesterov else m
+            theta = theta - cfg.outer_lr * upd
+        xs = [theta.clone() for _ in range(R)]
+        trace.append(theta.clone())
+    if overlap == "delayed":
+        m = cfg.outer_momentum * m + pending
+        theta = theta - cfg.outer_lr * ((pending + cfg.outer_momentum * m) if cfg.nesterov else m)
+        trace.append(theta.clone())
+    return trace
+
+
+def _worker(rank: int, world: int, overlap: str, nesterov: bool) -> None:
+    cfg = DiLoCoXConfig(replicas=world, local_steps=H, outer_lr=0.7, outer_momentum=0.9,
+                        nesterov=nesterov, overlap=overlap)
+    x0 = torch.linspace(-1, 1, 7)
+    # Two shard tensors of odd shapes, as a distributed optimizer would hand them over.
+    a, b = x0[:3].clone().view(3, 1), x0[3:].clone()
+    view = ShardView([a, b])
+    sync = OuterSync(view, cfg, dist.group.WORLD)
+    step = 0
+    got = []
+    for _t in range(ROUNDS):
+        for _ in range(H):
+            x = torch.cat([a.view(-1), b])
+            x = x - 0.05 * grad(rank, step, x)
+            a.copy_(x[:3].view(3, 1)); b.copy_(x[3:])
+            step += 1
+        report = sync.boundary()
+        assert report.applied == (overlap == "none" or _t > 0)
+        got.append(torch.cat([a.view(-1), b]).clone())
+        # replicas identical after every boundary, bit for bit
+        fp = fingerprint([a, b])
+        allfp = [torch.zeros_like(fp) for _ in range(world)]
+        dist.all_gather(allfp, fp)
+        assert all(torch.equal(allfp[0], f) for f in allfp), allfp
+    if overlap == "delayed":
+        sync.drain()
+        got.append(torch.cat([a.view(-1), b]).clone())
+    want = reference(world, overlap, x0, 0.05, cfg)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6, msg=f"boundary {i}")
+
+
+def test_delayed_matches_hand_sequence():
+    run_world(_worker, 2, "delayed", True)
+
+
+def test_none_matches_hand_sequence():
+    run_world(_worker, 2, "none", True)
+
+
+def test_delayed_three_replicas_heavy_ball():
+    run_world(_worker, 3, "delayed", False)
+
+
+def _stale_worker(rank, world):
+    cfg = DiLoCoXConfig(replicas=world, local_steps=1, outer_lr=1.0, outer_momentum=0.0,
+                        overlap="delayed")
+    x = torch.zeros(4)
+    sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
+    thetas = []
+    for t in range(4):
+        x.sub_(float(10 ** t) * (rank + 1))  # round t moves x by -(10^t)(r+1)
+        sync.boundary()
+        thetas.append(x.clone())
+    # mean over r of (r+1) for world 2 = 1.5; theta_t = sum_{s<t} 1.5 * 10^s
+    expect = [0.0, 1.5, 16.5, 166.5]
+    for t, th in enumerate(thetas):
+        assert torch.equal(th, torch.full((4,), -expect[t])), (t, th)
+
+
+def test_delayed_is_exactly_one_round_stale():
+    """Delayed boundary t applies the mean pseudo-gradient of round t-1 and nothing else."""
+    run_world(_stale_worker, 2)
+
+
+def test_outer_nesterov_matches_torch_sgd():
+    torch.manual_seed(0)
+    p = torch.randn(10)
+    ref = torch.nn.Parameter(p.clone())
+    opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    outer = OuterNesterov(p.clone(), 0.7, 0.9, True)
+    for _ in range(4):
+        g = torch.randn(10)
+        ref.grad = g.clone()
+        opt.step()
+        outer.step(g.clone())
+        torch.testing.assert_close(outer.theta, ref.detach(), rtol=0, atol=1e-6)
+
+
+def _roundtrip_worker(rank, world):
+    cfg = DiLoCoXConfig(replicas=world, local_steps=1, outer_lr=0.5, outer_momentum=0.9)
+    x = torch.arange(5, dtype=torch.float32)
+    sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
+    x.sub_(rank + 1.0); sync.boundary()
+    x.sub_(2.0 * (rank + 1)); sync.boundary()
+    state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sync.state_dict().items()}
+    assert state["pending_delta"] is not None
+    y = x.clone()
+    sync2 = OuterSync(ShardView([y]), cfg, dist.group.WORLD)
+    sync2.load_state_dict(state)
+    for s, v in ((sync, x), (sync2, y)):
+        v.sub_(0.25 * (rank + 1)); s.boundary(); s.drain()
+    assert torch.equal(x, y)
+
+
+def test_state_dict_roundtrip_with_pending():
+    """A checkpoint taken with an exchange in flight resumes to the same bits."""
+    run_world(_roundtrip_worker, 2)
