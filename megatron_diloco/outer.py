@@ -29,7 +29,7 @@ class ShardView:
             if s.dtype != torch.float32:
                 raise TypeError(f"outer state needs fp32 main-parameter shards, got {s.dtype}")
         self.shards = list(shards)
-        self.flat_views = [s.view(-1) for s in self.shards]
+        self.flat_views = [s.detach().view(-1) for s in self.shards]  # same storage, no autograd
         self.numel = sum(s.numel() for s in self.shards)
         self.device = self.shards[0].device if self.shards else torch.device("cpu")
 

@@ -1,0 +1,216 @@
+"""``install(args)``: plug DiLoCoX into Megatron's training loop without editing Megatron.
+
+Megatron's ``megatron.training.training`` looks its helpers up as module globals at call time, so
+wrapping them from outside is enough:
+
+* ``get_megatron_optimizer``: builds Megatron's optimizer, removes the per-step gradient all-reduce
+  across optimizer instances (DDP bucket surgery), rescales gradients to the replica's own DP size,
+  and wraps the result in :class:`DiLoCoXOptimizer`.
+* ``train_step``: reduces the logged loss over the replica, not the whole data-parallel group (the
+  stock code all-reduces it across replicas every step), and records it for the summary.
+* ``train``: at the end of training drains the last exchange, checks that replicas are identical and
+  prints ``DILOCOX SUMMARY {json}`` on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_diloco.arguments import config_from_args, validate_megatron_args
+from megatron_diloco.config import DiLoCoXConfig
+
+logger = logging.getLogger(__name__)
+
+
+def install(args: argparse.Namespace) -> DiLoCoXConfig | None:
+    """Enable DiLoCoX for this process if ``args.diloco_x`` is set.
+
+    Call after Megatron's ``parse_and_validate_args`` and before ``pretrain_cfg_container_from_args``
+    / ``pretrain``. Exits with a message naming the flag on any invalid or incompatible setting.
+    Returns the config (``None`` when ``--diloco-x`` is off).
+    """
+    if not getattr(args, "diloco_x", False):
+        return None
+    try:
+        config = config_from_args(args)
+        validate_megatron_args(args, config)
+        if (args.save or args.load) and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+            raise ValueError(f"--ckpt-format {args.ckpt_format} cannot be used with --diloco-x; use "
+                             "--ckpt-format torch_dist (per-replica state is saved as sharded objects)")
+    except ValueError as err:
+        raise SystemExit(f"megatron-diloco: error: {err}") from None
+    _Installation(config, args).patch()
+    return config
+
+
+class _Installation:
+    """The state one ``install`` call wires into Megatron (kept in closures, not module globals)."""
+
+    def __init__(self, config: DiLoCoXConfig, args: argparse.Namespace) -> None:
+        self.config = config
+        self.args = args
+        self.optimizer = None  # the DiLoCoXOptimizer, once built
+        self.losses: list[float] = []
+        self.rounds: list[dict] = []
+
+    def patch(self) -> None:
+        from megatron.training import training
+
+        if getattr(training.get_megatron_optimizer, "_diloco_x", False):
+            raise RuntimeError("megatron_diloco.install() was called twice in one process")
+        get_opt, train_step, train = training.get_megatron_optimizer, training.train_step, training.train
+
+        def get_megatron_optimizer(config, model_chunks, *a, **k):
+            return self.build_optimizer(get_opt(config, model_chunks, *a, **k), model_chunks)
+
+        def diloco_train_step(*a, **k):
+            model = a[2] if len(a) > 2 else k["model"]
+            with _replica_local_loss_reduction(model):
+                out = train_step(*a, **k)
+            self.record_loss(out[0])
+            return out
+
+        def diloco_train(*a, **k):
+            start = time.perf_counter()
+            out = train(*a, **k)
+            self.finish(iteration=out[0], wall_s=time.perf_counter() - start)
+            return out
+
+        get_megatron_optimizer._diloco_x = True
+        training.get_megatron_optimizer = get_megatron_optimizer
+        training.train_step = diloco_train_step
+        training.train = diloco_train
+
+    # ------------------------------------------------------------------ optimizer
+    def build_optimizer(self, inner, model_chunks):
+        from megatron_diloco.optimizer import DiLoCoXOptimizer
+        from megatron_diloco.topology import from_parallel_state
+
+        for chunk in model_chunks:
+            make_gradient_reduction_replica_local(chunk, self.config.replicas)
+        self.optimizer = DiLoCoXOptimizer(inner, self.config, from_parallel_state(self.config.replicas),
+                                          on_round=self.log_round)
+        return self.optimizer
+
+    def log_round(self, m: dict) -> None:
+        self.rounds.append(m)
+        if dist.get_rank() == 0:
+            print(f"[DiLoCoX] round {m['round']:4d} | step {m['step']:6d} | "
+                  f"{'applied' if m['applied'] else 'launched'} | "
+                  f"sent {m['bytes_sent'] / 1e6:.3f} MB | recv {m['bytes_received'] / 1e6:.3f} MB | "
+                  f"exchange {m['exchange_s']:.3f} s | exposed {m['exposed_s']:.4f} s | "
+                  f"pseudo-grad norm {m['pseudo_grad_norm']:.4e}", flush=True)
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+        tb, wb = get_tensorboard_writer(), get_wandb_writer()
+        scalars = {f"diloco_x/{k}": float(v) for k, v in m.items() if k not in ("round", "step")}
+        if tb is not None:
+            for k, v in scalars.items():
+                tb.add_scalar(k, v, m["step"])
+        if wb is not None:
+            wb.log(scalars, m["step"])
+
+    # ------------------------------------------------------------------ summary
+    def record_loss(self, loss_dict: dict) -> None:
+        if loss_dict:
+            value = next(iter(loss_dict.values()))
+            self.losses.append(float(value))
+
+    def finish(self, iteration: int, wall_s: float) -> None:
+        opt, args = self.optimizer, self.args
+        if opt is None:
+            return
+        if iteration < args.train_iters:
+            return  # interrupted (exit interval / signal): the checkpoint holds the in-flight exchange
+        opt.finish()
+        identical = opt.replicas_identical()
+        device = opt.view.device
+        nan = float("nan")
+        local = torch.tensor([
+            opt.totals.bytes_sent, opt.totals.bytes_received, opt.totals.exposed_s, opt.totals.exchange_s,
+            self.losses[0] if self.losses else nan, self.losses[-1] if self.losses else nan,
+        ], dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, local)
+        table = torch.stack(gathered).cpu()
+        has_loss = ~torch.isnan(table[:, 4])
+        tokens = iteration * args.global_batch_size * args.seq_length
+        if dist.get_rank() == 0:
+            summary: dict[str, Any] = {
+                "rounds": opt.sync.rounds,
+                "local_steps": self.config.local_steps,
+                "replicas": self.config.replicas,
+                "overlap": self.config.overlap,
+                "compression": self.config.compression,
+                "iterations": iteration,
+                "bytes_sent_per_rank": float(table[:, 0].mean()),
+                "bytes_received_per_rank": float(table[:, 1].mean()),
+                "exposed_comm_s": float(table[:, 2].max()),
+                "exchange_s": float(table[:, 3].max()),
+                "train_wall_s": wall_s,
+                "tokens_per_s": tokens / wall_s if wall_s > 0 else math.nan,
+                "first_loss": float(table[has_loss, 4].mean()) if has_loss.any() else None,
+                "final_loss": float(table[has_loss, 5].mean()) if has_loss.any() else None,
+                "replicas_identical": identical,
+            }
+            print("DILOCOX SUMMARY " + json.dumps(summary), flush=True)
+
+
+def make_gradient_reduction_replica_local(ddp_chunk: torch.nn.Module, replicas: int) -> None:
+    """Turn Megatron's partial-distributed-optimizer gradient path into a replica-local one.
+
+    With R optimizer instances Megatron reduce-scatters gradients inside the instance and then
+    all-reduces each shard across instances every step, scaling by 1/(full DP size). DiLoCoX keeps the
+    first and drops the second: bucket groups get a private DDP config copy with one instance, and
+    gradients are rescaled by R so the mean is over the replica's own data-parallel ranks.
+    Idempotent per chunk.
+    """
+    if getattr(ddp_chunk, "_diloco_x_local_grads", False):
+        return
+    for group in list(ddp_chunk.bucket_groups) + list(ddp_chunk.expert_parallel_bucket_groups):
+        group.ddp_config = copy.copy(group.ddp_config)
+        group.ddp_config.num_distributed_optimizer_instances = 1
+    if not ddp_chunk.ddp_config.average_in_collective:
+        for buffer in list(ddp_chunk.buffers) + list(ddp_chunk.expert_parallel_buffers):
+            buffer.gradient_scaling_factor *= replicas
+            for bucket in buffer.buckets:
+                bucket.gradient_scaling_factor *= replicas
+    ddp_chunk._diloco_x_local_grads = True
+
+
+@contextlib.contextmanager
+def _replica_local_loss_reduction(model):
+    """During ``train_step``, let the model's process-group collection name the replica's own
+    data-parallel group as ``dp_cp``: Megatron then reduces the logged loss inside the replica
+    instead of across the slow link every step."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    intra = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+    saved = []
+    for chunk in model:
+        inner = unwrap_model(chunk)
+        pgc = getattr(inner, "pg_collection", None)
+        if pgc is None:
+            continue
+        local = copy.copy(pgc)
+        local.dp_cp = intra
+        if getattr(local, "dp_cp_gtp_remat", None) is not None:
+            local.dp_cp_gtp_remat = intra
+        saved.append((inner, pgc))
+        inner.pg_collection = local
+    try:
+        yield
+    finally:
+        for inner, pgc in saved:
+            inner.pg_collection = pgc

@@ -1,0 +1,169 @@
+"""Run ``examples/pretrain_gpt_diloco.py`` under test instrumentation (one process per rank).
+
+Used by the Megatron-level tests through torchrun. On top of the unmodified example it records, per
+rank, into ``$DILOCO_TEST_OUT/rank{R}.json``:
+
+* ``losses``: the loss of every iteration at full precision (last pipeline stage only);
+* ``boundary_identical``: after each DiLoCoX boundary, whether the replicas are bit-identical;
+* ``cross_replica``: every collective launched inside ``train_step`` on a group that spans more than
+  one replica, tagged with whether it ran inside the outer boundary (``OuterSync``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "examples"))
+
+record = {"losses": [], "boundary_identical": [], "cross_replica": []}
+ctx = {"in_train_step": False, "in_boundary": False, "iteration": 0}
+
+# isend/irecv are not wrapped: P2POp checks their identity. Pipeline P2P goes through
+# batch_isend_irecv, whose ops name their peers.
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "broadcast",
+               "reduce_scatter", "_reduce_scatter_base", "_all_gather_base", "all_to_all_single",
+               "barrier", "reduce", "gather", "scatter", "batch_isend_irecv")
+
+
+def _replica_blocks() -> int:
+    argv = sys.argv
+    if "--no-diloco-x" in argv:
+        return int(os.environ.get("DILOCO_TEST_REPLICAS", "2"))
+    r = 2
+    for i, a in enumerate(argv):
+        if a == "--diloco-x-replicas":
+            r = int(argv[i + 1])
+    return r
+
+
+def _spans_replicas(group) -> bool:
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    per = dist.get_world_size() // _replica_blocks()
+    return len({r // per for r in ranks}) > 1
+
+
+def _monitor(name, fn):
+    @functools.wraps(fn)
+    def wrapped(*a, **k):
+        if ctx["in_train_step"]:
+            group = k.get("group")
+            if group is None:
+                # positional group argument: the first ProcessGroup among the arguments
+                group = next((x for x in a if isinstance(x, dist.ProcessGroup)), None)
+            if name == "batch_isend_irecv":
+                ranks = [dist.get_rank()] + [op.peer for op in a[0]]
+                per = dist.get_world_size() // _replica_blocks()
+                crosses = len({r // per for r in ranks}) > 1
+            else:
+                crosses = _spans_replicas(group)
+            if crosses:
+                record["cross_replica"].append({"op": name, "iteration": ctx["iteration"],
+                                                "in_boundary": ctx["in_boundary"]})
+        return fn(*a, **k)
+    return wrapped
+
+
+def instrument() -> None:
+    for name in COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, _monitor(name, getattr(dist, name)))
+    import megatron.training.training as training
+
+    orig_train_step = training.train_step
+
+    def train_step(*a, **k):
+        ctx["iteration"] += 1
+        ctx["in_train_step"] = True
+        try:
+            out = orig_train_step(*a, **k)
+        finally:
+            ctx["in_train_step"] = False
+        return out
+
+    training.train_step = train_step  # install() wraps it again: DiLoCoX's runs inside ours
+
+    from megatron_diloco import sync as sync_mod
+    from megatron_diloco.optimizer import DiLoCoXOptimizer
+
+    orig_boundary = sync_mod.OuterSync.boundary
+
+    def boundary(self):
+        ctx["in_boundary"] = True
+        try:
+            return orig_boundary(self)
+        finally:
+            ctx["in_boundary"] = False
+
+    sync_mod.OuterSync.boundary = boundary
+    orig_round_metrics = DiLoCoXOptimizer.round_metrics
+
+    def round_metrics(self, report):
+        ctx["in_boundary"] = True
+        try:
+            out = orig_round_metrics(self, report)
+            record["boundary_identical"].append([self.step_calls, self.replicas_identical()])
+        finally:
+            ctx["in_boundary"] = False
+        return out
+
+    DiLoCoXOptimizer.round_metrics = round_metrics
+
+    import megatron.training.training as training2
+    orig_log = training2.training_log
+
+    def training_log(loss_dict, *a, **k):
+        if loss_dict:
+            iteration = k["iteration"] if "iteration" in k else a[2]
+            record["losses"].append([iteration, {key: float(v) for key, v in loss_dict.items()}])
+        return orig_log(loss_dict, *a, **k)
+
+    training2.training_log = training_log
+
+
+def allow_sgd_with_distributed_optimizer() -> None:
+    """Megatron 0.19's DistributedOptimizer refuses SGD only because SGD has no ``init_state_fn``
+    (needed for checkpointing). The degenerate-case test needs inner SGD without momentum, which has
+    no state at all: give it a no-op ``init_state_fn``. Test harness only."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    orig = cls.__init__
+
+    def __init__(self, optimizer, config, grad_scaler, init_state_fn, *a, **k):
+        if isinstance(optimizer, distrib_optimizer.torch.optim.SGD) and init_state_fn is None:
+            init_state_fn = lambda opt, config=None: None  # noqa: E731
+        orig(self, optimizer, config, grad_scaler, init_state_fn, *a, **k)
+
+    cls.__init__ = __init__
+
+
+def main() -> None:
+    script = str(REPO / "examples" / "pretrain_gpt_diloco.py")
+    sys.argv = [script] + sys.argv[1:]
+    # The example applies the CPU shim on import; instrument after Megatron is importable.
+    from megatron_diloco.compat import cpu as cpu_compat
+
+    if cpu_compat.cpu_mode():
+        cpu_compat.apply()
+    instrument()
+    if "sgd" in sys.argv:
+        allow_sgd_with_distributed_optimizer()
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        out = os.environ.get("DILOCO_TEST_OUT")
+        if out and dist.is_initialized():
+            Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
