@@ -1,0 +1,221 @@
+"""Pretrain a GPT with Megatron-Core and DiLoCoX (megatron-diloco), on GPUs or on CPU.
+
+    torchrun --nproc-per-node 4 examples/pretrain_gpt_diloco.py [megatron and --diloco-x* flags]
+
+With no flags it runs a self-contained CPU-sized demo (``DEMO_ARGS``): a 4-layer byte-level GPT on
+the Python standard library sources (``stdlib_corpus.py``), pipeline-parallel 2 x data-parallel 2,
+two DiLoCoX replicas. Every flag given on the command line overrides the demo's value (argparse
+keeps the last occurrence); ``--no-diloco-x`` turns DiLoCoX off. Giving ``--data-path`` (or
+``--mock-data``) replaces the demo corpus; giving ``--tokenizer-type`` replaces its byte tokenizer.
+
+On a machine without CUDA, ``megatron_diloco.compat.cpu`` patches Megatron-Core to run over gloo;
+``compat.distopt_resume`` fixes resuming the distributed optimizer (fp32, or without TE/Apex).
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, uninstalled
+
+import torch
+
+from megatron_diloco.compat import cpu as cpu_compat
+from megatron_diloco.compat import distopt_resume
+
+if cpu_compat.cpu_mode():
+    cpu_compat.apply()  # before Megatron builds anything
+distopt_resume.apply()  # Megatron fixes for resuming the distributed optimizer (any device)
+
+import stdlib_corpus  # noqa: E402  (beside this script)
+from megatron.core import mpu  # noqa: E402
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank  # noqa: E402
+from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0  # noqa: E402
+from megatron.training.argument_utils import (  # noqa: E402
+    core_transformer_config_from_args,
+    pretrain_cfg_container_from_args,
+)
+from megatron.training.arguments import parse_and_validate_args  # noqa: E402
+from megatron.training.utils import (  # noqa: E402
+    get_blend_and_blend_per_split,
+    is_first_or_last_pipeline_stage,
+)
+
+import megatron_diloco  # noqa: E402
+
+# The demo: ~1M parameters, 16 x 256 tokens per step; falls from ~5.6 to ~2 nats/byte.
+MODEL_ARGS = """
+    --transformer-impl local --num-layers 4 --hidden-size 192 --ffn-hidden-size 768
+    --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256
+    --position-embedding-type rope --normalization RMSNorm --disable-bias-linear
+    --attention-dropout 0 --hidden-dropout 0 --init-method-std 0.02
+""".split()
+TRAINING_ARGS = """
+    --pipeline-model-parallel-size 2 --use-distributed-optimizer
+    --micro-batch-size 4 --global-batch-size 16 --train-iters 300
+    --optimizer adam --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 30
+    --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 --seed 1234
+    --log-interval 10 --eval-interval 100000 --eval-iters 8
+    --rerun-mode disabled --no-gradient-accumulation-fusion --no-bias-swiglu-fusion
+    --no-masked-softmax-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm
+    --num-workers 0
+""".split()
+TOKENIZER_ARGS = f"--tokenizer-type NullTokenizer --vocab-size {stdlib_corpus.VOCAB_SIZE}".split()
+DILOCO_ARGS = """
+    --diloco-x --diloco-x-replicas 2 --diloco-x-local-steps 16 --diloco-x-overlap delayed
+""".split()
+_DATA_FLAGS = ("--data-path", "--mock-data", "--train-data-path", "--per-split-data-args-path",
+               "--data-args-path")
+
+
+def demo_argv(user_argv: list[str]) -> list[str]:
+    """The demo defaults followed by the user's flags (the user's win: argparse keeps the last)."""
+    given = {a.split("=", 1)[0] for a in user_argv if a.startswith("--")}
+    argv = MODEL_ARGS + TRAINING_ARGS + DILOCO_ARGS
+    if "--tokenizer-type" not in given:
+        argv += TOKENIZER_ARGS
+    if not given.intersection(_DATA_FLAGS):
+        argv += ["--data-path", stdlib_corpus.build(), "--split", "98,1,1"]
+    return argv + user_argv
+
+
+def add_script_args(parser):
+    parser = megatron_diloco.add_diloco_x_args(parser)
+    group = parser.add_argument_group(title="pretrain_gpt_diloco.py")
+    group.add_argument("--no-diloco-x", action="store_false", dest="diloco_x",
+                       help="Turn DiLoCoX off (plain Megatron training with the same settings).")
+    return parser
+
+
+# --- model -------------------------------------------------------------------------------------
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                   pg_collection=None):
+    """One pipeline stage (or virtual stage) of a GPT built from Megatron-Core's local modules."""
+    args = get_args()
+    config = config or core_transformer_config_from_args(args)
+    print_rank_0(f"> building GPT stage (pre_process={pre_process}, post_process={post_process})")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+
+
+# --- data --------------------------------------------------------------------------------------
+
+
+def is_dataset_built_on_rank(vp_stage=None):
+    # Only the stages that consume tokens (first: inputs, last: labels) read data, on TP rank 0.
+    return is_first_or_last_pipeline_stage(vp_stage) and mpu.get_tensor_model_parallel_rank() == 0
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0(f"> building {dataset_type.__name__} train/valid/test splits ...")
+    return BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples, partial(is_dataset_built_on_rank, vp_stage=vp_stage),
+        config,
+    ).build()
+
+
+train_valid_test_datasets_provider.is_distributed = True  # called on every rank
+
+
+def get_batch(data_iterator, vp_stage=None):
+    """tokens, labels, loss_mask, attention_mask, position_ids of this rank's micro-batch."""
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return None, None, None, None, None
+    args = get_args()
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch = {}
+    if tp_rank == 0:
+        batch = {k: (v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                 for k, v in next(data_iterator).items()}
+    if args.tensor_model_parallel_size > 1:  # TP rank 0 read the data: broadcast it to the others
+        batch = get_batch_on_this_tp_rank(
+            batch, has_cu_seqlens=False, is_hybrid_cp=False,
+            create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+            broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+            broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
+            tp_rank=tp_rank, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+            mtp_on_this_rank=False, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
+            is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
+        )
+    if args.context_parallel_size > 1:
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                          cp_group=mpu.get_context_parallel_group())
+    keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+    return tuple(batch.get(k) for k in keys)
+
+
+# --- step --------------------------------------------------------------------------------------
+
+
+def loss_func(loss_mask, output_tensor):
+    """Summed token loss, token count, and the 'lm loss' report Megatron averages for logging."""
+    losses = output_tensor.view(-1).float()  # (micro_batch * seq,) per-token cross entropy
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    vp_stage = getattr(model, "vp_stage", None)
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def main() -> None:
+    sys.argv[1:] = demo_argv(sys.argv[1:])
+    args = parse_and_validate_args(extra_args_provider=add_script_args)
+    if args.diloco_x:
+        megatron_diloco.install(args)  # validates the flags, sets the replica topology
+    pretrain(
+        pretrain_cfg_container_from_args(args),
+        train_valid_test_datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        model_provider=model_provider,
+    )
+
+
+if __name__ == "__main__":
+    main()
