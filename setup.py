@@ -1,0 +1,22 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-diloco",
+    version="0.1.0",
+    description="DiLoCoX (cross-cluster low-communication training) for Megatron-Core",
+    packages=find_packages(include=["megatron_diloco", "megatron_diloco.*"]),
+    python_requires=">=3.12",  # megatron.training 0.19 imports typing.override
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.19.2,<0.20",
+        "numpy",
+        "triton",  # imported by megatron.core since 0.19 (also on CPU-only machines)
+        "einops",  # --num-distributed-optimizer-instances > 1
+        "psutil",  # checkpoint saving
+    ],
+    extras_require={
+        "te": ["transformer-engine"],
+        "apex": ["apex"],
+        "test": ["pytest"],
+    },
+)
