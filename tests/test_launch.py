@@ -1,0 +1,103 @@
+"""``python -m megatron_diloco.launch``: DiLoCoX in a Megatron script that knows nothing about it.
+
+The script written below is a plain Megatron-Core 0.19 pretraining script: it parses its flags with
+``parse_and_validate_args()`` (no ``add_diloco_x_args``) and never calls ``install``. It borrows
+the model, data and step functions of ``examples/pretrain_gpt_diloco.py`` (importing that module
+applies the CPU shim, which the launcher has already applied: idempotent). Runs are torchrun
+subprocesses on CPU: the shim is process-wide.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import free_port
+from tests.megatron_utils import REPO, TINY, summary
+
+PLAIN_SCRIPT = f"""\
+import sys
+
+sys.path.insert(0, {str(REPO / "examples")!r})
+from pretrain_gpt_diloco import forward_step, model_provider, train_valid_test_datasets_provider
+
+from megatron.core.enums import ModelType
+from megatron.training import pretrain
+from megatron.training.argument_utils import pretrain_cfg_container_from_args
+from megatron.training.arguments import parse_and_validate_args
+
+if __name__ == "__main__":
+    args = parse_and_validate_args()
+    pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
+             ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+"""
+
+MEGATRON_FLAGS = TINY + """
+    --transformer-impl local --mock-data --tokenizer-type NullTokenizer --vocab-size 256
+    --use-distributed-optimizer --rerun-mode disabled --lr 1e-3 --num-workers 0
+    --attention-dropout 0 --hidden-dropout 0 --no-gradient-accumulation-fusion
+    --no-persist-layer-norm --no-masked-softmax-fusion --no-bias-dropout-fusion
+    --no-bias-swiglu-fusion --no-rope-fusion
+""".split()
+
+
+def launch(script: Path, *flags: str, nproc: int, timeout: float = 150) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", "-m", "megatron_diloco.launch", str(script), *flags]
+    return subprocess.run(cmd, cwd=script.parent, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture
+def plain_script(tmp_path: Path) -> Path:
+    script = tmp_path / "pretrain_plain.py"
+    script.write_text(PLAIN_SCRIPT)
+    assert "diloco" not in PLAIN_SCRIPT.replace("pretrain_gpt_diloco", "")
+    return script
+
+
+def test_unmodified_script_trains_with_diloco_x(plain_script):
+    proc = launch(plain_script, *MEGATRON_FLAGS, "--pipeline-model-parallel-size", "2",
+                  "--train-iters", "4", "--diloco-x", "--diloco-x-replicas", "2",
+                  "--diloco-x-local-steps", "2", nproc=4)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    rounds = [line for line in log.splitlines() if line.startswith("[DiLoCoX] round")]
+    assert len(rounds) == 2, log[-4000:]
+    s = summary(log)
+    assert s["rounds"] == 2
+    assert s["iterations"] == 4
+    assert s["replicas"] == 2 and s["local_steps"] == 2
+    assert s["replicas_identical"] is True
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--diloco-x-local-steps", "0"], "--diloco-x-local-steps"),
+    (["--diloco-x-replicas", "3"], "--diloco-x-replicas"),  # DP is 2
+])
+def test_bad_flag_fails_before_training(plain_script, flags, named):
+    # 2 ranks, no pipeline: data-parallel size 2.
+    proc = launch(plain_script, *MEGATRON_FLAGS, "--train-iters", "4", "--diloco-x", *flags,
+                  nproc=2, timeout=120)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-4000:]
+    errors = [line for line in log.splitlines() if "megatron-diloco: error:" in line]
+    assert errors and all(named in line for line in errors), log[-4000:]
+    assert not re.search(r"iteration\s+\d+/\s*\d+ \|", log), log[-4000:]  # no step was logged
+    assert "DILOCOX SUMMARY" not in log
+
+
+def test_missing_script_is_a_clear_error(tmp_path):
+    missing = tmp_path / "no_such_script.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "megatron_diloco.launch", str(missing), "--diloco-x"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "training script not found" in proc.stderr and str(missing) in proc.stderr
