@@ -11,7 +11,9 @@ Usage (one process per rank, e.g. under torchrun)::
 ``megatron.training.arguments.parse_and_validate_args`` (Megatron-LM's ``pretrain_gpt.py`` at tag
 ``core_v0.19.0``, for instance). Before the script's ``__main__`` block runs, the launcher
 
-1. applies ``megatron_diloco.compat.cpu`` when the process has no GPU (Megatron over gloo on CPU);
+1. applies ``megatron_diloco.compat.cpu`` when the process has no GPU (Megatron over gloo on CPU),
+   and ``megatron_diloco.compat.distopt_resume`` (Megatron fixes for resuming the distributed
+   optimizer without TE/Apex or in fp32; no effect on training steps);
 2. chains :func:`megatron_diloco.add_diloco_x_args` after the script's own ``extra_args_provider``
    (``megatron.training.arguments.parse_args`` is wrapped, so every parse sees the ``--diloco-x*``
    flags, including Megatron's own ``parse_args(ignore_unknown_args=True)`` calls);
@@ -29,8 +31,8 @@ does ``from megatron.training.arguments import parse_and_validate_args`` gets th
 Scripts that already know DiLoCoX (their ``extra_args_provider`` adds ``--diloco-x`` itself and they
 call ``megatron_diloco.install(args)``, such as ``examples/pretrain_gpt_diloco.py`` or a script
 patched with ``patches/pretrain_gpt_core_v0.19.patch``) can be launched the same way: the launcher
-then only provides the CPU shim and leaves the flags and ``install`` to the script. If such a script
-parses ``--diloco-x`` but never calls ``install``, the run stops before the model is built.
+then only applies the compat patches and leaves the flags and ``install`` to the script. If such a
+script parses ``--diloco-x`` but never calls ``install``, the run stops before the model is built.
 """
 
 from __future__ import annotations
@@ -141,9 +143,11 @@ def main(argv: list[str] | None = None) -> None:
     script = _resolve_script(argv[0])
 
     from megatron_diloco.compat import cpu as cpu_compat
+    from megatron_diloco.compat import distopt_resume
 
     if cpu_compat.cpu_mode():
         cpu_compat.apply()  # before Megatron builds anything
+    distopt_resume.apply()  # resuming the distributed optimizer on torch Adam / fp32 (any device)
     state = _State()
     _patch_argument_parsing(state)
     _check_installed_before_training()

@@ -46,7 +46,7 @@ MEGATRON_FLAGS = TINY + """
 """.split()
 
 
-def launch(script: Path, *flags: str, nproc: int, timeout: float = 150) -> subprocess.CompletedProcess:
+def launch(script: Path, *flags: str, nproc: int, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
@@ -85,7 +85,7 @@ def test_unmodified_script_trains_with_diloco_x(plain_script):
 def test_bad_flag_fails_before_training(plain_script, flags, named):
     # 2 ranks, no pipeline: data-parallel size 2.
     proc = launch(plain_script, *MEGATRON_FLAGS, "--train-iters", "4", "--diloco-x", *flags,
-                  nproc=2, timeout=120)
+                  nproc=2, timeout=240)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-4000:]
     errors = [line for line in log.splitlines() if "megatron-diloco: error:" in line]
