@@ -22,8 +22,9 @@ Usage (one process per rank, e.g. under torchrun)::
    training loop; without ``--diloco-x`` it changes nothing.
 
 Then it runs the script like ``python SCRIPT ARGS...`` would: ``sys.argv = [SCRIPT, *ARGS]``, the
-script's folder first on ``sys.path`` (Megatron-LM's scripts import their neighbours, e.g.
-``gpt_builders.py``, ``model_provider.py``) and ``runpy.run_path(SCRIPT, run_name="__main__")``.
+script's folder first on ``sys.path`` before ``megatron`` is first imported (Megatron-LM's scripts
+import their neighbours, e.g. ``gpt_builders.py``, ``model_provider.py``, and a Megatron-LM checkout
+uses its own ``megatron`` package) and ``runpy.run_path(SCRIPT, run_name="__main__")``.
 
 The patches are made on the module attributes before the script is executed, so a script that
 does ``from megatron.training.arguments import parse_and_validate_args`` gets the wrapped function.
@@ -141,6 +142,10 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE, end="", file=sys.stdout if argv else sys.stderr)
         raise SystemExit(0 if argv else 2)
     script = _resolve_script(argv[0])
+    # Like `python SCRIPT`: the script's folder first on sys.path, before anything imports megatron,
+    # so a script inside a Megatron-LM checkout uses that checkout's megatron package, and finds
+    # its neighbours (gpt_builders.py, model_provider.py).
+    sys.path.insert(0, script if os.path.isdir(script) else os.path.dirname(script))
 
     from megatron_diloco.compat import cpu as cpu_compat
     from megatron_diloco.compat import distopt_resume
@@ -153,8 +158,6 @@ def main(argv: list[str] | None = None) -> None:
     _check_installed_before_training()
 
     sys.argv = [script, *argv[1:]]
-    script_dir = script if os.path.isdir(script) else os.path.dirname(script)
-    sys.path.insert(0, script_dir)  # like `python SCRIPT`: the script imports its neighbours
     runpy.run_path(script, run_name="__main__")
 
 
