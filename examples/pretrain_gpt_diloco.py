@@ -22,12 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch
 
-from megatron_diloco.compat import cpu as cpu_compat
-from megatron_diloco.compat import distopt_resume
+from megatron_diloco import compat
 
-if cpu_compat.cpu_mode():
-    cpu_compat.apply()  # before Megatron builds anything
-distopt_resume.apply()  # Megatron fixes for resuming the distributed optimizer (any device)
+compat.apply_all()  # before Megatron builds anything: CPU shim (no CUDA), resume + wheel fixes
 
 import stdlib_corpus  # noqa: E402  (beside this script)
 from megatron.core import mpu  # noqa: E402

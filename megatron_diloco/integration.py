@@ -20,6 +20,7 @@ import copy
 import json
 import logging
 import math
+import os
 import time
 from typing import Any
 
@@ -41,6 +42,8 @@ def install(args: argparse.Namespace) -> DiLoCoXConfig | None:
     """
     if not getattr(args, "diloco_x", False):
         return None
+    if getattr(args, "_diloco_x_config", None) is not None:
+        return args._diloco_x_config  # already installed for these args (script + launcher)
     try:
         config = config_from_args(args)
         validate_megatron_args(args, config)
@@ -49,7 +52,16 @@ def install(args: argparse.Namespace) -> DiLoCoXConfig | None:
                              "--ckpt-format torch_dist (per-replica state is saved as sharded objects)")
     except ValueError as err:
         raise SystemExit(f"megatron-diloco: error: {err}") from None
+    from megatron_diloco.compat import distopt_resume, wheel
+
+    distopt_resume.apply()  # exact resume of the inner distributed optimizer (Megatron fixes)
+    wheel.apply()
     _Installation(config, args).patch()
+    args._diloco_x_config = config
+    if os.environ.get("RANK", "0") == "0":
+        print(f"megatron-diloco: DiLoCoX on: {config}; set --use-distributed-optimizer, "
+              f"--num-distributed-optimizer-instances {config.replicas}, --use-tp-pp-dp-mapping "
+              "(Megatron's argument table above predates these)", flush=True)
     return config
 
 

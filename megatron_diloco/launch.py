@@ -147,12 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     # its neighbours (gpt_builders.py, model_provider.py).
     sys.path.insert(0, script if os.path.isdir(script) else os.path.dirname(script))
 
-    from megatron_diloco.compat import cpu as cpu_compat
-    from megatron_diloco.compat import distopt_resume
+    from megatron_diloco import compat
 
-    if cpu_compat.cpu_mode():
-        cpu_compat.apply()  # before Megatron builds anything
-    distopt_resume.apply()  # resuming the distributed optimizer on torch Adam / fp32 (any device)
+    compat.apply_all()  # before Megatron builds anything: CPU shim (no CUDA), resume + wheel fixes
     state = _State()
     _patch_argument_parsing(state)
     _check_installed_before_training()

@@ -252,9 +252,12 @@ class DiLoCoXOptimizer(MegatronOptimizer):
 
         * ``diloco_x.outer``: theta, momentum, the completed in-flight exchange; identical across
           replicas, so only replica 0 writes it (``replica_id`` = replica index).
-        * ``diloco_x.replica{r}``: replica r's own fp32 main shards and inner optimizer state
-          (replicas differ there: mid-round parameters, Adam moments). Megatron's own optimizer
-          entry holds replica 0's; replicas r > 0 write theirs here.
+        * ``diloco_x.replica{r}``: replica r's own fp32 main shards and inner optimizer state.
+          Replicas differ there (mid-round parameters, Adam moments), while Megatron's checkpoint
+          treats the data-parallel copies of its optimizer and model entries as identical: with
+          fully parallel save any replica may write them. Every replica therefore writes its own
+          piece, and loading restores it over whatever Megatron's entries held. Disk cost: the
+          inner state (12 B per parameter with Adam) once per replica on top of Megatron's copy.
         """
         sd = self.inner.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         topo = self.topology
@@ -262,10 +265,9 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         sd["diloco_x.outer"] = ShardedObject(
             "diloco_x.outer", None if is_loading else self._outer_state(), shape, offset,
             replica_id=topo.replica_index)
-        if topo.replica_index > 0:
-            key = f"diloco_x.replica{topo.replica_index}"
-            sd[key] = ShardedObject(key, None if is_loading else self._per_replica_state(),
-                                    shape, offset, replica_id=0)
+        key = f"diloco_x.replica{topo.replica_index}"
+        sd[key] = ShardedObject(key, None if is_loading else self._per_replica_state(),
+                                shape, offset, replica_id=0)
         return sd
 
     @torch.no_grad()
@@ -280,13 +282,13 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             for k in [k for k in state_dict if k.startswith("diloco_x.replica")]:
                 state_dict.pop(k)
             self.inner.load_state_dict(state_dict)
-        if outer is None:
-            raise RuntimeError("checkpoint has no DiLoCoX outer state: it was not written with "
-                               "--diloco-x; load it with --no-load-optim to start a new outer loop")
+        if outer is None or per_replica is None:
+            raise RuntimeError("checkpoint has no DiLoCoX state for this replica: it was not written "
+                               "with --diloco-x and the same --diloco-x-replicas; load it with "
+                               "--no-load-optim to start a new outer loop from its weights")
         self.sync.load_state_dict(outer["sync"])
         self.step_calls = int(outer["step_calls"])
         self.totals = ExchangeStats(**outer["totals"])
-        if per_replica is not None:
-            for name, t in self._inner_state_tensors():
-                t.copy_(per_replica[name])
+        for name, t in self._inner_state_tensors():
+            t.copy_(per_replica[name])
         self._publish_params()

@@ -6,7 +6,9 @@ rank, into ``$DILOCO_TEST_OUT/rank{R}.json``:
 * ``losses``: the loss of every iteration at full precision (last pipeline stage only);
 * ``boundary_identical``: after each DiLoCoX boundary, whether the replicas are bit-identical;
 * ``cross_replica``: every collective launched inside ``train_step`` on a group that spans more than
-  one replica, tagged with whether it ran inside the outer boundary (``OuterSync``).
+  one replica, tagged with whether it ran inside the outer boundary (``OuterSync``);
+* ``main_fp``: after every optimizer step, a bitwise fingerprint of each fp32 main-parameter shard;
+  ``loaded_fp``: the same right after a checkpoint was loaded.
 """
 
 from __future__ import annotations
@@ -116,6 +118,21 @@ def instrument() -> None:
         return out
 
     DiLoCoXOptimizer.round_metrics = round_metrics
+
+    from megatron_diloco.outer import fingerprint
+
+    orig_opt_step, orig_load = DiLoCoXOptimizer.step, DiLoCoXOptimizer.load_state_dict
+
+    def opt_step(self):
+        out = orig_opt_step(self)
+        record.setdefault("main_fp", []).append([self.step_calls, [int(fingerprint([t])[0]) for t in self.view.shards]])
+        return out
+
+    def load_state_dict(self, state_dict):
+        orig_load(self, state_dict)
+        record["loaded_fp"] = [self.step_calls, [int(fingerprint([t])[0]) for t in self.view.shards]]
+
+    DiLoCoXOptimizer.step, DiLoCoXOptimizer.load_state_dict = opt_step, load_state_dict
 
     import megatron.training.training as training2
     orig_log = training2.training_log
