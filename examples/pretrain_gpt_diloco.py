@@ -67,6 +67,7 @@ TRAINING_ARGS = """
 TOKENIZER_ARGS = f"--tokenizer-type NullTokenizer --vocab-size {stdlib_corpus.VOCAB_SIZE}".split()
 DILOCO_ARGS = """
     --diloco-x --diloco-x-replicas 2 --diloco-x-local-steps 16 --diloco-x-overlap delayed
+    --diloco-x-outer-lr 0.5 --diloco-x-outer-momentum 0
 """.split()
 _DATA_FLAGS = ("--data-path", "--mock-data", "--train-data-path", "--per-split-data-args-path",
                "--data-args-path")

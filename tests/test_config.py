@@ -1,0 +1,75 @@
+"""Flag validation: every bad value or incompatible combination names the flag; nothing is changed."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_diloco.arguments import add_diloco_x_args, config_from_args, validate_megatron_args
+from megatron_diloco.config import DiLoCoXConfig
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return add_diloco_x_args(argparse.ArgumentParser()).parse_args(["--diloco-x", *argv])
+
+
+def megatron_args(**kw) -> argparse.Namespace:
+    base = dict(data_parallel_size=4, num_distributed_optimizer_instances=1, use_distributed_optimizer=False,
+                use_tp_pp_dp_mapping=False, optimizer="adam")
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--diloco-x-local-steps", "0"], "--diloco-x-local-steps"),
+    (["--diloco-x-local-steps", "-3"], "--diloco-x-local-steps"),
+    (["--diloco-x-replicas", "0"], "--diloco-x-replicas"),
+    (["--diloco-x-outer-lr", "0"], "--diloco-x-outer-lr"),
+    (["--diloco-x-outer-lr", "nan"], "--diloco-x-outer-lr"),
+    (["--diloco-x-outer-lr", "inf"], "--diloco-x-outer-lr"),
+    (["--diloco-x-outer-momentum", "1.0"], "--diloco-x-outer-momentum"),
+    (["--diloco-x-outer-momentum", "-0.1"], "--diloco-x-outer-momentum"),
+])
+def test_bad_values_name_their_flag(argv, flag):
+    with pytest.raises(ValueError, match=flag):
+        config_from_args(parse(*argv))
+
+
+@pytest.mark.parametrize("argv", [["--diloco-x-overlap", "eventually"], ["--diloco-x-compression", "zip"],
+                                  ["--diloco-x-local-steps", "ten"]])
+def test_argparse_rejects_unknown_choices(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_defaults_are_the_diloco_ones():
+    cfg = config_from_args(parse())
+    assert (cfg.replicas, cfg.local_steps, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.overlap) == \
+        (2, 500, 0.7, 0.9, True, "delayed")
+
+
+def test_valid_setup_sets_the_replica_topology():
+    args = megatron_args()
+    validate_megatron_args(args, DiLoCoXConfig(replicas=2))
+    assert args.use_distributed_optimizer and args.use_tp_pp_dp_mapping
+    assert args.num_distributed_optimizer_instances == 2
+
+
+@pytest.mark.parametrize("kw, flag", [
+    (dict(data_parallel_size=3), "--diloco-x-replicas"),
+    (dict(num_distributed_optimizer_instances=4), "--num-distributed-optimizer-instances"),
+    (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
+    (dict(use_megatron_fsdp=True), "--use-megatron-fsdp"),
+    (dict(calculate_per_token_loss=True), "--calculate-per-token-loss"),
+    (dict(num_experts=8), "--num-experts"),
+    (dict(check_weight_hash_across_dp_replicas_interval=10), "--check-weight-hash-across-dp-replicas-interval"),
+    (dict(optimizer="muon"), "--optimizer"),
+])
+def test_incompatible_megatron_settings_are_refused_untouched(kw, flag):
+    args = megatron_args(**kw)
+    before = dict(vars(args))
+    with pytest.raises(ValueError, match=flag):
+        validate_megatron_args(args, DiLoCoXConfig(replicas=2))
+    assert vars(args) == before  # nothing was changed
