@@ -125,6 +125,16 @@ def instrument() -> None:
 
     def opt_step(self):
         out = orig_opt_step(self)
+        if "outer" not in record:
+            theta = self.sync.theta
+            record["outer"] = {
+                "theta_numel": theta.numel(), "theta_dtype": str(theta.dtype),
+                "momentum_numel": (self.sync.outer.momentum_buffer.numel()
+                                   if self.sync.outer.momentum_buffer is not None else 0),
+                "main_shard_numel": sum(t.numel() for t in self.view.shards),
+                "model_params_on_rank": sum(p.numel() for d in self.dist_opts for c in d.model_chunks
+                                            for p in c.parameters()),
+            }
         record.setdefault("main_fp", []).append([self.step_calls, [int(fingerprint([t])[0]) for t in self.view.shards]])
         return out
 

@@ -35,7 +35,7 @@ def test_degenerate_case_equals_data_parallel(tmp_path):
 @pytest.mark.parametrize("overlap", ["none", "delayed"])
 def test_replicas_identical_and_no_cross_replica_traffic(tmp_path, overlap):
     recs, log = run_megatron(tmp_path, ["--train-iters", "12", "--diloco-x-local-steps", "4",
-                                        "--diloco-x-overlap", overlap])
+                                        "--diloco-x-overlap", overlap, "--diloco-x-outer-momentum", "0.9"])
     for rank, rec in enumerate(recs):
         assert [s for s, _ in rec["boundary_identical"]] == [4, 8, 12], rank
         assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
@@ -52,6 +52,7 @@ def test_checkpoint_resume_is_exact(tmp_path):
     """Save mid-round (exchange in flight) and at a boundary, resume: the loss trajectory of the
     uninterrupted run, bit for bit, on every replica."""
     base = ["--train-iters", "12", "--diloco-x-local-steps", "4", "--diloco-x-overlap", "delayed",
+            "--diloco-x-outer-lr", "0.7", "--diloco-x-outer-momentum", "0.9",  # momentum state too
             "--save-interval", "1000", "--no-load-rng"]
     full, log = run_megatron(tmp_path, base)
     ckpt = str(tmp_path / "ckpt")
@@ -70,3 +71,23 @@ def test_checkpoint_resume_is_exact(tmp_path):
     assert got == want  # exact float equality, every iteration, both replicas
     assert summary(log3)["replicas_identical"] and summary(log3)["rounds"] == 3
     assert summary(log3)["final_loss"] == summary(log)["final_loss"]
+
+
+def test_outer_state_is_sharded_like_the_distributed_optimizer(tmp_path):
+    """PP 1, 2 replicas x intra-replica DP 2 on 4 ranks: each rank's outer state (theta, momentum) is
+    fp32 and covers exactly its inner optimizer's main shard, half of the model."""
+    recs, log = run_megatron(tmp_path, ["--pipeline-model-parallel-size", "1", "--train-iters", "4",
+                                        "--diloco-x-local-steps", "2", "--diloco-x-outer-momentum", "0.9"])
+    total = recs[0]["outer"]["model_params_on_rank"]
+    for rank, rec in enumerate(recs):
+        o = rec["outer"]
+        assert o["theta_dtype"] == "torch.float32"
+        assert o["theta_numel"] == o["momentum_numel"] == o["main_shard_numel"], (rank, o)
+        assert o["model_params_on_rank"] == total
+        assert all(ok for _, ok in rec["boundary_identical"]), rank
+        assert [c for c in rec["cross_replica"] if not c["in_boundary"]] == [], rank
+    # ranks {0,1} form replica 0, {2,3} replica 1; inside a replica the shards partition the model
+    for replica in ((0, 1), (2, 3)):
+        assert sum(recs[r]["outer"]["theta_numel"] for r in replica) == total
+    assert recs[0]["outer"]["theta_numel"] == recs[2]["outer"]["theta_numel"]  # outer-group peers
+    assert summary(log)["replicas_identical"]
