@@ -1,0 +1,1 @@
+"""Pseudo-gradient compression (DESIGN.md section 2)."""

@@ -1,0 +1,384 @@
+"""Fused Triton kernels for the blockwise codecs over a flat multi-tensor bucket.
+
+The semantics are those of :mod:`megatron_diloco.compression.reference` (the spec); these kernels
+match it bit for bit: the same correctly rounded divisions (``div_rn``), no contraction of
+multiply-adds into FMAs (``enable_fp_fusion=False``) except where torch itself uses an FMA (the
+``alpha`` of ``Tensor.add_`` in the outer step), round half to even by the ``1.5 * 2**23`` trick
+(which also never yields ``-0``).
+
+* :func:`encode_triton`: one pass. Read anchor (fp32), x (bf16/fp32), e (fp32); write the payload
+  (scales + values) and e_new. 4 + 2|4 + 4 bytes read, 1|0.5 + 4/block + 4 bytes written per element.
+* :func:`decode_triton`: one pass. Read the R payloads, write Delta (fp32); or, fused with the outer
+  step, read/write theta and the momentum instead of writing Delta.
+
+Dispatch: on a CUDA device the kernels always run (no Triton there raises); on CPU they run only
+under ``TRITON_INTERPRET=1`` (tests), otherwise callers use the reference (:func:`use_triton`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_diloco.compression.reference import (
+    FORMATS, QMAX, PayloadLayout, inverse_replicas, payload_layout,
+)
+
+try:  # Triton is a hard requirement on GPUs only; see use_triton().
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on installs without triton
+    triton = None
+    tl = None
+
+_FMT_ID = {"int8": 0, "int4": 1, "fp8": 2}
+#: Outer-step modes of the decode kernel.
+_MODE_DELTA, _MODE_SGD, _MODE_HEAVY_BALL, _MODE_NESTEROV = 0, 1, 2, 3
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether the codecs must run the Triton kernels for tensors on ``device``.
+
+    True on CUDA (raises if Triton is missing: never a silent fallback there) and on CPU under
+    ``TRITON_INTERPRET=1``; False on CPU otherwise (the reference runs).
+    """
+    if device.type == "cuda":
+        if triton is None:
+            raise RuntimeError(
+                "megatron_diloco compression on a CUDA device needs Triton (pip install triton); "
+                "it does not fall back to the slow torch reference"
+            )
+        return True
+    return triton is not None and interpreting()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fma_f32(a, b, c, NATIVE: tl.constexpr):
+        """fp32 ``a * b + c`` rounded once (torch's ``add_(t, alpha=)`` on CPU and CUDA).
+
+        NATIVE uses the hardware FMA; the interpreter's ``tl.fma`` rounds twice, so there it is
+        emulated exactly: the product is exact in fp64, the fp64 sum's error is found by TwoSum, and
+        the one case where rounding fp64 -> fp32 twice errs (the fp64 sum lands exactly on an fp32
+        midpoint) is corrected toward the sign of the error.
+        """
+        if NATIVE:
+            return tl.fma(a, b, c)
+        else:
+            b = b + tl.zeros_like(a)  # scalar b (a kernel argument) as an fp32 tensor
+            p = a.to(tl.float64) * b.to(tl.float64)  # exact: 24 + 24 bits <= 53
+            c64 = c.to(tl.float64)
+            s = p + c64
+            t = s - p
+            err = (p - (s - t)) + (c64 - t)  # TwoSum: p + c64 == s + err exactly
+            r = s.to(tl.float32)  # RNE
+            diff = s - r.to(tl.float64)  # exact
+            rb = r.to(tl.int32, bitcast=True)
+            mag = rb & 0x7FFFFFFF
+            pos = (rb >= 0) & (mag != 0)
+            neg = (rb < 0) & (mag != 0)
+            up = tl.where(neg, rb - 1, tl.where(mag == 0, 1, rb + 1))  # next fp32 toward +inf
+            down = tl.where(pos, rb - 1, tl.where(mag == 0, -2147483647, rb + 1))  # toward -inf
+            other = tl.where(diff > 0, up, down).to(tl.float32, bitcast=True)
+            midpoint = (diff != 0) & ((other.to(tl.float64) - s) == diff)
+            wrong = midpoint & (((err > 0) & (diff > 0)) | ((err < 0) & (diff < 0)))
+            return tl.where(wrong, other, r)
+
+    @triton.jit
+    def _load_v(anchor_ptr, x_ptr, e_ptr, offs, mask, HAS_X: tl.constexpr):
+        """v = (anchor - float(x)) + e, or anchor + e (anchor holding the pseudo-gradient); 0 outside."""
+        a = tl.load(anchor_ptr + offs, mask=mask, other=0.0)
+        e = tl.load(e_ptr + offs, mask=mask, other=0.0)
+        if HAS_X:
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            v = (a - x) + e
+        else:
+            v = a + e
+        return v
+
+    @triton.jit
+    def _block_stats(v):
+        """Per row: (absmax, any NaN/Inf) of a ``[ROWS, K]`` tile."""
+        av = tl.abs(v)
+        bad = ((v != v) | (av == float("inf"))).to(tl.int32)
+        return tl.max(av, axis=1), tl.max(bad, axis=1)
+
+    @triton.jit
+    def _quantize(v, scale, use, FMT: tl.constexpr, QMAX: tl.constexpr):
+        """Levels of ``v`` ``[ROWS, K]`` for row scales ``[ROWS, 1]``: ``(q, dequant)`` in fp32."""
+        y = tl.math.div_rn(v, tl.where(use, scale, 1.0))
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        y = tl.where(use, y, 0.0)
+        if FMT == 2:
+            # RNE onto the e4m3 grid in fp32 arithmetic (not the cast: the interpreter's fp32 -> fp8
+            # cast does not round to nearest even). 3 mantissa bits: the grid step of a value in
+            # [2^k, 2^(k+1)) is 2^(k-3), and 2^-9 in the subnormal range below 2^-6.
+            k = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+            step = ((k - 3 + 127) << 23).to(tl.float32, bitcast=True)
+            inv_step = ((127 - (k - 3)) << 23).to(tl.float32, bitcast=True)
+            q = ((y * inv_step + 12582912.0) - 12582912.0) * step  # exact power-of-two scalings
+        else:
+            q = (y + 12582912.0) - 12582912.0  # round half to even for |y| < 2**22; never -0
+        return q, q * scale
+
+    @triton.jit
+    def _encode_kernel(
+        # pointers
+        anchor_ptr, x_ptr, e_ptr, e_out_ptr, scales_ptr, values_ptr,
+        # sizes
+        n, num_blocks,
+        # meta-parameters
+        HAS_X: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
+        BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    ):
+        """Encode blocks ``[pid*ROWS, pid*ROWS + ROWS)`` of the bucket (one scale per row of the tile)."""
+        pid_rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,) block ids
+        rows = pid_rows
+        if FMT == 1:  # int4: even and odd elements as two half tiles, packed into one byte each
+            HALF: tl.constexpr = BLOCK // 2
+            pair = pid_rows[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (ROWS, HALF) byte index
+            ev = 2 * pair
+            od = ev + 1
+            mask_e = ev < n
+            mask_o = od < n
+            v_e = _load_v(anchor_ptr, x_ptr, e_ptr, ev, mask_e, HAS_X)
+            v_o = _load_v(anchor_ptr, x_ptr, e_ptr, od, mask_o, HAS_X)
+            amax_e, bad_e = _block_stats(v_e)
+            amax_o, bad_o = _block_stats(v_o)
+            absmax = tl.maximum(amax_e, amax_o)
+            bad = tl.maximum(bad_e, bad_o)
+        else:
+            offs = pid_rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK)
+            mask = offs < n
+            v = _load_v(anchor_ptr, x_ptr, e_ptr, offs, mask, HAS_X)
+            absmax, bad = _block_stats(v)
+        scale = tl.where(bad > 0, float("nan"), tl.math.div_rn(absmax, QMAX))  # (ROWS,)
+        tl.store(scales_ptr + rows, scale, mask=rows < num_blocks)
+        scale2 = scale[:, None]  # (ROWS, 1)
+        use = scale2 > 0  # False for 0 and NaN
+        if FMT == 1:
+            q_e, d_e = _quantize(v_e, scale2, use, FMT, QMAX)
+            q_o, d_o = _quantize(v_o, scale2, use, FMT, QMAX)
+            packed = (q_e.to(tl.int32) + 8) | ((q_o.to(tl.int32) + 8) << 4)
+            tl.store(values_ptr + pair, packed.to(tl.uint8), mask=mask_e)
+            tl.store(e_out_ptr + ev, v_e - d_e, mask=mask_e)
+            tl.store(e_out_ptr + od, v_o - d_o, mask=mask_o)
+        else:
+            q, d = _quantize(v, scale2, use, FMT, QMAX)
+            if FMT == 2:
+                tl.store(values_ptr + offs, q.to(tl.float8e4nv), mask=mask)
+            else:
+                tl.store(values_ptr + offs, q.to(tl.int8), mask=mask)
+            tl.store(e_out_ptr + offs, v - d, mask=mask)
+
+    @triton.jit
+    def _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, cols_idx,
+                 FMT: tl.constexpr, HIGH: tl.constexpr):
+        """Replica r's dequantized tile: ``float(q) * scale``; ``cols_idx`` indexes values (bytes)."""
+        s = tl.load(scales_ptr + r * row_floats + rows)[:, None]  # (ROWS, 1); rows < num_blocks padded
+        raw = tl.load(values_ptr + r * row_bytes + values_offset + cols_idx)
+        if FMT == 1:
+            b = raw.to(tl.int32) & 0xFF
+            if HIGH:
+                q = ((b >> 4) - 8).to(tl.float32)
+            else:
+                q = ((b & 15) - 8).to(tl.float32)
+        else:
+            q = raw.to(tl.float32)
+        return q * s
+
+    @triton.jit
+    def _finish(acc, offs, mask, out_ptr, theta_ptr, m_ptr, inv_r, neg_lr, mu,
+                MODE: tl.constexpr, NATIVE_FMA: tl.constexpr):
+        """Delta = acc * fp32(1/R); then store it, or apply the outer step (OuterNesterov.step)."""
+        delta = acc * inv_r
+        if MODE == 0:
+            tl.store(out_ptr + offs, delta, mask=mask)
+        else:
+            theta = tl.load(theta_ptr + offs, mask=mask, other=0.0)
+            if MODE == 1:  # theta.add_(delta, alpha=-lr)
+                theta = _fma_f32(delta, neg_lr, theta, NATIVE_FMA)
+            else:
+                m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+                m = m * mu + delta  # m.mul_(mu).add_(delta): two roundings (no fusion)
+                tl.store(m_ptr + offs, m, mask=mask)
+                if MODE == 2:  # theta.add_(m, alpha=-lr)
+                    theta = _fma_f32(m, neg_lr, theta, NATIVE_FMA)
+                else:  # delta.add_(m, alpha=mu); theta.add_(delta, alpha=-lr)
+                    theta = _fma_f32(_fma_f32(m, mu, delta, NATIVE_FMA), neg_lr, theta, NATIVE_FMA)
+            tl.store(theta_ptr + offs, theta, mask=mask)
+
+    @triton.jit
+    def _decode_kernel(
+        # pointers
+        scales_ptr, values_ptr, out_ptr, theta_ptr, m_ptr,
+        # sizes and strides
+        n, num_blocks, num_replicas, row_floats, row_bytes, values_offset,
+        # scalars (fp32)
+        inv_r, neg_lr, mu,
+        # meta-parameters
+        FMT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+        MODE: tl.constexpr, NATIVE_FMA: tl.constexpr,
+    ):
+        """Dequantize + sum (replica order 0..R-1) + average (+ outer step) for ROWS blocks."""
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+        rows = tl.minimum(rows, num_blocks - 1)  # clamp: tail rows reload the last scale, masked below
+        if FMT == 1:
+            HALF: tl.constexpr = BLOCK // 2
+            row_ids = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+            pair = row_ids[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (ROWS, HALF)
+            ev = 2 * pair
+            mask_e = ev < n
+            mask_o = ev + 1 < n
+            safe = tl.where(mask_e, pair, 0)
+            acc_e = _dequant(scales_ptr, values_ptr, 0, row_floats, row_bytes, values_offset, rows, safe, FMT, False)
+            acc_o = _dequant(scales_ptr, values_ptr, 0, row_floats, row_bytes, values_offset, rows, safe, FMT, True)
+            for r in range(1, num_replicas):
+                acc_e += _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, safe, FMT, False)
+                acc_o += _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, safe, FMT, True)
+            _finish(acc_e, ev, mask_e, out_ptr, theta_ptr, m_ptr, inv_r, neg_lr, mu, MODE, NATIVE_FMA)
+            _finish(acc_o, ev + 1, mask_o, out_ptr, theta_ptr, m_ptr, inv_r, neg_lr, mu, MODE, NATIVE_FMA)
+        else:
+            row_ids = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+            offs = row_ids[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK)
+            mask = offs < n
+            safe = tl.where(mask, offs, 0)
+            acc = _dequant(scales_ptr, values_ptr, 0, row_floats, row_bytes, values_offset, rows, safe, FMT, False)
+            for r in range(1, num_replicas):
+                acc += _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, safe, FMT, False)
+            _finish(acc, offs, mask, out_ptr, theta_ptr, m_ptr, inv_r, neg_lr, mu, MODE, NATIVE_FMA)
+
+
+def _rows_per_program(block_size: int) -> int:
+    """Blocks per program: ~4096 elements per program (a power of two)."""
+    return max(1, 4096 // block_size)
+
+
+def _require_kernels(device: torch.device) -> None:
+    if triton is None:
+        raise RuntimeError("the fused compression kernels need Triton (pip install triton)")
+    if device.type != "cuda" and not interpreting():
+        raise RuntimeError(f"Triton kernels need a CUDA device or TRITON_INTERPRET=1, got {device}")
+
+
+def _flat(t: torch.Tensor, name: str, n: int, dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
+    if t.dim() != 1 or t.numel() != n or t.dtype not in dtypes or not t.is_contiguous() or t.device != device:
+        raise ValueError(f"{name} must be a contiguous 1-D [{n}] tensor of {dtypes} on {device}, "
+                         f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+
+
+def encode_triton(residual: torch.Tensor, fmt: str, block_size: int, *,
+                  anchor: torch.Tensor | None = None, x: torch.Tensor | None = None,
+                  pseudo_grad: torch.Tensor | None = None,
+                  residual_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused error-feedback encode; same contract as :func:`reference.encode_reference`.
+
+    Args:
+        residual: e, fp32 ``[N]``, contiguous; read (and overwritten when ``residual_out`` is None).
+        anchor: theta fp32 ``[N]`` and x bf16/fp32 ``[N]``; or ``pseudo_grad`` fp32 ``[N]``.
+        residual_out: fp32 ``[N]`` for e_new (may be ``residual`` itself).
+
+    Returns:
+        payload, uint8 ``[P]`` on the bucket's device.
+    """
+    # read 4N (anchor) + 2|4N (x) + 4N (e); write P (~N or N/2, + 4N/block) + 4N (e_new)
+    device = residual.device
+    _require_kernels(device)
+    n = residual.numel()
+    layout = payload_layout(n, fmt, block_size)
+    _flat(residual, "residual", n, (torch.float32,), device)
+    out = residual if residual_out is None else residual_out
+    _flat(out, "residual_out", n, (torch.float32,), device)
+    if pseudo_grad is not None:
+        if anchor is not None or x is not None:
+            raise ValueError("pass either pseudo_grad or (anchor, x), not both")
+        _flat(pseudo_grad, "pseudo_grad", n, (torch.float32,), device)
+        a, xx, has_x = pseudo_grad, pseudo_grad, False
+    else:
+        if anchor is None or x is None:
+            raise ValueError("pass pseudo_grad or both anchor and x")
+        _flat(anchor, "anchor", n, (torch.float32,), device)
+        _flat(x, "x", n, (torch.float32, torch.bfloat16), device)
+        a, xx, has_x = anchor, x, True
+    payload = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)  # (P,) padding stays 0
+    if n == 0:
+        return payload
+    scales = payload[: layout.values_offset].view(torch.float32)  # (num_blocks,)
+    raw = payload[layout.values_offset: layout.values_offset + layout.values_bytes]
+    values = {"int8": raw.view(torch.int8), "int4": raw, "fp8": raw.view(torch.float8_e4m3fn)}[fmt]
+    rows = _rows_per_program(block_size)
+    grid = (triton.cdiv(layout.num_blocks, rows),)
+    _encode_kernel[grid](
+        a, xx, residual, out, scales, values,
+        n, layout.num_blocks,
+        HAS_X=has_x, FMT=_FMT_ID[fmt], QMAX=QMAX[fmt], BLOCK=block_size, ROWS=rows,
+        enable_fp_fusion=False,
+    )
+    return payload
+
+
+def decode_triton(payloads: torch.Tensor, layout: PayloadLayout, out: torch.Tensor | None = None,
+                  outer=None) -> torch.Tensor | None:
+    """Fused decode; same contract as :func:`reference.decode_reference`.
+
+    Args:
+        payloads: uint8 ``[R, P]`` contiguous, row r = replica r's payload.
+        out: fp32 ``[N]`` for Delta (allocated when None); unused (not written) with ``outer``.
+        outer: :class:`~megatron_diloco.outer.OuterNesterov` whose theta (and momentum) are updated
+            in place in the same pass.
+
+    Returns:
+        Delta fp32 ``[N]``, or ``None`` when fused with ``outer`` (Delta is never materialized).
+    """
+    # read R*P; write 4N (Delta)  |  fused: read R*P + 4N theta (+4N m), write 4N theta (+4N m)
+    device = payloads.device
+    _require_kernels(device)
+    if payloads.dim() != 2 or payloads.dtype != torch.uint8 or payloads.shape[1] != layout.total_bytes \
+            or not payloads.is_contiguous() or payloads.shape[0] < 1:
+        raise ValueError(f"payloads must be contiguous uint8 [R>=1, {layout.total_bytes}], "
+                         f"got {payloads.dtype} {tuple(payloads.shape)}")
+    n, r = layout.numel, payloads.shape[0]
+    theta = m = None
+    lr = mu = 0.0
+    if outer is None:
+        mode = _MODE_DELTA
+        if out is None:
+            out = torch.empty(n, dtype=torch.float32, device=device)  # (N,)
+        _flat(out, "out", n, (torch.float32,), device)
+    else:
+        theta, m, lr, mu = outer.theta, outer.momentum_buffer, outer.lr, outer.momentum
+        _flat(theta, "outer.theta", n, (torch.float32,), device)
+        if m is None:
+            mode = _MODE_SGD
+        else:
+            _flat(m, "outer.momentum_buffer", n, (torch.float32,), device)
+            mode = _MODE_NESTEROV if outer.nesterov else _MODE_HEAVY_BALL
+    if n == 0:
+        return None if outer is not None else out
+    scales = payloads.view(torch.float32)  # (R, P/4); P is a multiple of 16
+    values = {"int8": payloads.view(torch.int8), "int4": payloads,
+              "fp8": payloads.view(torch.float8_e4m3fn)}[layout.fmt]
+    dummy = scales  # unused pointer slots (never dereferenced for the given MODE)
+    rows = _rows_per_program(layout.block_size)
+    grid = (triton.cdiv(layout.num_blocks, rows),)
+    _decode_kernel[grid](
+        scales, values, out if out is not None else dummy,
+        theta if theta is not None else dummy, m if m is not None else dummy,
+        n, layout.num_blocks, r, layout.total_bytes // 4, layout.total_bytes, layout.values_offset,
+        inverse_replicas(r), float(torch.tensor(-lr, dtype=torch.float32)),
+        float(torch.tensor(mu, dtype=torch.float32)),
+        FMT=_FMT_ID[layout.fmt], BLOCK=layout.block_size, ROWS=rows, MODE=mode,
+        NATIVE_FMA=not interpreting(),
+        enable_fp_fusion=False,
+    )
+    return None if outer is not None else out
+
+
+__all__ = ["FORMATS", "decode_triton", "encode_triton", "interpreting", "use_triton"]
