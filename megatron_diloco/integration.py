@@ -72,7 +72,8 @@ class _Installation:
         self.config = config
         self.args = args
         self.optimizer = None  # the DiLoCoXOptimizer, once built
-        self.losses: list[float] = []
+        self.first_loss = None  # loss of the first iteration this process trained (last PP stage)
+        self.last_loss = None
         self.rounds: list[dict] = []
 
     def patch(self) -> None:
@@ -134,9 +135,12 @@ class _Installation:
 
     # ------------------------------------------------------------------ summary
     def record_loss(self, loss_dict: dict) -> None:
+        """Keep the first and the latest loss (device tensors: no host sync in the inner loop)."""
         if loss_dict:
             value = next(iter(loss_dict.values()))
-            self.losses.append(float(value))
+            if self.first_loss is None:
+                self.first_loss = torch.as_tensor(value).detach().clone()
+            self.last_loss = value
 
     def finish(self, iteration: int, wall_s: float) -> None:
         opt, args = self.optimizer, self.args
@@ -150,7 +154,8 @@ class _Installation:
         nan = float("nan")
         local = torch.tensor([
             opt.totals.bytes_sent, opt.totals.bytes_received, opt.totals.exposed_s, opt.totals.exchange_s,
-            self.losses[0] if self.losses else nan, self.losses[-1] if self.losses else nan,
+            float(self.first_loss) if self.first_loss is not None else nan,
+            float(self.last_loss) if self.last_loss is not None else nan,
         ], dtype=torch.float64, device=device)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, local)
