@@ -1,0 +1,169 @@
+"""Codec objects behind ``--diloco-x-compression``: one interface over the blockwise, low-rank and
+adaptive codecs, with byte accounting.
+
+Every codec has ``exchange(residual, allgather, *, anchor, x | pseudo_grad, out, ...) -> Delta``:
+encode with error feedback, all-gather the payloads over the outer group, decode in replica order
+(so every rank gets the same bits), and ``payload_bytes()`` (bytes one replica sends per round).
+The blockwise codecs (``none``, ``int8``, ``int4``, ``fp8``) also expose the two halves,
+``encode`` and ``decode``, so the exchange can overlap the collective with compute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_diloco.compression import reference as ref
+from megatron_diloco.compression import triton_kernels as tk
+from megatron_diloco.compression.lowrank import AllGather, Layout, LowRankCodec
+from megatron_diloco.compression.policy import AdaptivePolicy
+
+
+def has_nonfinite(bucket: torch.Tensor) -> bool:
+    """Whether the fp32 ``[N]`` bucket holds a NaN or Inf (one read pass; one host sync)."""
+    return bucket.numel() > 0 and not bool(torch.isfinite(bucket).all())
+
+
+class RawCodec:
+    """``none``: the fp32 pseudo-gradient itself (lossless, no residual)."""
+
+    name = "none"
+    lossy = False
+
+    def payload_bytes(self, numel: int) -> int:
+        return 4 * numel
+
+    def encode(self, residual: torch.Tensor | None = None, *, anchor=None, x=None, pseudo_grad=None,
+               residual_out=None) -> torch.Tensor:
+        """The payload: the pseudo-gradient's fp32 bytes, uint8 ``[4N]`` (the residual stays 0)."""
+        v = pseudo_grad.float().clone() if pseudo_grad is not None else anchor - x.float()  # (N,)
+        return v.view(torch.uint8)
+
+    def decode(self, payloads: torch.Tensor, numel: int, out=None, outer=None) -> torch.Tensor:
+        """Ordered mean of the ``[R, 4N]`` payloads (fp32 ``[N]``), then ``outer.step`` if given."""
+        rows = payloads.view(torch.float32)  # (R, N)
+        acc = rows[0].clone()
+        for i in range(1, rows.shape[0]):
+            acc += rows[i]
+        delta = acc.mul_(ref.inverse_replicas(rows.shape[0]))
+        if out is not None:
+            delta = out.copy_(delta)
+        if outer is not None:
+            outer.step(delta)
+        return delta
+
+    def exchange(self, residual, allgather: AllGather, *, out=None, outer=None, **pg) -> torch.Tensor:
+        payload = self.encode(residual, **pg)
+        return self.decode(allgather(payload), payload.numel() // 4, out=out, outer=outer)
+
+
+class BlockwiseCodec:
+    """``int8`` / ``int4`` / ``fp8``: blockwise absmax quantization with error feedback.
+
+    Runs the fused Triton kernels on CUDA (Triton required there) and under ``TRITON_INTERPRET=1``,
+    the reference otherwise. ``fp8`` needs a CUDA GPU with float8 support (sm89+).
+    """
+
+    lossy = True
+
+    def __init__(self, fmt: str, block_size: int = ref.DEFAULT_BLOCK_SIZE) -> None:
+        ref.check_block_size(block_size)
+        self.name = fmt
+        self.fmt = fmt
+        self.block_size = block_size
+
+    def layout(self, numel: int) -> ref.PayloadLayout:
+        return ref.payload_layout(numel, self.fmt, self.block_size)
+
+    def payload_bytes(self, numel: int) -> int:
+        return self.layout(numel).total_bytes
+
+    def _check_device(self, device: torch.device) -> None:
+        if self.fmt != "fp8":
+            return
+        if device.type == "cuda":
+            if torch.cuda.get_device_capability(device) < (8, 9):
+                raise RuntimeError("--diloco-x-compression fp8 needs an sm89+ GPU (H100/H200/L40/4090); "
+                                   "use --diloco-x-compression int8")
+        elif not tk.interpreting():
+            raise RuntimeError(f"--diloco-x-compression fp8 runs on CUDA GPUs only (got a {device.type} "
+                               "bucket); use --diloco-x-compression int8 on CPU")
+
+    def encode(self, residual: torch.Tensor, *, anchor=None, x=None, pseudo_grad=None,
+               residual_out=None) -> torch.Tensor:
+        """Error-feedback encode (see :func:`reference.encode_reference`); returns uint8 ``[P]``."""
+        self._check_device(residual.device)
+        fn = tk.encode_triton if tk.use_triton(residual.device) else ref.encode_reference
+        return fn(residual, self.fmt, self.block_size, anchor=anchor, x=x, pseudo_grad=pseudo_grad,
+                  residual_out=residual_out)
+
+    def decode(self, payloads: torch.Tensor, numel: int, out=None, outer=None) -> torch.Tensor | None:
+        """Ordered mean of the ``[R, P]`` payloads, optionally fused with ``outer.step``."""
+        layout = self.layout(numel)
+        if tk.use_triton(payloads.device):
+            return tk.decode_triton(payloads, layout, out=out, outer=outer)
+        return ref.decode_reference(payloads, layout, out=out, outer=outer)
+
+    def exchange(self, residual, allgather: AllGather, *, out=None, outer=None, **pg):
+        payload = self.encode(residual, **pg)
+        return self.decode(allgather(payload), residual.numel(), out=out, outer=outer)
+
+
+class AdaptiveCodec:
+    """``adaptive``: :class:`AdaptivePolicy` picks ranks/bits, :class:`LowRankCodec` sends them."""
+
+    name = "adaptive"
+    lossy = True
+
+    def __init__(self, layout: Layout, policy: AdaptivePolicy | None = None, seed: int = 1234) -> None:
+        self.policy = policy or AdaptivePolicy()
+        self.lowrank = LowRankCodec(layout, rank={}, factor_format="int8", fallback={},
+                                    min_numel=self.policy.min_numel, block_size=self.policy.block_size, seed=seed)
+        self.rounds = 0
+
+    def payload_bytes(self, numel: int | None = None) -> int:
+        return self.lowrank.payload_bytes()
+
+    @torch.no_grad()
+    def exchange(self, residual, allgather: AllGather, *, agree=None, out=None, **pg) -> torch.Tensor:
+        """One round; ``agree`` is the policy's MAX collective (see :meth:`AdaptivePolicy.choose`)."""
+        self.rounds += 1
+        v = ref.error_feedback_input(residual, **pg)  # (N,) fp32
+        plan = self.policy.choose(v, self.lowrank.layout, self.rounds, agree)
+        self.lowrank.rank = {i: c.rank for i, c in enumerate(plan) if c.rank > 0}
+        self.lowrank.fallback = {i: c.fmt for i, c in enumerate(plan) if c.rank == 0}
+        return self.lowrank.exchange_v(v, residual, allgather, out)
+
+    def state_dict(self) -> dict:
+        return {"rounds": self.rounds, "policy": self.policy.state_dict(), "lowrank": self.lowrank.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rounds = int(state["rounds"])
+        self.policy.load_state_dict(state["policy"])
+        self.lowrank.load_state_dict(state["lowrank"])
+
+
+#: The values of ``--diloco-x-compression``.
+CODECS: tuple[str, ...] = ("none", "int8", "int4", "fp8", "lowrank", "lowrank-int8", "adaptive")
+
+
+def get_codec(name: str, layout: Layout | None = None, *, rank: int = 4, block_size: int = ref.DEFAULT_BLOCK_SIZE,
+              policy: AdaptivePolicy | None = None):
+    """The codec for ``--diloco-x-compression name``.
+
+    Args:
+        layout: (offset, shape) of the bucket's tensors; required by the low-rank codecs.
+        rank: ``--diloco-x-rank`` for ``lowrank``/``lowrank-int8``. policy: for ``adaptive``.
+    """
+    if name == "none":
+        return RawCodec()
+    if name in ref.FORMATS:
+        return BlockwiseCodec(name, block_size)
+    if name in ("lowrank", "lowrank-int8", "adaptive"):
+        if layout is None:
+            raise ValueError(f"--diloco-x-compression {name} needs the bucket's tensor layout")
+        if name == "adaptive":
+            return AdaptiveCodec(layout, policy)
+        quant = "int8" if name == "lowrank-int8" else None
+        return LowRankCodec(layout, rank=rank, factor_format=quant, fallback="int8" if quant else "none",
+                            block_size=block_size)
+    raise ValueError(f"--diloco-x-compression must be one of {', '.join(CODECS)}, got {name!r}")

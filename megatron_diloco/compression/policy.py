@@ -1,0 +1,174 @@
+"""Adaptive compression policy: per-tensor rank from captured energy, and a per-round byte budget.
+
+Per matrix tensor ``M`` (``(m, n)`` view, see :mod:`lowrank`), every ``reevaluate_every`` rounds:
+
+1. Estimate the spectrum with a randomized range finder (Halko et al. 2011) on a sketch: a shared
+   seeded Gaussian ``Omega`` ``(n, max_rank + oversample)``, ``Y = M (M^T (M Omega))`` (one power
+   iteration), ``B = orth(Y)^T M`` and ``sigma = svdvals(B)``. Cost ``O(mn(max_rank + oversample))``,
+   the same order as one low-rank round, and no ``m x n`` SVD.
+2. Captured energy of rank r: ``E(r) = sum_{i<r} sigma_i^2 / ||M||_F^2`` (an upper bound for what one
+   warm-started power iteration captures; the error feedback carries the rest).
+3. Rank = the smallest r <= ``max_rank`` with ``E(r) >= energy_target``. If there is none, or a
+   factorization of that rank does not pay off (``r (m + n) >= m n``, or the tensor is small or 1-D),
+   the tensor is quantized blockwise instead (int8), which meets any practical target.
+4. The replicas agree on the ranks (an ``agree`` collective, elementwise MAX), so the round's layout
+   is the same on every rank of the outer group.
+5. Byte budget ``= bandwidth_bytes_per_s * local_steps * step_time_s`` (the exchange hides under the
+   H inner steps of the next round). While the plan exceeds it, the largest contributor steps down:
+   low-rank tensors halve their rank (down to 1), quantized tensors go int8 -> int4. If even the
+   smallest plan exceeds the budget, that plan is used and ``over_budget`` is set (log it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from megatron_diloco.compression import reference as ref
+from megatron_diloco.compression.lowrank import init_basis, lowrank_pays_off, matrix_shape
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorChoice:
+    """How one tensor is sent this round."""
+
+    rank: int
+    """r > 0: low-rank with int8 factors; 0: quantized blockwise with ``fmt``."""
+    fmt: str
+    """Blockwise format of the factors (rank > 0) or of the tensor (rank 0)."""
+    bytes: int
+    """Payload bytes of this tensor per replica per round."""
+
+
+def energy_curve(mat: torch.Tensor, max_rank: int, seed: int, oversample: int = 8) -> torch.Tensor:
+    """Estimated captured energy ``E(r)`` for r = 1..k, fp32 ``[k]``, ``k = min(max_rank, m, n)``.
+
+    Args:
+        mat: ``M``, fp32 ``(m, n)``; not modified.
+    """
+    m, n = mat.shape
+    k = min(max_rank, m, n)
+    total = float(mat.double().square().sum())
+    if k == 0 or total == 0.0:
+        return torch.ones(max(k, 0))
+    width = min(k + oversample, n)
+    omega = init_basis(n, width, seed, mat.device)  # (n, width)
+    y = mat @ (mat.T @ (mat @ omega))  # (m, width): one power iteration
+    basis = torch.linalg.qr(y, mode="reduced").Q  # (m, width)
+    sigma = torch.linalg.svdvals(basis.T @ mat)  # (width,)
+    return (sigma[:k].double().square().cumsum(0) / total).clamp(max=1.0).float()
+
+
+def _tensor_bytes(shape: Sequence[int], rank: int, fmt: str, block_size: int) -> int:
+    if rank > 0:
+        m, n = matrix_shape(shape)
+        return sum(ref.payload_layout(k * rank, fmt, block_size).total_bytes for k in (m, n))
+    return ref.payload_layout(math.prod(shape), fmt, block_size).total_bytes
+
+
+@dataclasses.dataclass
+class AdaptivePolicy:
+    """Chooses per-tensor ranks/bits (see the module docstring). Internal state: the last plan."""
+
+    # ---------------- tuned hyperparameters ----------------
+    energy_target: float = 0.9
+    """Target captured energy per tensor (``--diloco-x-energy``)."""
+    max_rank: int = 64
+    """Largest rank considered."""
+    reevaluate_every: int = 5
+    """Rounds between re-evaluations of the ranks (pseudo-gradient rank falls during training)."""
+    budget_bytes: float | None = None
+    """Payload bytes allowed per replica per round (:func:`byte_budget`); None: no cap."""
+    min_numel: int = 4096
+    """Tensors with fewer elements are quantized, never low-ranked."""
+    block_size: int = ref.DEFAULT_BLOCK_SIZE
+    seed: int = 4321
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.energy_target <= 1.0:
+            raise ValueError(f"--diloco-x-energy must be in (0, 1], got {self.energy_target!r}")
+        # ---------------- internal state ----------------
+        self.plan: list[TensorChoice] | None = None
+        self.evaluated_at: int | None = None
+        self.over_budget = False
+
+    def choose(self, bucket: torch.Tensor, layout: Sequence[tuple[int, tuple[int, ...]]], round_index: int,
+               agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[TensorChoice]:
+        """The plan for round ``round_index`` (re-evaluated every ``reevaluate_every`` rounds).
+
+        Args:
+            bucket: this replica's pseudo-gradient (+ residual), fp32 ``[N]``; read.
+            layout: (offset, shape) per tensor.
+            agree: elementwise MAX over the outer group of an int64 ``[T]`` tensor (all ranks must
+                call it together, at the same rounds); None for a single replica.
+        """
+        if self.plan is not None and self.evaluated_at is not None \
+                and round_index - self.evaluated_at < self.reevaluate_every:
+            return self.plan
+        ranks = torch.zeros(len(layout), dtype=torch.int64)
+        for i, (off, shape) in enumerate(layout):
+            if not lowrank_pays_off(shape, 1, self.min_numel):
+                continue
+            m, n = matrix_shape(shape)
+            curve = energy_curve(bucket[off: off + m * n].view(m, n), self.max_rank, self.seed + i)
+            hit = (curve >= self.energy_target).nonzero()
+            ranks[i] = int(hit[0]) + 1 if hit.numel() else 0  # target out of reach: quantize
+        if agree is not None:
+            ranks = agree(ranks)
+        plan = []
+        for i, (_, shape) in enumerate(layout):
+            r = int(ranks[i])
+            if r > 0 and lowrank_pays_off(shape, r, self.min_numel):
+                plan.append(TensorChoice(r, "int8", _tensor_bytes(shape, r, "int8", self.block_size)))
+            else:
+                plan.append(TensorChoice(0, "int8", _tensor_bytes(shape, 0, "int8", self.block_size)))
+        self.plan = self.fit_budget(plan, layout)
+        self.evaluated_at = round_index
+        logger.info("megatron_diloco adaptive compression: ranks %s, %d bytes/round (budget %s)",
+                    [c.rank if c.rank else c.fmt for c in self.plan], sum(c.bytes for c in self.plan),
+                    self.budget_bytes)
+        return self.plan
+
+    def fit_budget(self, plan: list[TensorChoice], layout) -> list[TensorChoice]:
+        """Step the largest contributors down until the plan fits ``budget_bytes`` (or nothing is left)."""
+        plan = list(plan)
+        self.over_budget = False
+        if self.budget_bytes is None:
+            return plan
+        while sum(c.bytes for c in plan) > self.budget_bytes:
+            best = None
+            for i in sorted(range(len(plan)), key=lambda j: -plan[j].bytes):
+                c, shape = plan[i], layout[i][1]
+                if c.rank > 1:
+                    best = (i, TensorChoice(c.rank // 2, c.fmt, _tensor_bytes(shape, c.rank // 2, c.fmt,
+                                                                                self.block_size)))
+                elif c.rank == 0 and c.fmt == "int8":
+                    best = (i, TensorChoice(0, "int4", _tensor_bytes(shape, 0, "int4", self.block_size)))
+                if best is not None:
+                    break
+            if best is None:
+                self.over_budget = True
+                logger.warning("megatron_diloco adaptive compression: %d bytes/round exceed the budget of %d "
+                               "even at the smallest ranks/bits", sum(c.bytes for c in plan), self.budget_bytes)
+                break
+            plan[best[0]] = best[1]
+        return plan
+
+    def state_dict(self) -> dict:
+        return {"plan": [dataclasses.astuple(c) for c in self.plan] if self.plan else None,
+                "evaluated_at": self.evaluated_at}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.plan = [TensorChoice(*c) for c in state["plan"]] if state["plan"] else None
+        self.evaluated_at = state["evaluated_at"]
+
+
+def byte_budget(bandwidth_bytes_per_s: float, local_steps: int, step_time_s: float) -> float:
+    """Bytes one replica may send per round so the exchange hides under H inner steps."""
+    return bandwidth_bytes_per_s * local_steps * step_time_s
