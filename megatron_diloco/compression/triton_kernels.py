@@ -182,8 +182,9 @@ if triton is not None:
     def _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, cols_idx,
                  FMT: tl.constexpr, HIGH: tl.constexpr):
         """Replica r's dequantized tile: ``float(q) * scale``; ``cols_idx`` indexes values (bytes)."""
-        s = tl.load(scales_ptr + r * row_floats + rows)[:, None]  # (ROWS, 1); rows < num_blocks padded
-        raw = tl.load(values_ptr + r * row_bytes + values_offset + cols_idx)
+        r64 = rows * 0 + r  # (ROWS,) int64: r * row_bytes overflows int32 for R >= 3 at 1B elements
+        s = tl.load(scales_ptr + r64 * row_floats + rows)[:, None]  # (ROWS, 1); rows clamped by the caller
+        raw = tl.load(values_ptr + (r64 * row_bytes + values_offset)[:, None] + cols_idx)
         if FMT == 1:
             b = raw.to(tl.int32) & 0xFF
             if HIGH:
@@ -307,7 +308,8 @@ def encode_triton(residual: torch.Tensor, fmt: str, block_size: int, *,
         _flat(anchor, "anchor", n, (torch.float32,), device)
         _flat(x, "x", n, (torch.float32, torch.bfloat16), device)
         a, xx, has_x = anchor, x, True
-    payload = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)  # (P,) padding stays 0
+    payload = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)  # (P,)
+    payload[layout.values_offset + layout.values_bytes:].zero_()  # the padding (< 16 B); the kernel writes the rest
     if n == 0:
         return payload
     scales = payload[: layout.values_offset].view(torch.float32)  # (num_blocks,)
