@@ -145,7 +145,8 @@ def quantize_reference(v: torch.Tensor, fmt: str, block_size: int = DEFAULT_BLOC
     vb = vb.view(nb, bs)  # (nb, bs)
     absmax = vb.abs().amax(dim=1) if nb else vb.new_zeros(0)  # (nb,)
     bad = ~torch.isfinite(vb).all(dim=1)  # (nb,)
-    scale = torch.where(bad, torch.full_like(absmax, float("nan")), absmax / qmax)  # (nb,)
+    # tensor / tensor: torch on CUDA turns a division by a Python scalar into a reciprocal multiply
+    scale = torch.where(bad, torch.full_like(absmax, float("nan")), absmax / torch.full_like(absmax, qmax))
     use = (scale > 0).unsqueeze(1)  # (nb, 1); False for 0 and NaN
     y = (vb / torch.where(use, scale.unsqueeze(1), torch.ones_like(vb[:, :1]))).clamp(-qmax, qmax)
     y = torch.where(use, y, torch.zeros_like(y))  # (nb, bs)
