@@ -108,6 +108,13 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
         raise ValueError(f"--optimizer {args.optimizer} cannot be used with --diloco-x; use adam or sgd "
                          "(the inner optimizer must be Megatron's distributed optimizer)")
 
+    if config.compression == "fp8":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--diloco-x-compression fp8 runs on CUDA GPUs only (sm89+); use "
+                             "--diloco-x-compression int8 on this machine")
+
     args.use_distributed_optimizer = True
     args.num_distributed_optimizer_instances = R
     args.use_tp_pp_dp_mapping = True

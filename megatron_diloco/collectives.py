@@ -22,6 +22,11 @@ class ExchangeStats:
     """Bytes this rank put on the outer link (ring all-reduce: 2 (R-1)/R x payload)."""
     bytes_received: int = 0
     """Bytes this rank took off the outer link (same as sent for an all-reduce)."""
+    raw_bytes: int = 0
+    """Bytes the uncompressed fp32 pseudo-gradient shard would occupy (4 N): compression ratio =
+    raw_bytes / payload_bytes."""
+    payload_bytes: int = 0
+    """Bytes of this rank's encoded payload (4 N without compression)."""
     exchange_s: float = 0.0
     """Wall time from launch until the collective completed (the link time, overlapped or not)."""
     exposed_s: float = 0.0
@@ -36,14 +41,20 @@ def ring_allreduce_bytes(payload_bytes: int, group_size: int) -> int:
 
 
 class ExchangeHandle:
-    """An exchange in flight. :meth:`wait` blocks until the averaged result is in ``buffer``."""
+    """An exchange in flight. :meth:`wait` blocks until the averaged result is in ``buffer``.
+
+    Args:
+        finish: turns what the collective delivered into the replicas' mean in ``buffer`` (divide
+            an all-reduce sum by R, or decode gathered payloads); runs once, inside :meth:`wait`.
+    """
 
     def __init__(self, buffer: torch.Tensor, work: dist.Work | None, group_size: int,
-                 stats: ExchangeStats) -> None:
+                 stats: ExchangeStats, finish=None) -> None:
         self.buffer = buffer
         self.stats = stats
         self._work = work
         self._group_size = group_size
+        self._finish = finish
         self._launched = time.perf_counter()
         self._done_at: float | None = None
         self._finished = False
@@ -83,7 +94,9 @@ class ExchangeHandle:
                 # Exposed time must include the device-side wait for the collective.
                 torch.cuda.current_stream(self.buffer.device).synchronize()
         t1 = time.perf_counter()
-        if self._group_size > 1:
+        if self._finish is not None:
+            self._finish()
+        elif self._group_size > 1:
             self.buffer.div_(self._group_size)
         self.stats.exposed_s = t1 - t0
         self.stats.exchange_s = (self._done_at if self._done_at is not None else t1) - self._launched
@@ -108,8 +121,42 @@ def start_exchange(buffer: torch.Tensor, group: dist.ProcessGroup | None) -> Exc
     size = dist.get_world_size(group) if group is not None else 1
     payload = buffer.numel() * buffer.element_size()
     wire = ring_allreduce_bytes(payload, size)
-    stats = ExchangeStats(bytes_sent=wire, bytes_received=wire)
+    stats = ExchangeStats(bytes_sent=wire, bytes_received=wire, raw_bytes=payload, payload_bytes=payload)
     work = None
     if size > 1:
         work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return ExchangeHandle(buffer, work, size, stats)
+
+
+def start_compressed_exchange(buffer: torch.Tensor, residual: torch.Tensor | None, codec,
+                              group: dist.ProcessGroup | None) -> ExchangeHandle:
+    """Encode ``buffer`` with error feedback and launch the all-gather of the payloads.
+
+    No payload is ever re-quantized: each replica's payload is gathered as encoded and every rank
+    decodes the R payloads in replica order, so all ranks compute the same bits.
+
+    Args:
+        buffer: fp32 ``[N]`` pseudo-gradient shard; after :meth:`ExchangeHandle.wait` it holds the
+            decoded mean over the group (written by the codec's ordered decode).
+        residual: fp32 ``[N]`` error-feedback residual of this replica, updated in place by the
+            encode (``e <- v - dequant(payload)``); ``None`` for lossless codecs.
+        codec: a blockwise codec of :mod:`megatron_diloco.compression` (``encode``/``decode``).
+        group: the outer group; collective over it (async ``all_gather_into_tensor``).
+    """
+    size = dist.get_world_size(group) if group is not None else 1
+    numel = buffer.numel()
+    payload = codec.encode(residual, pseudo_grad=buffer, residual_out=residual)  # (P,) uint8
+    gathered = torch.empty(size * payload.numel(), dtype=torch.uint8, device=payload.device)  # (R*P,)
+    wire = (size - 1) * payload.numel()  # ring all-gather: R-1 payloads out, R-1 in
+    stats = ExchangeStats(bytes_sent=wire, bytes_received=wire, raw_bytes=4 * numel,
+                          payload_bytes=payload.numel())
+    work = None
+    if size > 1:
+        work = dist.all_gather_into_tensor(gathered, payload, group=group, async_op=True)
+    else:
+        gathered.copy_(payload)
+
+    def finish() -> None:
+        codec.decode(gathered.view(size, -1), numel, out=buffer)
+
+    return ExchangeHandle(buffer, work, size, stats, finish=finish)

@@ -9,8 +9,9 @@ OverlapMode = Literal["none", "delayed"]
 
 #: Overlap modes accepted by ``--diloco-x-overlap``.
 OVERLAP_MODES: tuple[str, ...] = ("none", "delayed")
-#: Codecs accepted by ``--diloco-x-compression`` (the compression issue extends this tuple).
-COMPRESSION_CODECS: tuple[str, ...] = ("none",)
+#: Codecs accepted by ``--diloco-x-compression`` (wired into the exchange; the low-rank and adaptive
+#: codecs of :mod:`megatron_diloco.compression` join when the shard layout carries matrix shapes).
+COMPRESSION_CODECS: tuple[str, ...] = ("none", "int8", "int4", "fp8")
 
 
 @dataclasses.dataclass
@@ -45,7 +46,9 @@ class DiLoCoXConfig:
     one round late. ``none``: plain DiLoCo, the exchange blocks at every boundary."""
 
     compression: str = "none"
-    """Pseudo-gradient codec. ``none`` sends fp32 shards and averages them exactly."""
+    """Pseudo-gradient codec. ``none`` sends fp32 shards and averages them exactly (all-reduce);
+    ``int8``/``int4``/``fp8`` send blockwise-absmax-quantized shards (one fp32 scale per 256
+    elements) with error feedback, all-gathered and decoded in replica order (fp8: CUDA only)."""
 
     def __post_init__(self) -> None:
         self.validate()

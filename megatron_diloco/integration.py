@@ -122,7 +122,9 @@ class _Installation:
                   f"{'applied' if m['applied'] else 'launched'} | "
                   f"sent {m['bytes_sent'] / 1e6:.3f} MB | recv {m['bytes_received'] / 1e6:.3f} MB | "
                   f"exchange {m['exchange_s']:.3f} s | exposed {m['exposed_s']:.4f} s | "
-                  f"pseudo-grad norm {m['pseudo_grad_norm']:.4e}", flush=True)
+                  f"pseudo-grad norm {m['pseudo_grad_norm']:.4e}"
+                  + (f" | compression {m['compression_ratio']:.2f}x" if self.config.compression != "none" else "")
+                  + (" | SKIPPED (non-finite pseudo-gradient)" if m["skipped"] else ""), flush=True)
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
         tb, wb = get_tensorboard_writer(), get_wandb_writer()
@@ -154,13 +156,14 @@ class _Installation:
         nan = float("nan")
         local = torch.tensor([
             opt.totals.bytes_sent, opt.totals.bytes_received, opt.totals.exposed_s, opt.totals.exchange_s,
+            opt.totals.raw_bytes, opt.totals.payload_bytes,
             float(self.first_loss) if self.first_loss is not None else nan,
             float(self.last_loss) if self.last_loss is not None else nan,
         ], dtype=torch.float64, device=device)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, local)
         table = torch.stack(gathered).cpu()
-        has_loss = ~torch.isnan(table[:, 4])
+        has_loss = ~torch.isnan(table[:, 6])
         tokens = iteration * args.global_batch_size * args.seq_length
         if dist.get_rank() == 0:
             summary: dict[str, Any] = {
@@ -176,8 +179,10 @@ class _Installation:
                 "exchange_s": float(table[:, 3].max()),
                 "train_wall_s": wall_s,
                 "tokens_per_s": tokens / wall_s if wall_s > 0 else math.nan,
-                "first_loss": float(table[has_loss, 4].mean()) if has_loss.any() else None,
-                "final_loss": float(table[has_loss, 5].mean()) if has_loss.any() else None,
+                "compression_ratio": float(table[:, 4].sum() / table[:, 5].sum()) if table[:, 5].sum() else None,
+                "skipped_rounds": opt.sync.skipped_rounds,
+                "first_loss": float(table[has_loss, 6].mean()) if has_loss.any() else None,
+                "final_loss": float(table[has_loss, 7].mean()) if has_loss.any() else None,
                 "replicas_identical": identical,
             }
             print("DILOCOX SUMMARY " + json.dumps(summary), flush=True)

@@ -174,6 +174,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
     def _account(self, launched: ExchangeStats, completed: ExchangeStats | None) -> None:
         self.totals.bytes_sent += launched.bytes_sent
         self.totals.bytes_received += launched.bytes_received
+        self.totals.raw_bytes += launched.raw_bytes
+        self.totals.payload_bytes += launched.payload_bytes
         if completed is not None:
             self.totals.exchange_s += completed.exchange_s
             self.totals.exposed_s += completed.exposed_s
@@ -193,6 +195,9 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             "exchange_s": done.exchange_s if done else 0.0,
             "exposed_s": done.exposed_s if done else 0.0,
             "pseudo_grad_norm": float(sq.sqrt()),
+            "skipped": report.skipped,
+            "compression_ratio": (report.launched.raw_bytes / report.launched.payload_bytes
+                                  if report.launched.payload_bytes else 0.0),
         }
 
     def finish(self) -> None:
@@ -232,6 +237,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
                         if isinstance(v, torch.Tensor):
                             yield f"{i}.{k}", v
                     i += 1
+        if self.sync.residual is not None:
+            yield "diloco_x.residual", self.sync.residual
 
     def _outer_state(self) -> dict:
         return {"sync": self.sync.state_dict(), "step_calls": self.step_calls,

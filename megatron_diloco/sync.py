@@ -23,14 +23,19 @@ one outer step. :meth:`OuterSync.drain` applies the last exchange at the end of 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from megatron_diloco.collectives import ExchangeHandle, ExchangeStats, start_exchange
+from megatron_diloco.collectives import (
+    ExchangeHandle, ExchangeStats, start_compressed_exchange, start_exchange,
+)
 from megatron_diloco.config import DiLoCoXConfig
 from megatron_diloco.outer import OuterNesterov, ShardView
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -48,6 +53,9 @@ class RoundReport:
     ``delayed``), with its exchange and exposed times."""
     pseudo_grad_sq: float
     """Squared L2 norm of this rank's shard of the local pseudo-gradient ``theta - x``."""
+    skipped: bool = False
+    """True when some replica's pseudo-gradient held a NaN/Inf: nothing was sent this round, on
+    every replica alike; the round's local progress was dropped and the residual kept."""
 
 
 class OuterSync:
@@ -64,13 +72,21 @@ class OuterSync:
         self.view = view
         self.config = config
         self.group = group
+        self.codec = None  # None: exact fp32 all-reduce
+        if config.compression != "none":
+            from megatron_diloco.compression import get_codec
+
+            self.codec = get_codec(config.compression)
         theta = torch.empty(view.numel, dtype=torch.float32, device=view.device)  # (N,) fp32
         view.gather(theta)
         self.outer = OuterNesterov(theta, config.outer_lr, config.outer_momentum, config.nesterov)
         # The one exchange buffer: pseudo-gradient out, averaged pseudo-gradient in.
         self.buffer = torch.empty_like(theta)  # (N,) fp32
+        # e: what the lossy codec did not send yet (per replica; fp32, one per shard element).
+        self.residual = torch.zeros_like(theta) if self.codec is not None else None  # (N,) fp32
         self.pending: ExchangeHandle | None = None
         self.rounds = 0
+        self.skipped_rounds = 0
 
     @property
     def theta(self) -> torch.Tensor:
@@ -85,6 +101,21 @@ class OuterSync:
         torch._foreach_add_(xs, self.view.split(self.theta))
         return float(torch.stack(torch._foreach_norm(xs, 2)).double().square().sum())
 
+    def _any_replica_nonfinite(self) -> bool:
+        """Whether any replica's pseudo-gradient shard (in ``buffer``) holds a NaN/Inf.
+
+        One pass over the shard and a 1-element MAX all-reduce over the outer group (blocking), so
+        that every replica takes the same decision before anything is sent."""
+        flag = (~torch.isfinite(self.buffer)).any().to(torch.float32).reshape(1)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def _launch(self) -> ExchangeHandle:
+        if self.codec is None:
+            return start_exchange(self.buffer, self.group)
+        return start_compressed_exchange(self.buffer, self.residual, self.codec, self.group)
+
     @torch.no_grad()
     def boundary(self) -> RoundReport:
         """Run the boundary ending the current round (collective over the outer group)."""
@@ -93,7 +124,9 @@ class OuterSync:
             with record_function("megatron_diloco::prepare"):
                 sq = self._pseudo_gradient_into_x()
                 self.view.gather(self.buffer)
-                handle = start_exchange(self.buffer, self.group)
+                if self._any_replica_nonfinite():
+                    return self._skip(sq, completed=None)
+                handle = self._launch()
             with record_function("megatron_diloco::perform"):
                 delta = handle.wait()
                 self.outer.step(delta)
@@ -112,9 +145,20 @@ class OuterSync:
                 self.pending = None
         with record_function("megatron_diloco::launch"):
             self.view.gather(self.buffer)
-            self.pending = start_exchange(self.buffer, self.group)
+            if self._any_replica_nonfinite():
+                return self._skip(sq, completed)
+            self.pending = self._launch()
             self.view.scatter_(self.theta)
         return RoundReport(self.rounds, completed is not None, self.pending.stats, completed, sq)
+
+    def _skip(self, sq: float, completed: ExchangeStats | None) -> RoundReport:
+        """Drop this round's pseudo-gradient everywhere: x <- theta, residual untouched."""
+        self.skipped_rounds += 1
+        logger.warning("DiLoCoX round %d: non-finite pseudo-gradient on some replica; round skipped on "
+                       "every replica (local progress of this round dropped, outer state unchanged)",
+                       self.rounds)
+        self.view.scatter_(self.theta)
+        return RoundReport(self.rounds, completed is not None, ExchangeStats(), completed, sq, skipped=True)
 
     @torch.no_grad()
     def drain(self) -> ExchangeStats | None:
@@ -132,6 +176,8 @@ class OuterSync:
     # ---------------- checkpointing ----------------
     def state_dict(self) -> dict:
         """Outer state, identical on every replica (the in-flight exchange is completed, not applied).
+        The error-feedback ``residual`` differs per replica and is checkpointed by the owner of the
+        per-replica state (:class:`megatron_diloco.optimizer.DiLoCoXOptimizer`).
 
         Completing the exchange keeps the trajectory unchanged: a resumed run applies it at the next
         boundary exactly as the uninterrupted run does.
@@ -141,6 +187,7 @@ class OuterSync:
             self.pending.wait()
         return {
             "rounds": self.rounds,
+            "skipped_rounds": self.skipped_rounds,
             "theta": self.outer.theta,
             "momentum_buffer": self.outer.momentum_buffer,
             "pending_delta": self.buffer if has_pending else None,
@@ -153,6 +200,7 @@ class OuterSync:
                 f"owns {self.theta.numel()}: resume with the same TP/PP/DP layout and --diloco-x-replicas"
             )
         self.rounds = int(state["rounds"])
+        self.skipped_rounds = int(state.get("skipped_rounds", 0))
         self.outer.load_state_dict(state)
         self.pending = None
         if state.get("pending_delta") is not None:

@@ -48,10 +48,12 @@ def test_replicas_identical_and_no_cross_replica_traffic(tmp_path, overlap):
     assert s["final_loss"] < s["first_loss"]
 
 
-def test_checkpoint_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_checkpoint_resume_is_exact(tmp_path, codec):
     """Save mid-round (exchange in flight) and at a boundary, resume: the loss trajectory of the
-    uninterrupted run, bit for bit, on every replica."""
+    uninterrupted run, bit for bit, on every replica (with int8: error-feedback residuals too)."""
     base = ["--train-iters", "12", "--diloco-x-local-steps", "4", "--diloco-x-overlap", "delayed",
+            "--diloco-x-compression", codec,
             "--diloco-x-outer-lr", "0.7", "--diloco-x-outer-momentum", "0.9",  # momentum state too
             "--save-interval", "1000", "--no-load-rng"]
     full, log = run_megatron(tmp_path, base)
@@ -71,6 +73,8 @@ def test_checkpoint_resume_is_exact(tmp_path):
     assert got == want  # exact float equality, every iteration, both replicas
     assert summary(log3)["replicas_identical"] and summary(log3)["rounds"] == 3
     assert summary(log3)["final_loss"] == summary(log)["final_loss"]
+    if codec == "int8":  # 1 byte + 4/256 bytes of scale per element, padded: 3.9x fewer bytes than fp32
+        assert 3.8 < summary(log3)["compression_ratio"] < 4.0
 
 
 def test_outer_state_is_sharded_like_the_distributed_optimizer(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -146,3 +147,78 @@ def _roundtrip_worker(rank, world):
 def test_state_dict_roundtrip_with_pending():
     """A checkpoint taken with an exchange in flight resumes to the same bits."""
     run_world(_roundtrip_worker, 2)
+
+
+def _compressed_worker(rank, world, codec, overlap):
+    from megatron_diloco.compression.reference import payload_layout
+
+    cfg = DiLoCoXConfig(replicas=world, local_steps=1, outer_lr=0.7, outer_momentum=0.9,
+                        overlap=overlap, compression=codec)
+    torch.manual_seed(0)
+    x = torch.randn(1000)
+    view = ShardView([x])
+    sync = OuterSync(view, cfg, dist.group.WORLD)
+    for t in range(4):
+        theta = sync.theta.clone()
+        e_old = sync.residual.clone()
+        torch.manual_seed(100 * t + rank)
+        x.sub_(0.01 * torch.randn(1000))  # replica-specific local progress
+        v = (theta - x) + e_old  # what error feedback must encode
+        report = sync.boundary()
+        assert not report.skipped
+        # bit-identical params after every boundary
+        fp = fingerprint([x])
+        allfp = [torch.zeros_like(fp) for _ in range(world)]
+        dist.all_gather(allfp, fp)
+        assert all(torch.equal(allfp[0], f) for f in allfp)
+        # error feedback: sent (dequantized) + new residual == pseudo-gradient + old residual, exactly
+        stats = report.launched
+        layout = payload_layout(1000, codec)
+        assert stats.payload_bytes == layout.total_bytes < stats.raw_bytes == 4000
+        assert stats.bytes_sent == (world - 1) * layout.total_bytes
+        assert torch.isfinite(sync.residual).all() and not torch.equal(sync.residual, e_old)
+        assert (v - sync.residual).abs().max() <= v.abs().max()  # the residual is what was not sent
+    if overlap == "delayed":
+        sync.drain()
+
+
+def test_int8_delayed_replicas_identical_and_accounted():
+    run_world(_compressed_worker, 2, "int8", "delayed")
+
+
+def test_int4_none_three_replicas():
+    run_world(_compressed_worker, 3, "int4", "none")
+
+
+def _nonfinite_worker(rank, world, overlap, codec):
+    cfg = DiLoCoXConfig(replicas=world, local_steps=1, outer_lr=0.5, outer_momentum=0.9,
+                        overlap=overlap, compression=codec)
+    x = torch.linspace(0, 1, 300)
+    sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
+    x.sub_(0.1 * (rank + 1)); sync.boundary()  # a normal round
+    theta = sync.theta.clone()
+    m = sync.outer.momentum_buffer.clone()
+    e = sync.residual.clone() if sync.residual is not None else None
+    x.sub_(0.1)
+    if rank == 1:
+        x[7] = float("nan")  # only one replica goes bad
+    report = sync.boundary()
+    assert report.skipped and report.launched.bytes_sent == 0
+    assert torch.isfinite(x).all() and torch.isfinite(sync.theta).all()
+    if overlap == "none":  # nothing applied: outer state untouched, x back at theta
+        assert torch.equal(sync.theta, theta) and torch.equal(sync.outer.momentum_buffer, m)
+    assert torch.equal(x, sync.theta)
+    if e is not None:
+        assert torch.equal(sync.residual, e)
+    fp = fingerprint([x, sync.theta])
+    allfp = [torch.zeros_like(fp) for _ in range(world)]
+    dist.all_gather(allfp, fp)
+    assert torch.equal(allfp[0], allfp[1])
+    x.sub_(0.1 * (rank + 1)); assert not sync.boundary().skipped  # training goes on
+    sync.drain()
+    assert sync.skipped_rounds == 1 and torch.isfinite(sync.theta).all()
+
+
+@pytest.mark.parametrize("overlap, codec", [("none", "none"), ("delayed", "int8"), ("delayed", "none")])
+def test_nonfinite_pseudo_gradient_skips_round_everywhere(overlap, codec):
+    run_world(_nonfinite_worker, 2, overlap, codec)
