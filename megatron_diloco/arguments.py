@@ -38,7 +38,13 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "t+1, applied one round late); none: blocking exchange (plain DiLoCo).")
     group.add_argument("--diloco-x-compression", choices=COMPRESSION_CODECS,
                        default=defaults["compression"].default,
-                       help="Pseudo-gradient codec.")
+                       help="Pseudo-gradient codec (see the README).")
+    group.add_argument("--diloco-x-rank", type=int, default=defaults["rank"].default,
+                       help="Rank of the lowrank / lowrank-int8 codecs.")
+    group.add_argument("--diloco-x-energy", type=float, default=defaults["energy"].default,
+                       help="adaptive: captured-energy target per tensor, in (0, 1].")
+    group.add_argument("--diloco-x-bandwidth-mbps", type=float, default=None,
+                       help="adaptive: slow-link bandwidth (Mbit/s) for the per-round byte cap; none: no cap.")
     return parser
 
 
@@ -52,6 +58,9 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
         nesterov=not args.diloco_x_no_nesterov,
         overlap=args.diloco_x_overlap,
         compression=args.diloco_x_compression,
+        rank=args.diloco_x_rank,
+        energy=args.diloco_x_energy,
+        bandwidth_mbps=args.diloco_x_bandwidth_mbps,
     )
 
 

@@ -7,6 +7,7 @@ identically), so every replica receives the same bits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -160,3 +161,74 @@ def start_compressed_exchange(buffer: torch.Tensor, residual: torch.Tensor | Non
         codec.decode(gathered.view(size, -1), numel, out=buffer)
 
     return ExchangeHandle(buffer, work, size, stats, finish=finish)
+
+
+class _ThreadWork:
+    """A ``dist.Work``-like view of an exchange running on a worker thread."""
+
+    def __init__(self, future) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()  # re-raises the worker's exception, if any
+
+    def get_future(self):
+        raise NotImplementedError  # completion time is recorded by the worker itself
+
+
+def start_threaded_exchange(buffer: torch.Tensor, residual: torch.Tensor, codec,
+                            group: dist.ProcessGroup | None, executor) -> ExchangeHandle:
+    """Run a multi-collective codec exchange (low-rank, adaptive) on ``executor``'s one worker thread.
+
+    The low-rank exchange needs two dependent all-gathers (P, then Q, with compute in between), so
+    it cannot be one asynchronous collective; the worker runs ``codec.exchange`` while the training
+    loop computes (gloo and NCCL release the GIL; on a GPU the worker uses its own stream and
+    finishes it before the handle completes). Only the worker touches ``buffer``, ``residual`` and
+    the outer group until :meth:`ExchangeHandle.wait` returns.
+
+    Args:
+        buffer: fp32 ``[N]`` pseudo-gradient shard in, decoded mean over the group out.
+        residual: fp32 ``[N]`` error-feedback residual (updated in place by the worker).
+        codec: ``LowRankCodec`` / ``AdaptiveCodec`` of :mod:`megatron_diloco.compression`.
+        group: the outer group; every collective of the round runs on it, from the worker thread.
+        executor: a ``ThreadPoolExecutor(max_workers=1)`` owned by the caller (exchanges in order).
+
+    While it is in flight no other thread may issue collectives on ``group`` (the boundary logic of
+    :class:`megatron_diloco.sync.OuterSync` only does so after waiting for it).
+    """
+    size = dist.get_world_size(group) if group is not None else 1
+    stats = ExchangeStats(raw_bytes=4 * buffer.numel())
+    handle = ExchangeHandle(buffer, None, size, stats, finish=lambda: None)
+
+    def allgather(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        if size == 1:
+            return t.unsqueeze(0)
+        out = torch.empty(size * t.numel(), dtype=t.dtype, device=t.device)  # (R*k,)
+        dist.all_gather_into_tensor(out, t, group=group)
+        return out.view(size, -1)
+
+    def agree(t: torch.Tensor) -> torch.Tensor:
+        if size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t
+
+    stream = torch.cuda.Stream(buffer.device) if buffer.is_cuda else None
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(buffer.device))
+
+    def run() -> None:
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with torch.no_grad(), ctx:
+            kwargs = {"agree": agree} if hasattr(codec, "policy") else {}
+            codec.exchange(residual, allgather, pseudo_grad=buffer, out=buffer, **kwargs)
+            if stream is not None:
+                stream.synchronize()
+        payload = codec.payload_bytes()
+        stats.payload_bytes = payload
+        stats.bytes_sent = stats.bytes_received = (size - 1) * payload
+        handle._done_at = time.perf_counter()
+
+    handle._work = _ThreadWork(executor.submit(run))
+    return handle
+

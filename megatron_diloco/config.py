@@ -9,9 +9,8 @@ OverlapMode = Literal["none", "delayed"]
 
 #: Overlap modes accepted by ``--diloco-x-overlap``.
 OVERLAP_MODES: tuple[str, ...] = ("none", "delayed")
-#: Codecs accepted by ``--diloco-x-compression`` (wired into the exchange; the low-rank and adaptive
-#: codecs of :mod:`megatron_diloco.compression` join when the shard layout carries matrix shapes).
-COMPRESSION_CODECS: tuple[str, ...] = ("none", "int8", "int4", "fp8")
+#: Codecs accepted by ``--diloco-x-compression`` (see :mod:`megatron_diloco.compression`).
+COMPRESSION_CODECS: tuple[str, ...] = ("none", "int8", "int4", "fp8", "lowrank", "lowrank-int8", "adaptive")
 
 
 @dataclasses.dataclass
@@ -48,7 +47,21 @@ class DiLoCoXConfig:
     compression: str = "none"
     """Pseudo-gradient codec. ``none`` sends fp32 shards and averages them exactly (all-reduce);
     ``int8``/``int4``/``fp8`` send blockwise-absmax-quantized shards (one fp32 scale per 256
-    elements) with error feedback, all-gathered and decoded in replica order (fp8: CUDA only)."""
+    elements) with error feedback, all-gathered and decoded in replica order (fp8: CUDA only);
+    ``lowrank``/``lowrank-int8``: PowerSGD-style P Q^T with a shared warm-started basis (factors
+    fp32 / int8), 1-D and small tensors quantized or raw; ``adaptive``: per-tensor rank from the
+    captured-energy target, capped by the byte budget."""
+
+    rank: int = 4
+    """Low-rank rank r for ``lowrank`` / ``lowrank-int8`` (``--diloco-x-rank``)."""
+
+    energy: float = 0.9
+    """``adaptive``: smallest rank whose captured energy 1 - ||M - P Q^T||^2 / ||M||^2 reaches this
+    (``--diloco-x-energy``)."""
+
+    bandwidth_mbps: float | None = None
+    """``adaptive``: slow-link bandwidth in Mbit/s; caps a round's bytes at bandwidth x (time of H
+    inner steps) so the exchange hides under compute. None: no cap (``--diloco-x-bandwidth-mbps``)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -82,6 +95,12 @@ class DiLoCoXConfig:
             raise ValueError(
                 f"--diloco-x-overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}"
             )
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"--diloco-x-rank must be an integer >= 1, got {self.rank!r}")
+        if not (0.0 < self.energy <= 1.0):
+            raise ValueError(f"--diloco-x-energy must be in (0, 1], got {self.energy!r}")
+        if self.bandwidth_mbps is not None and not (0.0 < self.bandwidth_mbps < float("inf")):
+            raise ValueError(f"--diloco-x-bandwidth-mbps must be a finite number > 0, got {self.bandwidth_mbps!r}")
         if self.compression not in COMPRESSION_CODECS:
             raise ValueError(
                 f"--diloco-x-compression must be one of {', '.join(COMPRESSION_CODECS)}, "

@@ -12,6 +12,8 @@ pseudo-gradient norm for logging. Nothing else crosses replicas.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -39,6 +41,24 @@ def distributed_optimizers(optimizer: MegatronOptimizer) -> list[DistributedOpti
                 "run with --use-distributed-optimizer (install() sets it)"
             )
     return list(parts)
+
+
+def _shard_shapes(dist_opts: list[DistributedOptimizer]) -> list[tuple[int, ...]]:
+    """Per main shard (same order as :func:`_main_params`): ``(rows, cols)`` when the shard is whole
+    rows of a >= 2-D parameter (viewed as first dim x rest), else ``(numel,)``. Low-rank codecs
+    compress only the former."""
+    shapes = []
+    for d in dist_opts:
+        for g, group in enumerate(d.optimizer.param_groups):
+            # DistributedOptimizer lists a group's fp32-param shards, then its fp16/bf16 ones.
+            model_params = [*d.model_fp32_groups[g], *d.model_float16_groups[g]]
+            assert len(model_params) == len(group["params"])
+            for model_param, shard in zip(model_params, group["params"]):
+                span = d._get_model_param_range_map(model_param)["param"]
+                cols = math.prod(model_param.shape[1:]) if model_param.dim() >= 2 else 0
+                whole_rows = cols > 0 and span.start % cols == 0 and span.size % cols == 0 and span.size > 0
+                shapes.append((span.size // cols, cols) if whole_rows else (shard.numel(),))
+    return shapes
 
 
 def _main_params(dist_opts: list[DistributedOptimizer]) -> list[torch.Tensor]:
@@ -71,7 +91,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self.on_round = on_round
         self.dist_opts = distributed_optimizers(inner)
         self.view = ShardView(_main_params(self.dist_opts))
-        self.sync = OuterSync(self.view, config, topology.outer_group)
+        self.sync = OuterSync(self.view, config, topology.outer_group, _shard_shapes(self.dist_opts))
+        self._round_started: float | None = None
         self.step_calls = 0
         self.totals = ExchangeStats()
         self.last_report: RoundReport | None = None
@@ -152,15 +173,21 @@ class DiLoCoXOptimizer(MegatronOptimizer):
     def step(self):
         """Inner step; on every H-th call also the outer boundary. Returns the inner step's
         ``(update_successful, grad_norm, num_zeros_in_grad)``."""
+        if self._round_started is None:
+            self._round_started = time.perf_counter()
         result = self.inner.step()
         self.step_calls += 1
         if self.step_calls % self.diloco_config.local_steps == 0:
+            # mean inner-step time of this round (boundary work excluded): the adaptive byte budget
+            now = time.perf_counter()
+            self.sync.set_step_time((now - self._round_started) / self.diloco_config.local_steps)
             report = self.sync.boundary()
             self._publish_params()
-            self._account(report.launched, report.completed)
+            self._account(report.completed)
             self.last_report = report
             if self.on_round is not None:
                 self.on_round(self.round_metrics(report))
+            self._round_started = time.perf_counter()
         return result
 
     def _publish_params(self) -> None:
@@ -171,33 +198,31 @@ class DiLoCoXOptimizer(MegatronOptimizer):
                 d.start_param_sync_for_bucket_group_subset()
             # With --overlap-param-gather the next forward's pre-hooks gather the new params.
 
-    def _account(self, launched: ExchangeStats, completed: ExchangeStats | None) -> None:
-        self.totals.bytes_sent += launched.bytes_sent
-        self.totals.bytes_received += launched.bytes_received
-        self.totals.raw_bytes += launched.raw_bytes
-        self.totals.payload_bytes += launched.payload_bytes
-        if completed is not None:
-            self.totals.exchange_s += completed.exchange_s
-            self.totals.exposed_s += completed.exposed_s
+    def _account(self, completed: ExchangeStats | None) -> None:
+        """Add an exchange that completed (its bytes are final then, also for adaptive codecs)."""
+        if completed is None:
+            return
+        for field in ("bytes_sent", "bytes_received", "raw_bytes", "payload_bytes", "exchange_s", "exposed_s"):
+            setattr(self.totals, field, getattr(self.totals, field) + getattr(completed, field))
 
     def round_metrics(self, report: RoundReport) -> dict:
         """This boundary's figures; the pseudo-gradient norm is reduced over the replica only."""
         sq = torch.tensor([report.pseudo_grad_sq], dtype=torch.float64, device=self.view.device)
         for group in self.topology.replica_groups:
             dist.all_reduce(sq, group=group)
-        done = report.completed
+        done = report.completed  # the exchange applied here (launched one round ago when delayed)
         return {
             "round": report.round,
             "step": self.step_calls,
             "applied": report.applied,
-            "bytes_sent": report.launched.bytes_sent,
-            "bytes_received": report.launched.bytes_received,
+            "bytes_sent": done.bytes_sent if done else 0,
+            "bytes_received": done.bytes_received if done else 0,
             "exchange_s": done.exchange_s if done else 0.0,
             "exposed_s": done.exposed_s if done else 0.0,
             "pseudo_grad_norm": float(sq.sqrt()),
             "skipped": report.skipped,
-            "compression_ratio": (report.launched.raw_bytes / report.launched.payload_bytes
-                                  if report.launched.payload_bytes else 0.0),
+            "compression_ratio": (done.raw_bytes / done.payload_bytes
+                                  if done and done.payload_bytes else 0.0),
         }
 
     def finish(self) -> None:
@@ -205,8 +230,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         stats = self.sync.drain()
         if stats is not None:
             self._publish_params()
-            self.totals.exchange_s += stats.exchange_s
-            self.totals.exposed_s += stats.exposed_s
+            self._account(stats)
 
     def replicas_identical(self) -> bool:
         """Whether this rank's shard and model params are bit-identical across the outer group."""

@@ -24,18 +24,40 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
 from megatron_diloco.collectives import (
-    ExchangeHandle, ExchangeStats, start_compressed_exchange, start_exchange,
+    ExchangeHandle, ExchangeStats, start_compressed_exchange, start_exchange, start_threaded_exchange,
 )
 from megatron_diloco.config import DiLoCoXConfig
 from megatron_diloco.outer import OuterNesterov, ShardView
 
 logger = logging.getLogger(__name__)
+
+#: Codecs that need tensor (matrix) shapes and several dependent collectives per round.
+MATRIX_CODECS = ("lowrank", "lowrank-int8", "adaptive")
+
+
+def _build_codec(config: DiLoCoXConfig, view: ShardView, shapes: list[tuple[int, ...]] | None):
+    """The codec of ``config.compression`` over the shard bucket. ``shapes``: per shard, a matrix
+    shape ``(rows, cols)`` where the shard is whole rows of a >= 2-D parameter, else ``(numel,)``
+    (defaults to 1-D shapes: the low-rank codecs then quantize or send everything raw)."""
+    from megatron_diloco.compression import AdaptivePolicy, get_codec
+
+    shapes = shapes or [(v.numel(),) for v in view.flat_views]
+    if len(shapes) != len(view.flat_views) or any(
+            math.prod(sh) != v.numel() for sh, v in zip(shapes, view.flat_views)):
+        raise ValueError("shard shapes do not match the shards")
+    offsets = [0]
+    for v in view.flat_views:
+        offsets.append(offsets[-1] + v.numel())
+    layout = [(off, tuple(sh)) for off, sh in zip(offsets, shapes)]
+    policy = AdaptivePolicy(energy_target=config.energy) if config.compression == "adaptive" else None
+    return get_codec(config.compression, layout, rank=config.rank, policy=policy)
 
 
 @dataclasses.dataclass
@@ -68,15 +90,19 @@ class OuterSync:
             and checkpoint call is collective over it: all its ranks must call them in the same order.
     """
 
-    def __init__(self, view: ShardView, config: DiLoCoXConfig, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, view: ShardView, config: DiLoCoXConfig, group: dist.ProcessGroup | None,
+                 shapes: list[tuple[int, ...]] | None = None) -> None:
         self.view = view
         self.config = config
         self.group = group
         self.codec = None  # None: exact fp32 all-reduce
+        self._executor = None  # worker thread of the multi-collective (low-rank) exchanges
         if config.compression != "none":
-            from megatron_diloco.compression import get_codec
+            self.codec = _build_codec(config, view, shapes)
+            if config.compression in MATRIX_CODECS:
+                from concurrent.futures import ThreadPoolExecutor
 
-            self.codec = get_codec(config.compression)
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco_x")
         theta = torch.empty(view.numel, dtype=torch.float32, device=view.device)  # (N,) fp32
         view.gather(theta)
         self.outer = OuterNesterov(theta, config.outer_lr, config.outer_momentum, config.nesterov)
@@ -114,7 +140,21 @@ class OuterSync:
     def _launch(self) -> ExchangeHandle:
         if self.codec is None:
             return start_exchange(self.buffer, self.group)
+        if self._executor is not None:
+            return start_threaded_exchange(self.buffer, self.residual, self.codec, self.group,
+                                           self._executor)
         return start_compressed_exchange(self.buffer, self.residual, self.codec, self.group)
+
+    def set_step_time(self, step_time_s: float) -> None:
+        """Inner-step time measured by the caller: sets the adaptive codec's byte budget to
+        bandwidth x H x step time (no-op without ``--diloco-x-bandwidth-mbps`` or adaptive)."""
+        policy = getattr(self.codec, "policy", None)
+        if policy is None or self.config.bandwidth_mbps is None:
+            return
+        from megatron_diloco.compression import byte_budget
+
+        policy.budget_bytes = byte_budget(self.config.bandwidth_mbps * 1e6 / 8, self.config.local_steps,
+                                          step_time_s)
 
     @torch.no_grad()
     def boundary(self) -> RoundReport:
@@ -191,6 +231,8 @@ class OuterSync:
             "theta": self.outer.theta,
             "momentum_buffer": self.outer.momentum_buffer,
             "pending_delta": self.buffer if has_pending else None,
+            # low-rank bases / adaptive plan: identical on every replica
+            "codec": self.codec.state_dict() if hasattr(self.codec, "state_dict") else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -202,6 +244,11 @@ class OuterSync:
         self.rounds = int(state["rounds"])
         self.skipped_rounds = int(state.get("skipped_rounds", 0))
         self.outer.load_state_dict(state)
+        if hasattr(self.codec, "load_state_dict"):
+            if state.get("codec") is None:
+                raise ValueError(f"checkpoint has no state for --diloco-x-compression "
+                                 f"{self.config.compression}: resume with the codec it was written with")
+            self.codec.load_state_dict(state["codec"])
         self.pending = None
         if state.get("pending_delta") is not None:
             self.buffer.copy_(state["pending_delta"])
