@@ -28,6 +28,10 @@ class ExchangeStats:
     raw_bytes / payload_bytes."""
     payload_bytes: int = 0
     """Bytes of this rank's encoded payload (4 N without compression)."""
+    input_sq: float = 0.0
+    """Lossy codecs: squared norm of what was encoded (pseudo-gradient + residual), this rank's shard."""
+    residual_sq: float = 0.0
+    """Lossy codecs: squared norm of what was not sent (the new residual), this rank's shard."""
     exchange_s: float = 0.0
     """Wall time from launch until the collective completed (the link time, overlapped or not)."""
     exposed_s: float = 0.0

@@ -123,7 +123,8 @@ class _Installation:
                   f"sent {m['bytes_sent'] / 1e6:.3f} MB | recv {m['bytes_received'] / 1e6:.3f} MB | "
                   f"exchange {m['exchange_s']:.3f} s | exposed {m['exposed_s']:.4f} s | "
                   f"pseudo-grad norm {m['pseudo_grad_norm']:.4e}"
-                  + (f" | compression {m['compression_ratio']:.2f}x" if self.config.compression != "none" else "")
+                  + (f" | compression {m['compression_ratio']:.2f}x, rel. error {m['compression_error']:.4f}"
+                     if self.config.compression != "none" else "")
                   + (" | SKIPPED (non-finite pseudo-gradient)" if m["skipped"] else ""), flush=True)
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 

@@ -207,10 +207,11 @@ class DiLoCoXOptimizer(MegatronOptimizer):
 
     def round_metrics(self, report: RoundReport) -> dict:
         """This boundary's figures; the pseudo-gradient norm is reduced over the replica only."""
-        sq = torch.tensor([report.pseudo_grad_sq], dtype=torch.float64, device=self.view.device)
+        done = report.completed  # the exchange applied here (launched one round ago when delayed)
+        sq = torch.tensor([report.pseudo_grad_sq, done.input_sq if done else 0.0,
+                           done.residual_sq if done else 0.0], dtype=torch.float64, device=self.view.device)
         for group in self.topology.replica_groups:
             dist.all_reduce(sq, group=group)
-        done = report.completed  # the exchange applied here (launched one round ago when delayed)
         return {
             "round": report.round,
             "step": self.step_calls,
@@ -219,7 +220,9 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             "bytes_received": done.bytes_received if done else 0,
             "exchange_s": done.exchange_s if done else 0.0,
             "exposed_s": done.exposed_s if done else 0.0,
-            "pseudo_grad_norm": float(sq.sqrt()),
+            "pseudo_grad_norm": float(sq[0].sqrt()),
+            # ||not sent|| / ||encoded|| over the replica (this replica's payloads; 0 when lossless)
+            "compression_error": float((sq[2] / sq[1]).sqrt()) if sq[1] > 0 else 0.0,
             "skipped": report.skipped,
             "compression_ratio": (done.raw_bytes / done.payload_bytes
                                   if done and done.payload_bytes else 0.0),

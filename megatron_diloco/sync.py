@@ -137,13 +137,27 @@ class OuterSync:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
+    def _complete(self, handle: ExchangeHandle) -> torch.Tensor:
+        """Wait for ``handle`` and, with a lossy codec, record the squared norm of the residual it
+        left (what was not sent): relative compression error = sqrt(residual_sq / input_sq)."""
+        delta = handle.wait()
+        if self.residual is not None and handle.stats.input_sq:
+            handle.stats.residual_sq = float(torch.dot(self.residual, self.residual))
+        return delta
+
     def _launch(self) -> ExchangeHandle:
         if self.codec is None:
             return start_exchange(self.buffer, self.group)
+        # ||pseudo-gradient + residual||^2: the codec's input, without materializing it
+        b, e = self.buffer, self.residual
+        input_sq = float(torch.dot(b, b) + 2 * torch.dot(b, e) + torch.dot(e, e))
         if self._executor is not None:
-            return start_threaded_exchange(self.buffer, self.residual, self.codec, self.group,
-                                           self._executor)
-        return start_compressed_exchange(self.buffer, self.residual, self.codec, self.group)
+            handle = start_threaded_exchange(self.buffer, self.residual, self.codec, self.group,
+                                             self._executor)
+        else:
+            handle = start_compressed_exchange(self.buffer, self.residual, self.codec, self.group)
+        handle.stats.input_sq = input_sq
+        return handle
 
     def set_step_time(self, step_time_s: float) -> None:
         """Inner-step time measured by the caller: sets the adaptive codec's byte budget to
@@ -168,7 +182,7 @@ class OuterSync:
                     return self._skip(sq, completed=None)
                 handle = self._launch()
             with record_function("megatron_diloco::perform"):
-                delta = handle.wait()
+                delta = self._complete(handle)
                 self.outer.step(delta)
                 self.view.scatter_(self.theta)
             return RoundReport(self.rounds, True, handle.stats, handle.stats, sq)
@@ -179,7 +193,7 @@ class OuterSync:
         completed = None
         with record_function("megatron_diloco::perform"):
             if self.pending is not None:
-                delta_prev = self.pending.wait()
+                delta_prev = self._complete(self.pending)
                 completed = self.pending.stats
                 self.outer.step(delta_prev)
                 self.pending = None
@@ -206,7 +220,7 @@ class OuterSync:
         if self.pending is None:
             return None
         with record_function("megatron_diloco::drain"):
-            delta = self.pending.wait()
+            delta = self._complete(self.pending)
             stats = self.pending.stats
             self.outer.step(delta)
             self.pending = None
@@ -224,7 +238,7 @@ class OuterSync:
         """
         has_pending = self.pending is not None
         if has_pending:
-            self.pending.wait()
+            self._complete(self.pending)
         return {
             "rounds": self.rounds,
             "skipped_rounds": self.skipped_rounds,

@@ -252,3 +252,22 @@ def _matrix_codec_worker(rank, world, codec, overlap):
 @pytest.mark.parametrize("overlap", ["none", "delayed"])
 def test_matrix_codecs_replicas_identical(codec, overlap):
     run_world(_matrix_codec_worker, 2, codec, overlap)
+
+
+def _error_worker(rank, world):
+    cfg = DiLoCoXConfig(replicas=world, local_steps=1, overlap="none", compression="int4")
+    torch.manual_seed(rank)
+    x = torch.randn(2000)
+    sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
+    theta = sync.theta.clone()
+    x.sub_(0.1 * torch.randn(2000))
+    v = theta - x  # residual starts at 0: the codec's input is the pseudo-gradient
+    report = sync.boundary()
+    stats = report.completed
+    torch.testing.assert_close(stats.input_sq, float(v.double().square().sum()), rtol=1e-5, atol=0)
+    assert stats.residual_sq == float(torch.dot(sync.residual, sync.residual)) > 0
+    assert 0.01 < (stats.residual_sq / stats.input_sq) ** 0.5 < 0.3  # int4: a few percent to tens
+
+
+def test_compression_error_is_measured():
+    run_world(_error_worker, 2)
