@@ -213,8 +213,10 @@ def start_threaded_exchange(buffer: torch.Tensor, residual: torch.Tensor, codec,
         return out.view(size, -1)
 
     def agree(t: torch.Tensor) -> torch.Tensor:
-        if size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        if size > 1:  # the policy's small tensors live on the CPU; NCCL needs them on the device
+            on_device = t.to(buffer.device)
+            dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=group)
+            t.copy_(on_device)
         return t
 
     stream = torch.cuda.Stream(buffer.device) if buffer.is_cuda else None
