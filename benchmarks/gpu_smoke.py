@@ -49,15 +49,22 @@ def summary_of(log: str) -> dict:
     return json.loads(lines[-1][len("DILOCOX SUMMARY "):]) if lines else {}
 
 
-def main() -> None:
+def parse_bench_args(extra_flags=None) -> tuple[argparse.Namespace, list[str]]:
+    """The arguments the GPU benchmarks share; returns them and the flags common to every run."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--local-steps", type=int, default=20)
     p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("extra", nargs=argparse.REMAINDER, help="more flags for both runs (after --)")
+    if extra_flags is not None:
+        extra_flags(p)
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="more flags for every run (after --)")
     a = p.parse_args()
-    common = ["--train-iters", str(a.iters)] + [x for x in a.extra if x != "--"]
+    return a, ["--train-iters", str(a.iters)] + [x for x in a.extra if x != "--"]
+
+
+def main() -> None:
+    a, common = parse_bench_args()
     dx_args = ["--diloco-x-replicas", "2", "--diloco-x-local-steps", str(a.local_steps),
                "--diloco-x-overlap", "delayed"]
     vanilla, _ = run("vanilla", a.out, common + ["--no-diloco-x"], a.nproc)

@@ -8,13 +8,12 @@ data-parallel run of the same script is the reference. Writes ``DIR/outer_sweep.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_smoke import run, summary_of  # noqa: E402
+from gpu_smoke import parse_bench_args, run, summary_of  # noqa: E402
 
 CONFIGS = [  # (overlap, eta, mu)
     ("delayed", 1.0, 0.0), ("delayed", 0.7, 0.5), ("delayed", 0.5, 0.0), ("delayed", 0.5, 0.8),
@@ -23,15 +22,8 @@ CONFIGS = [  # (overlap, eta, mu)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--local-steps", type=int, default=20)
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--vanilla", action="store_true", help="also run the vanilla reference")
-    p.add_argument("extra", nargs=argparse.REMAINDER)
-    a = p.parse_args()
-    common = ["--train-iters", str(a.iters)] + [x for x in a.extra if x != "--"]
+    a, common = parse_bench_args(lambda p: p.add_argument(
+        "--vanilla", action="store_true", help="also run the vanilla reference"))
 
     def final_and_curve(recs):
         it_losses = {}

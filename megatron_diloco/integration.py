@@ -219,19 +219,22 @@ def _replica_local_loss_reduction(model):
     from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
 
-    intra = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
     saved = []
     for chunk in model:
         inner = unwrap_model(chunk)
         pgc = getattr(inner, "pg_collection", None)
         if pgc is None:
             continue
-        local = copy.copy(pgc)
-        local.dp_cp = intra
-        if getattr(local, "dp_cp_gtp_remat", None) is not None:
-            local.dp_cp_gtp_remat = intra
+        cached = getattr(inner, "_diloco_x_local_pgc", None)
+        if cached is None or cached[0] is not pgc:  # built once per collection, not every step
+            intra = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+            local = copy.copy(pgc)
+            local.dp_cp = intra
+            if getattr(local, "dp_cp_gtp_remat", None) is not None:
+                local.dp_cp_gtp_remat = intra
+            cached = inner._diloco_x_local_pgc = (pgc, local)
         saved.append((inner, pgc))
-        inner.pg_collection = local
+        inner.pg_collection = cached[1]
     try:
         yield
     finally:
