@@ -35,7 +35,8 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Use heavy-ball instead of Nesterov momentum for the outer step.")
     group.add_argument("--diloco-x-overlap", choices=OVERLAP_MODES, default=defaults["overlap"].default,
                        help="delayed: one-step-delay overlap (round t's exchange runs during round "
-                            "t+1, applied one round late); none: blocking exchange (plain DiLoCo).")
+                            "t+1, applied one round late); eager: delayed plus each replica's own "
+                            "fresh pseudo-gradient applied at once; none: blocking exchange (plain DiLoCo).")
     group.add_argument("--diloco-x-compression", choices=COMPRESSION_CODECS,
                        default=defaults["compression"].default,
                        help="Pseudo-gradient codec (see the README).")

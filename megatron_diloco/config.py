@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-OverlapMode = Literal["none", "delayed"]
+OverlapMode = Literal["none", "delayed", "eager"]
 
 #: Overlap modes accepted by ``--diloco-x-overlap``.
-OVERLAP_MODES: tuple[str, ...] = ("none", "delayed")
+OVERLAP_MODES: tuple[str, ...] = ("none", "delayed", "eager")
 #: Codecs accepted by ``--diloco-x-compression`` (see :mod:`megatron_diloco.compression`).
 COMPRESSION_CODECS: tuple[str, ...] = ("none", "int8", "int4", "fp8", "lowrank", "lowrank-int8", "adaptive")
 
@@ -42,7 +42,9 @@ class DiLoCoXConfig:
     # ---------------- communication ----------------
     overlap: OverlapMode = "delayed"
     """``delayed``: one-step-delay overlap, round t's exchange runs during round t+1 and is applied
-    one round late. ``none``: plain DiLoCo, the exchange blocks at every boundary."""
+    one round late. ``none``: plain DiLoCo, the exchange blocks at every boundary. ``eager``:
+    ``delayed`` plus each replica's own fresh pseudo-gradient applied at once as a look-ahead
+    (Kale et al. 2025; see :mod:`megatron_diloco.sync`)."""
 
     compression: str = "none"
     """Pseudo-gradient codec. ``none`` sends fp32 shards and averages them exactly (all-reduce);

@@ -236,10 +236,19 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             self._account(stats)
 
     def replicas_identical(self) -> bool:
-        """Whether this rank's shard and model params are bit-identical across the outer group."""
-        tensors = list(self.view.shards)
-        for d in self.dist_opts:
-            tensors += [p for chunk in d.model_chunks for p in chunk.parameters()]
+        """Whether this rank's shard and model params are bit-identical across the outer group.
+
+        With ``--diloco-x-overlap eager`` the replicas' params differ between boundaries by design
+        (each one's own look-ahead) while an exchange is in flight; then the shared outer state
+        (theta, momentum) is compared instead. After :meth:`finish` the params are compared."""
+        if self.sync.anchor is not None and self.sync.pending is not None:
+            tensors = [self.sync.theta]
+            if self.sync.outer.momentum_buffer is not None:
+                tensors.append(self.sync.outer.momentum_buffer)
+        else:
+            tensors = list(self.view.shards)
+            for d in self.dist_opts:
+                tensors += [p for chunk in d.model_chunks for p in chunk.parameters()]
         fp = fingerprint(tensors)
         gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
         if self.topology.replicas > 1:
@@ -266,6 +275,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
                     i += 1
         if self.sync.residual is not None:
             yield "diloco_x.residual", self.sync.residual
+        if self.sync.anchor is not None:
+            yield "diloco_x.anchor", self.sync.anchor
 
     def _outer_state(self) -> dict:
         return {"sync": self.sync.state_dict(), "step_calls": self.step_calls,
@@ -323,6 +334,14 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self.sync.load_state_dict(outer["sync"])
         self.step_calls = int(outer["step_calls"])
         self.totals = ExchangeStats(**outer["totals"])
+        names = [name for name, _ in self._inner_state_tensors()]
+        missing = [n for n in names if n not in per_replica]
+        if missing:
+            raise RuntimeError(
+                f"checkpoint lacks this run's per-replica DiLoCoX state {missing[:3]}: it was written with "
+                "another --diloco-x-compression / --diloco-x-overlap (error-feedback residual, eager "
+                "start point); resume with the flags it was written with, or load it with "
+                "--no-load-optim to start a new outer loop from its weights")
         for name, t in self._inner_state_tensors():
             t.copy_(per_replica[name])
         self._publish_params()

@@ -18,6 +18,27 @@ main-parameter shards of the inner optimizer), ``Delta`` the replicas' mean pseu
 
 so every replica starts every round from the same ``theta_t``, bit for bit, and staleness is exactly
 one outer step. :meth:`OuterSync.drain` applies the last exchange at the end of training.
+
+``overlap="eager"`` (Kale, Douillard, Donchev 2025, "Eager updates for overlapped communication and
+computation in DiLoCo"): as ``delayed``, but each replica also takes its own fresh pseudo-gradient
+into account at once, instead of waiting a round for it::
+
+    delta_{r,t} = a_r - x           (a_r: the point replica r started round t from)
+    wait for Delta_{t-1};  theta_t = OuterStep(theta_{t-1}, Delta_{t-1})     (shared, as delayed)
+    launch the exchange of delta_{r,t}
+    a_r <- theta_t - c / R * delta_{r,t} ;  x <- a_r
+    c = eta * (1 + mu) with Nesterov, eta with heavy ball (the weight one outer step gives a fresh
+    pseudo-gradient)
+
+The eager term is a look-ahead that the next boundary replaces by the real thing: ``Delta_t``
+(which holds delta_{r,t} / R) enters ``theta_{t+1}``, and a_r is rebuilt from ``theta_{t+1}``. With
+mu = 0 this is exactly the paper's update (its per-replica outer params equal theta_t minus
+eta / R * delta_{r,t}: own fresh pseudo-gradient + the others' one-round-stale ones); with momentum
+the paper keeps one outer momentum per replica, which drifts apart, where this keeps the one shared
+momentum, so ``theta`` and ``m`` stay bit-identical across replicas and checkpoint as shared state.
+Replicas' local params differ by their look-ahead between boundaries (by design); the drain at the
+end of training sets x <- theta on every replica. Cost: the per-replica start point ``a_r``
+(fp32, 4 B per shard element), checkpointed with the replica's own state.
 """
 
 from __future__ import annotations
@@ -110,6 +131,8 @@ class OuterSync:
         self.buffer = torch.empty_like(theta)  # (N,) fp32
         # e: what the lossy codec did not send yet (per replica; fp32, one per shard element).
         self.residual = torch.zeros_like(theta) if self.codec is not None else None  # (N,) fp32
+        # a_r: the point this replica started the round from (eager only; per replica, fp32).
+        self.anchor = theta.clone() if config.overlap == "eager" else None  # (N,) fp32
         self.pending: ExchangeHandle | None = None
         self.rounds = 0
         self.skipped_rounds = 0
@@ -118,13 +141,18 @@ class OuterSync:
     def theta(self) -> torch.Tensor:
         return self.outer.theta
 
+    @property
+    def start_point(self) -> torch.Tensor:
+        """The params every round starts from: ``theta`` (shared), or ``a_r`` (eager, per replica)."""
+        return self.anchor if self.anchor is not None else self.outer.theta
+
     def _pseudo_gradient_into_x(self) -> float:
-        """x <- theta - x on the shards, in place; returns the squared norm (a host sync)."""
+        """x <- start - x on the shards, in place; returns the squared norm (a host sync)."""
         xs = self.view.flat_views
         if not xs:
             return 0.0
         torch._foreach_neg_(xs)
-        torch._foreach_add_(xs, self.view.split(self.theta))
+        torch._foreach_add_(xs, self.view.split(self.start_point))
         return float(torch.stack(torch._foreach_norm(xs, 2)).double().square().sum())
 
     def _any_replica_nonfinite(self) -> bool:
@@ -187,7 +215,7 @@ class OuterSync:
                 self.view.scatter_(self.theta)
             return RoundReport(self.rounds, True, handle.stats, handle.stats, sq)
 
-        # delayed: x holds delta_t after this; the buffer still holds Delta_{t-1} (in flight).
+        # delayed / eager: x holds delta_t after this; the buffer still holds Delta_{t-1} (in flight).
         with record_function("megatron_diloco::prepare"):
             sq = self._pseudo_gradient_into_x()
         completed = None
@@ -202,8 +230,17 @@ class OuterSync:
             if self._any_replica_nonfinite():
                 return self._skip(sq, completed)
             self.pending = self._launch()
-            self.view.scatter_(self.theta)
+            if self.anchor is not None:
+                self._eager_start()
+            self.view.scatter_(self.start_point)
         return RoundReport(self.rounds, completed is not None, self.pending.stats, completed, sq)
+
+    def _eager_start(self) -> None:
+        """a_r <- theta_t - c / R * delta_{r,t}, with delta_{r,t} still in x (see the module doc)."""
+        c = self.config.outer_lr * ((1.0 + self.config.outer_momentum) if self.config.nesterov else 1.0)
+        replicas = dist.get_world_size(self.group) if self.group is not None else 1
+        self.view.gather(self.anchor)
+        self.anchor.mul_(-c / replicas).add_(self.theta)
 
     def _skip(self, sq: float, completed: ExchangeStats | None) -> RoundReport:
         """Drop this round's pseudo-gradient everywhere: x <- theta, residual untouched."""
@@ -211,6 +248,8 @@ class OuterSync:
         logger.warning("DiLoCoX round %d: non-finite pseudo-gradient on some replica; round skipped on "
                        "every replica (local progress of this round dropped, outer state unchanged)",
                        self.rounds)
+        if self.anchor is not None:  # eager: no fresh pseudo-gradient to look ahead with
+            self.anchor.copy_(self.theta)
         self.view.scatter_(self.theta)
         return RoundReport(self.rounds, completed is not None, ExchangeStats(), completed, sq, skipped=True)
 
@@ -224,14 +263,17 @@ class OuterSync:
             stats = self.pending.stats
             self.outer.step(delta)
             self.pending = None
+            if self.anchor is not None:  # the look-ahead is now part of theta
+                self.anchor.copy_(self.theta)
             self.view.scatter_(self.theta)
         return stats
 
     # ---------------- checkpointing ----------------
     def state_dict(self) -> dict:
         """Outer state, identical on every replica (the in-flight exchange is completed, not applied).
-        The error-feedback ``residual`` differs per replica and is checkpointed by the owner of the
-        per-replica state (:class:`megatron_diloco.optimizer.DiLoCoXOptimizer`).
+        The error-feedback ``residual`` and the eager start point ``anchor`` differ per replica and
+        are checkpointed by the owner of the per-replica state
+        (:class:`megatron_diloco.optimizer.DiLoCoXOptimizer`).
 
         Completing the exchange keeps the trajectory unchanged: a resumed run applies it at the next
         boundary exactly as the uninterrupted run does.

@@ -20,10 +20,13 @@ def grad(r: int, step: int, x: torch.Tensor) -> torch.Tensor:
 
 
 def reference(R: int, overlap: str, x0: torch.Tensor, lr_in: float, cfg: DiLoCoXConfig) -> list:
-    """Straight-line re-statement of DESIGN.md section 1, one process, float64 free of tricks."""
+    """Straight-line re-statement of DESIGN.md section 1 (and the eager rule of sync.py), one
+    process. Returns, per boundary, the list of the R replicas' params after it."""
     theta = x0.clone()
     m = torch.zeros_like(theta)
     xs = [x0.clone() for _ in range(R)]
+    starts = [x0.clone() for _ in range(R)]
+    c = cfg.outer_lr * ((1 + cfg.outer_momentum) if cfg.nesterov else 1.0)
     pending = None
     trace = []
     step = 0
@@ -32,24 +35,52 @@ def reference(R: int, overlap: str, x0: torch.Tensor, lr_in: float, cfg: DiLoCoX
             for r in range(R):
                 xs[r] = xs[r] - lr_in * grad(r, step, xs[r])
             step += 1
-        delta = sum(theta - xs[r] for r in range(R)) / R
+        own = [starts[r] - xs[r] for r in range(R)]
+        delta = sum(own) / R
         apply = delta if overlap == "none" else pending
         pending = delta
         if apply is not None:
             m = cfg.outer_momentum * m + apply
             upd = apply + cfg.outer_momentum * m if cfg.nesterov else m
             theta = theta - cfg.outer_lr * upd
-        xs = [theta.clone() for _ in range(R)]
-        trace.append(theta.clone())
-    if overlap == "delayed":
+        if overlap == "eager":
+            starts = [theta - c / R * own[r] for r in range(R)]
+        else:
+            starts = [theta.clone() for _ in range(R)]
+        xs = [s.clone() for s in starts]
+        trace.append([x.clone() for x in xs])
+    if overlap != "none":
         m = cfg.outer_momentum * m + pending
         theta = theta - cfg.outer_lr * ((pending + cfg.outer_momentum * m) if cfg.nesterov else m)
-        trace.append(theta.clone())
+        trace.append([theta.clone() for _ in range(R)])
     return trace
 
 
-def _worker(rank: int, world: int, overlap: str, nesterov: bool) -> None:
-    cfg = DiLoCoXConfig(replicas=world, local_steps=H, outer_lr=0.7, outer_momentum=0.9,
+def eager_paper(R: int, x0: torch.Tensor, lr_in: float, eta: float) -> list:
+    """Kale, Douillard, Donchev 2025 (eager updates), outer SGD without momentum, as the paper states
+    it: every replica keeps its own outer params and applies its own fresh pseudo-gradient mixed with
+    the others' one-round-stale ones. Returns per boundary the replicas' params."""
+    thetas = [x0.clone() for _ in range(R)]
+    xs = [x0.clone() for _ in range(R)]
+    stale = [torch.zeros_like(x0) for _ in range(R)]
+    trace, step = [], 0
+    for _t in range(ROUNDS):
+        for _ in range(H):
+            for r in range(R):
+                xs[r] = xs[r] - lr_in * grad(r, step, xs[r])
+            step += 1
+        fresh = [thetas[r] - xs[r] for r in range(R)]
+        for r in range(R):
+            mixed = (fresh[r] + sum(stale[q] for q in range(R) if q != r)) / R
+            thetas[r] = thetas[r] - eta * mixed
+        stale = fresh
+        xs = [t.clone() for t in thetas]
+        trace.append([x.clone() for x in xs])
+    return trace
+
+
+def _worker(rank: int, world: int, overlap: str, nesterov: bool, momentum: float = 0.9) -> None:
+    cfg = DiLoCoXConfig(replicas=world, local_steps=H, outer_lr=0.7, outer_momentum=momentum,
                         nesterov=nesterov, overlap=overlap)
     x0 = torch.linspace(-1, 1, 7)
     # Two shard tensors of odd shapes, as a distributed optimizer would hand them over.
@@ -67,18 +98,26 @@ def _worker(rank: int, world: int, overlap: str, nesterov: bool) -> None:
         report = sync.boundary()
         assert report.applied == (overlap == "none" or _t > 0)
         got.append(torch.cat([a.view(-1), b]).clone())
-        # replicas identical after every boundary, bit for bit
-        fp = fingerprint([a, b])
+        # replicas identical after every boundary, bit for bit: the params (none / delayed), the
+        # shared outer state (eager: the params differ by each replica's own look-ahead)
+        shared = [sync.theta, sync.outer.momentum_buffer] if momentum else [sync.theta]
+        fp = fingerprint(shared if overlap == "eager" else [a, b])
         allfp = [torch.zeros_like(fp) for _ in range(world)]
         dist.all_gather(allfp, fp)
         assert all(torch.equal(allfp[0], f) for f in allfp), allfp
-    if overlap == "delayed":
+    if overlap != "none":
         sync.drain()
         got.append(torch.cat([a.view(-1), b]).clone())
     want = reference(world, overlap, x0, 0.05, cfg)
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6, msg=f"boundary {i}")
+        torch.testing.assert_close(g, w[rank], rtol=1e-6, atol=1e-6, msg=f"boundary {i}")
+    if overlap == "eager":
+        assert not torch.equal(want[0][0], want[0][1])  # the look-ahead is replica-specific
+        if momentum == 0.0:  # the paper's own statement of the rule, per-replica outer params
+            paper = eager_paper(world, x0, 0.05, cfg.outer_lr)
+            for i, (g, w) in enumerate(zip(got, paper)):
+                torch.testing.assert_close(g, w[rank], rtol=1e-6, atol=1e-6, msg=f"eager boundary {i}")
 
 
 def test_delayed_matches_hand_sequence():
@@ -91,6 +130,15 @@ def test_none_matches_hand_sequence():
 
 def test_delayed_three_replicas_heavy_ball():
     run_world(_worker, 3, "delayed", False)
+
+
+def test_eager_matches_hand_sequence_nesterov():
+    run_world(_worker, 2, "eager", True)
+
+
+def test_eager_without_momentum_is_kale_et_al():
+    """mu = 0: the eager rule equals the paper's own per-replica statement, three replicas."""
+    run_world(_worker, 3, "eager", False, 0.0)
 
 
 def _stale_worker(rank, world):
@@ -219,7 +267,8 @@ def _nonfinite_worker(rank, world, overlap, codec):
     assert sync.skipped_rounds == 1 and torch.isfinite(sync.theta).all()
 
 
-@pytest.mark.parametrize("overlap, codec", [("none", "none"), ("delayed", "int8"), ("delayed", "none")])
+@pytest.mark.parametrize("overlap, codec", [("none", "none"), ("delayed", "int8"), ("delayed", "none"),
+                                            ("eager", "int8")])
 def test_nonfinite_pseudo_gradient_skips_round_everywhere(overlap, codec):
     run_world(_nonfinite_worker, 2, overlap, codec)
 
