@@ -45,7 +45,8 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--diloco-x-energy", type=float, default=defaults["energy"].default,
                        help="adaptive: captured-energy target per tensor, in (0, 1].")
     group.add_argument("--diloco-x-bandwidth-mbps", type=float, default=None,
-                       help="adaptive: slow-link bandwidth (Mbit/s) for the per-round byte cap; none: no cap.")
+                       help="adaptive: slow-link bandwidth (Mbit/s) for the per-round byte cap; "
+                            "default: measured over the outer group at the first boundary.")
     return parser
 
 

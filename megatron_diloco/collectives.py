@@ -45,6 +45,40 @@ def ring_allreduce_bytes(payload_bytes: int, group_size: int) -> int:
     return 2 * (group_size - 1) * payload_bytes // group_size
 
 
+def measure_link_bandwidth(group: dist.ProcessGroup | None, device: torch.device,
+                           sizes: tuple[int, int] = (128 << 10, 2 << 20), repeats: int = 2) -> float | None:
+    """Measure the outer group's link: bytes/s one rank sends in an all-gather, latency removed.
+
+    Times blocking ``all_gather_into_tensor`` of a small and a large uint8 payload per rank (best of
+    ``repeats`` each) and returns ``(R - 1) * (large - small) / (t_large - t_small)``, the MIN over the
+    group so every replica agrees on it. Collective over ``group``; nothing else may use the group
+    meanwhile. Cost: about ``2 * repeats`` transfers of ``sizes[1]`` bytes per rank (at 10 Mbit/s
+    ~3.5 s, once). Returns None for a group of one rank (no link).
+    """
+    size = dist.get_world_size(group) if group is not None else 1
+    if size <= 1:
+        return None
+    best = []
+    for n in sizes:
+        payload = torch.zeros(n, dtype=torch.uint8, device=device)
+        out = torch.empty(size * n, dtype=torch.uint8, device=device)  # (R*n,)
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group, **({"device_ids": [device.index]} if device.type == "cuda" else {}))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dist.all_gather_into_tensor(out, payload, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        best.append(min(times))
+    dt = max(best[1] - best[0], 1e-9)
+    bw = torch.tensor([(size - 1) * (sizes[1] - sizes[0]) / dt], dtype=torch.float64, device=device)
+    dist.all_reduce(bw, op=dist.ReduceOp.MIN, group=group)
+    return float(bw.item())
+
+
 class ExchangeHandle:
     """An exchange in flight. :meth:`wait` blocks until the averaged result is in ``buffer``.
 

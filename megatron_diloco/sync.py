@@ -52,7 +52,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from megatron_diloco.collectives import (
-    ExchangeHandle, ExchangeStats, start_compressed_exchange, start_exchange, start_threaded_exchange,
+    ExchangeHandle, ExchangeStats, measure_link_bandwidth, start_compressed_exchange, start_exchange,
+    start_threaded_exchange,
 )
 from megatron_diloco.config import DiLoCoXConfig
 from megatron_diloco.outer import OuterNesterov, ShardView
@@ -136,6 +137,11 @@ class OuterSync:
         self.pending: ExchangeHandle | None = None
         self.rounds = 0
         self.skipped_rounds = 0
+        #: bytes/s of the outer link: --diloco-x-bandwidth-mbps, else measured at the first boundary
+        #: (adaptive only; None until then, or without an outer link)
+        self.link_bytes_per_s: float | None = (config.bandwidth_mbps * 1e6 / 8
+                                               if config.bandwidth_mbps is not None else None)
+        self._link_measured = False
 
     @property
     def theta(self) -> torch.Tensor:
@@ -188,15 +194,29 @@ class OuterSync:
         return handle
 
     def set_step_time(self, step_time_s: float) -> None:
-        """Inner-step time measured by the caller: sets the adaptive codec's byte budget to
-        bandwidth x H x step time (no-op without ``--diloco-x-bandwidth-mbps`` or adaptive)."""
+        """Inner-step time measured by the caller, before each boundary: sets the adaptive codec's
+        byte budget to link bandwidth x H x step time (no-op unless adaptive).
+
+        Without ``--diloco-x-bandwidth-mbps`` the first call measures the link
+        (:func:`megatron_diloco.collectives.measure_link_bandwidth`: collective over the outer group,
+        run at the first boundary, when no exchange is in flight)."""
         policy = getattr(self.codec, "policy", None)
-        if policy is None or self.config.bandwidth_mbps is None:
+        if policy is None:
+            return
+        if self.link_bytes_per_s is None and not self._link_measured:
+            if self.pending is not None:  # the worker thread owns the group; measure next time
+                return
+            self._link_measured = True
+            self.link_bytes_per_s = measure_link_bandwidth(self.group, self.view.device)
+            if self.link_bytes_per_s is not None:
+                logger.info("DiLoCoX: measured outer link %.1f Mbit/s (all-gather, per rank); adaptive "
+                            "byte budget = that x H x step time (set --diloco-x-bandwidth-mbps to fix it)",
+                            self.link_bytes_per_s * 8 / 1e6)
+        if self.link_bytes_per_s is None:
             return
         from megatron_diloco.compression import byte_budget
 
-        policy.budget_bytes = byte_budget(self.config.bandwidth_mbps * 1e6 / 8, self.config.local_steps,
-                                          step_time_s)
+        policy.budget_bytes = byte_budget(self.link_bytes_per_s, self.config.local_steps, step_time_s)
 
     @torch.no_grad()
     def boundary(self) -> RoundReport:

@@ -320,3 +320,31 @@ def _error_worker(rank, world):
 
 def test_compression_error_is_measured():
     run_world(_error_worker, 2)
+
+
+def _link_worker(rank, world, bandwidth):
+    cfg = DiLoCoXConfig(replicas=world, local_steps=2, overlap="delayed", compression="adaptive",
+                        bandwidth_mbps=bandwidth, energy=0.5)
+    torch.manual_seed(0)
+    w = torch.randn(32, 48)
+    outer = dist.new_group(backend="gloo")
+    sync = OuterSync(ShardView([w]), cfg, outer, shapes=[(32, 48)])
+    for _ in range(3):
+        w.sub_(0.01 * (rank + 1))
+        sync.set_step_time(0.5)
+        sync.boundary()
+    bw = sync.link_bytes_per_s
+    if bandwidth is None:  # measured over the outer group at the first boundary, agreed by MIN
+        assert bw is not None and 0 < bw < float("inf")
+        got = [None] * world
+        dist.all_gather_object(got, bw)
+        assert got == [bw] * world
+    else:
+        assert bw == bandwidth * 1e6 / 8
+    assert sync.codec.policy.budget_bytes == bw * 2 * 0.5  # bandwidth x H x step time
+    sync.drain()
+
+
+@pytest.mark.parametrize("bandwidth", [None, 80.0])
+def test_adaptive_budget_from_measured_or_given_link(bandwidth):
+    run_world(_link_worker, 2, bandwidth)
