@@ -68,6 +68,38 @@ def _check_bit_exact(n: int, fmt: str, block: int, replicas: int, device: torch.
                 and torch.equal(a.momentum_buffer.view(torch.int32), b.momentum_buffer.view(torch.int32)))
 
 
+def _torchft_kernels(bucket: torch.Tensor, device: torch.device, reps: int) -> dict:
+    """torchft's fused fp8 row-wise quantize and dequantize on ``bucket`` (fp32 ``[N]``) viewed as rows
+    of 256 elements (our block size: as many scales as ours) and of 8192 (torchft's favourable case).
+
+    Bytes: quantize reads 4N, writes N + 4 per row (+ its row padding); dequantize the reverse. Note
+    what it does not do that our encode does: no pseudo-gradient (anchor - x), no error feedback."""
+    import importlib.util
+
+    found = importlib.util.find_spec("torchft")  # locates the package without running its __init__
+    if found is None:
+        raise SystemExit("--torchft: torchft is not installed (pip install torchft)")
+    path = os.path.join(found.submodule_search_locations[0], "quantization.py")
+    spec = importlib.util.spec_from_file_location("torchft_quantization", path)
+    q = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(q)
+    out = {}
+    n = bucket.numel()
+    for cols in (256, 8192):
+        rows = n // cols
+        mat = bucket[: rows * cols].view(rows, cols)
+        quantized = q.fused_quantize_into_fp8([mat], 1)
+        qbytes = 4 * rows * cols + quantized.numel()
+        t = _bench(lambda: q.fused_quantize_into_fp8([mat], 1), device, reps)
+        out[f"torchft_quantize_fp8_rows{cols}"] = {"gbps": qbytes / t / 1e9, "seconds": t, "bytes": qbytes}
+        back = torch.empty_like(mat)
+        t = _bench(lambda: q.fused_dequantize_from_fp8([back], quantized, 1), device, reps)
+        out[f"torchft_dequantize_fp8_rows{cols}"] = {"gbps": qbytes / t / 1e9, "seconds": t, "bytes": qbytes}
+        print("torchft", cols, out, flush=True)
+        del quantized, back
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
@@ -78,6 +110,13 @@ def main() -> None:
     parser.add_argument("--check-numel", type=int, default=1 << 22)
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions on CPU")
     parser.add_argument("--no-reference", action="store_true", help="skip timing the torch reference")
+    parser.add_argument("--sweep-decode", action="store_true",
+                        help="also time the decode kernel at other launch shapes (elements per program x "
+                             "warps), each checked bit for bit against the default shape")
+    parser.add_argument("--torchft", action="store_true",
+                        help="also time torchft's fused fp8 row-wise quantize / dequantize kernels on the "
+                             "same bucket (torchft must be importable; its quantization module is loaded "
+                             "alone, by path)")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -112,6 +151,22 @@ def main() -> None:
     delta = torch.empty(n, dtype=torch.float32, device=device)
     t = _bench(lambda: tk.decode_triton(payloads, layout, out=delta), device, args.reps)
     kernels["decode"] = {"gbps": dec_bytes / t / 1e9, "seconds": t, "bytes": dec_bytes}
+    if args.sweep_decode:
+        want = tk.decode_triton(payloads, layout, out=delta).clone()
+        sweep = []
+        for elems in (2048, 4096, 8192, 16384):
+            for warps in (4, 8):
+                got = torch.empty_like(delta)
+                tk.decode_triton(payloads, layout, out=got, elements_per_program=elems, num_warps=warps)
+                same = torch.equal(got.view(torch.int32), want.view(torch.int32))
+                t = _bench(lambda: tk.decode_triton(payloads, layout, out=delta, elements_per_program=elems,
+                                                    num_warps=warps), device, args.reps)
+                sweep.append({"elements_per_program": elems, "num_warps": warps, "gbps": dec_bytes / t / 1e9,
+                              "bit_identical_to_default": same})
+                print("decode sweep", sweep[-1], flush=True)
+                del got
+        kernels["decode"]["sweep"] = sweep
+        del want
     del delta
     outer = OuterNesterov(anchor, 0.7, 0.9, True)  # theta aliases anchor (benchmark only)
     out_bytes = r * p + 16 * n
@@ -125,6 +180,9 @@ def main() -> None:
         kernels["decode"]["reference_gbps"] = dec_bytes / t / 1e9
         t = _bench(lambda: ref.decode_reference(payloads, layout, outer=outer), device, args.reps)
         kernels["decode_outer"]["reference_gbps"] = out_bytes / t / 1e9
+    if args.torchft:
+        del outer, payloads
+        kernels.update(_torchft_kernels(anchor, device, args.reps))
     for k in kernels.values():
         k["fraction_of_copy"] = k["gbps"] / results["copy_gbps"]
         if "reference_gbps" in k:

@@ -59,7 +59,9 @@ def test_int8_known_values_and_layout():
     scales, values = ref.split_payload(payload, layout)
     assert scales.tolist() == [1.0]
     assert values.tolist() == [127, -64, 0, 2, 0]  # half to even: -63.5 -> -64, 0.5 -> 0, 1.5 -> 2
-    assert layout.total_bytes == 16 and payload[4 + 5:].eq(0).all()  # zero padding
+    # 4 B scale, zero padding to 16 (values 16-byte aligned), 5 values, zero padding to 32
+    assert layout.values_offset == 16 and layout.total_bytes == 32
+    assert payload[4:16].eq(0).all() and payload[16 + 5:].eq(0).all()
     v4 = torch.tensor([7.0, -7.0, 3.0], dtype=torch.float32)
     payload4, _ = ref.quantize_reference(v4, "int4", 4)
     _, values4 = ref.split_payload(payload4, ref.payload_layout(3, "int4", 4))
@@ -71,6 +73,10 @@ def test_payload_sizes():
     assert ref.payload_layout(n, "int8").total_bytes == n + 4 * n // 256
     assert ref.payload_layout(n, "int4").total_bytes == n // 2 + 4 * n // 256
     assert ref.payload_layout(0, "int8").total_bytes == 0
+    for numel in (1, 255, 257, 1000, 3 * 256 + 1):  # values always start 16-byte aligned, < 16 B gap
+        lay = ref.payload_layout(numel, "int8")
+        assert lay.values_offset % 16 == 0 and 0 <= lay.values_offset - 4 * lay.num_blocks < 16
+        assert lay.total_bytes % 16 == 0 and lay.total_bytes - lay.values_offset - lay.values_bytes < 16
     with pytest.raises(ValueError, match="power of two"):
         ref.payload_layout(10, "int8", 100)
 

@@ -32,11 +32,13 @@ summed left to right in fp32, then optionally the outer step of
 Payload byte layout (one ``uint8`` tensor per bucket, see :func:`payload_layout`)::
 
     [0, 4*B)          B = ceil(N / block_size) fp32 scales, native (little-endian) byte order
-    [4*B, 4*B + V)    values: int8 / fp8 e4m3fn: V = N bytes, one per element;
+    [4*B, O)          zero padding to O = 4*B rounded up to a multiple of 16 (< 16 bytes): the
+                      values start 16-byte aligned, so kernels load them with vector instructions
+    [O, O + V)        values: int8 / fp8 e4m3fn: V = N bytes, one per element;
                       int4: V = ceil(N / 2) bytes, element 2i in the low nibble and 2i+1 in the
                       high nibble of byte i, nibble = q + 8 (offset binary; 8 encodes 0);
                       an odd N leaves the last high nibble 8
-    [4*B + V, P)      zero padding to P = a multiple of 16 bytes (aligned rows when R payloads
+    [O + V, P)        zero padding to P = a multiple of 16 bytes (aligned rows when R payloads
                       are gathered into one ``[R, P]`` tensor)
 """
 
@@ -69,7 +71,7 @@ class PayloadLayout:
     num_blocks: int
     """ceil(N / block_size): number of fp32 scales in the header."""
     values_offset: int
-    """Byte offset of the values (= 4 * num_blocks)."""
+    """Byte offset of the values (= 4 * num_blocks rounded up to a multiple of 16)."""
     values_bytes: int
     """N for int8/fp8, ceil(N / 2) for int4."""
     total_bytes: int
@@ -88,9 +90,10 @@ def payload_layout(numel: int, fmt: str, block_size: int = DEFAULT_BLOCK_SIZE) -
     check_block_size(block_size)
     num_blocks = -(-numel // block_size)
     values_bytes = -(-numel // 2) if fmt == "int4" else numel
-    used = 4 * num_blocks + values_bytes
+    values_offset = -(-4 * num_blocks // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+    used = values_offset + values_bytes
     total = -(-used // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
-    return PayloadLayout(numel, fmt, block_size, num_blocks, 4 * num_blocks, values_bytes, total)
+    return PayloadLayout(numel, fmt, block_size, num_blocks, values_offset, values_bytes, total)
 
 
 def split_payload(payload: torch.Tensor, layout: PayloadLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +103,7 @@ def split_payload(payload: torch.Tensor, layout: PayloadLayout) -> tuple[torch.T
     """
     if payload.dtype != torch.uint8 or payload.shape != (layout.total_bytes,):
         raise ValueError(f"payload must be uint8 [{layout.total_bytes}], got {payload.dtype} {tuple(payload.shape)}")
-    scales = payload[: layout.values_offset].view(torch.float32)
+    scales = payload[: 4 * layout.num_blocks].view(torch.float32)
     raw = payload[layout.values_offset: layout.values_offset + layout.values_bytes]
     values = {"int8": lambda: raw.view(torch.int8), "int4": lambda: raw,
               "fp8": lambda: raw.view(torch.float8_e4m3fn)}[layout.fmt]()
@@ -247,5 +250,5 @@ def has_nonfinite_scales(payloads: torch.Tensor, layout: PayloadLayout) -> bool:
     Reads only the scale headers (4 bytes per block); one host sync.
     """
     rows = payloads.view(-1, layout.total_bytes)
-    scales = rows[:, : layout.values_offset].contiguous().view(torch.float32)
+    scales = rows[:, : 4 * layout.num_blocks].contiguous().view(torch.float32)
     return bool(scales.numel()) and not bool(torch.isfinite(scales).all())

@@ -179,12 +179,16 @@ if triton is not None:
             tl.store(e_out_ptr + offs, v - d, mask=mask)
 
     @triton.jit
-    def _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, cols_idx,
+    def _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, cols_idx, mask,
                  FMT: tl.constexpr, HIGH: tl.constexpr):
-        """Replica r's dequantized tile: ``float(q) * scale``; ``cols_idx`` indexes values (bytes)."""
+        """Replica r's dequantized tile: ``float(q) * scale``; ``cols_idx`` indexes values (bytes).
+
+        ``row_bytes`` and ``values_offset`` are multiples of 16 (the payload layout), and ``cols_idx``
+        runs contiguously along each row, so the byte loads vectorize (16 B per instruction)."""
         r64 = rows * 0 + r  # (ROWS,) int64: r * row_bytes overflows int32 for R >= 3 at 1B elements
         s = tl.load(scales_ptr + r64 * row_floats + rows)[:, None]  # (ROWS, 1); rows clamped by the caller
-        raw = tl.load(values_ptr + (r64 * row_bytes + values_offset)[:, None] + cols_idx)
+        base = tl.multiple_of(r * row_bytes + values_offset, 16)
+        raw = tl.load(values_ptr + base + cols_idx, mask=mask)  # masked lanes: never stored
         if FMT == 1:
             b = raw.to(tl.int32) & 0xFF
             if HIGH:
@@ -221,45 +225,53 @@ if triton is not None:
         # pointers
         scales_ptr, values_ptr, out_ptr, theta_ptr, m_ptr,
         # sizes and strides
-        n, num_blocks, num_replicas, row_floats, row_bytes, values_offset,
+        n, num_blocks, row_floats, row_bytes, values_offset,
         # scalars (fp32)
         inv_r, neg_lr, mu,
         # meta-parameters
-        FMT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+        NUM_REPLICAS: tl.constexpr, FMT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
         MODE: tl.constexpr, NATIVE_FMA: tl.constexpr,
     ):
         """Dequantize + sum (replica order 0..R-1) + average (+ outer step) for ROWS blocks."""
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
-        rows = tl.minimum(rows, num_blocks - 1)  # clamp: tail rows reload the last scale, masked below
+        row_ids = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+        rows = tl.minimum(row_ids, num_blocks - 1)  # clamp: tail rows reload the last scale, masked below
         if FMT == 1:
             HALF: tl.constexpr = BLOCK // 2
-            row_ids = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
             pair = row_ids[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (ROWS, HALF)
             ev = 2 * pair
             mask_e = ev < n
             mask_o = ev + 1 < n
-            safe = tl.where(mask_e, pair, 0)
-            acc_e = _dequant(scales_ptr, values_ptr, 0, row_floats, row_bytes, values_offset, rows, safe, FMT, False)
-            acc_o = _dequant(scales_ptr, values_ptr, 0, row_floats, row_bytes, values_offset, rows, safe, FMT, True)
-            for r in range(1, num_replicas):
-                acc_e += _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, safe, FMT, False)
-                acc_o += _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, safe, FMT, True)
+            acc_e = _dequant(scales_ptr, values_ptr, 0, row_floats, row_bytes, values_offset, rows, pair, mask_e,
+                             FMT, False)
+            acc_o = _dequant(scales_ptr, values_ptr, 0, row_floats, row_bytes, values_offset, rows, pair, mask_e,
+                             FMT, True)
+            for r in tl.static_range(1, NUM_REPLICAS):
+                acc_e += _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, pair,
+                                  mask_e, FMT, False)
+                acc_o += _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, pair,
+                                  mask_e, FMT, True)
             _finish(acc_e, ev, mask_e, out_ptr, theta_ptr, m_ptr, inv_r, neg_lr, mu, MODE, NATIVE_FMA)
             _finish(acc_o, ev + 1, mask_o, out_ptr, theta_ptr, m_ptr, inv_r, neg_lr, mu, MODE, NATIVE_FMA)
         else:
-            row_ids = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
             offs = row_ids[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK)
             mask = offs < n
-            safe = tl.where(mask, offs, 0)
-            acc = _dequant(scales_ptr, values_ptr, 0, row_floats, row_bytes, values_offset, rows, safe, FMT, False)
-            for r in range(1, num_replicas):
-                acc += _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, safe, FMT, False)
+            acc = _dequant(scales_ptr, values_ptr, 0, row_floats, row_bytes, values_offset, rows, offs, mask,
+                           FMT, False)
+            for r in tl.static_range(1, NUM_REPLICAS):
+                acc += _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, offs, mask,
+                                FMT, False)
             _finish(acc, offs, mask, out_ptr, theta_ptr, m_ptr, inv_r, neg_lr, mu, MODE, NATIVE_FMA)
 
 
-def _rows_per_program(block_size: int) -> int:
-    """Blocks per program: ~4096 elements per program (a power of two)."""
-    return max(1, 4096 // block_size)
+#: Elements per program and warps per program of the decode kernel (tuned on an H100, see
+#: benchmarks/kernel_bench.py --sweep-decode).
+DECODE_ELEMENTS_PER_PROGRAM = 4096
+DECODE_NUM_WARPS = 4
+
+
+def _rows_per_program(block_size: int, elements: int = 4096) -> int:
+    """Blocks per program: ~``elements`` elements per program (a power of two)."""
+    return max(1, elements // block_size)
 
 
 def _require_kernels(device: torch.device) -> None:
@@ -309,10 +321,11 @@ def encode_triton(residual: torch.Tensor, fmt: str, block_size: int, *,
         _flat(x, "x", n, (torch.float32, torch.bfloat16), device)
         a, xx, has_x = anchor, x, True
     payload = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)  # (P,)
-    payload[layout.values_offset + layout.values_bytes:].zero_()  # the padding (< 16 B); the kernel writes the rest
+    payload[4 * layout.num_blocks: layout.values_offset].zero_()  # the paddings (< 16 B each); the
+    payload[layout.values_offset + layout.values_bytes:].zero_()  # kernel writes the rest
     if n == 0:
         return payload
-    scales = payload[: layout.values_offset].view(torch.float32)  # (num_blocks,)
+    scales = payload[: 4 * layout.num_blocks].view(torch.float32)  # (num_blocks,)
     raw = payload[layout.values_offset: layout.values_offset + layout.values_bytes]
     values = {"int8": raw.view(torch.int8), "int4": raw, "fp8": raw.view(torch.float8_e4m3fn)}[fmt]
     rows = _rows_per_program(block_size)
@@ -327,7 +340,8 @@ def encode_triton(residual: torch.Tensor, fmt: str, block_size: int, *,
 
 
 def decode_triton(payloads: torch.Tensor, layout: PayloadLayout, out: torch.Tensor | None = None,
-                  outer=None) -> torch.Tensor | None:
+                  outer=None, *, elements_per_program: int | None = None,
+                  num_warps: int | None = None) -> torch.Tensor | None:
     """Fused decode; same contract as :func:`reference.decode_reference`.
 
     Args:
@@ -335,6 +349,8 @@ def decode_triton(payloads: torch.Tensor, layout: PayloadLayout, out: torch.Tens
         out: fp32 ``[N]`` for Delta (allocated when None); unused (not written) with ``outer``.
         outer: :class:`~megatron_diloco.outer.OuterNesterov` whose theta (and momentum) are updated
             in place in the same pass.
+        elements_per_program, num_warps: launch shape (defaults: the module's tuned values); the
+            result does not depend on them.
 
     Returns:
         Delta fp32 ``[N]``, or ``None`` when fused with ``outer`` (Delta is never materialized).
@@ -368,16 +384,16 @@ def decode_triton(payloads: torch.Tensor, layout: PayloadLayout, out: torch.Tens
     values = {"int8": payloads.view(torch.int8), "int4": payloads,
               "fp8": payloads.view(torch.float8_e4m3fn)}[layout.fmt]
     dummy = scales  # unused pointer slots (never dereferenced for the given MODE)
-    rows = _rows_per_program(layout.block_size)
+    rows = _rows_per_program(layout.block_size, elements_per_program or DECODE_ELEMENTS_PER_PROGRAM)
     grid = (triton.cdiv(layout.num_blocks, rows),)
     _decode_kernel[grid](
         scales, values, out if out is not None else dummy,
         theta if theta is not None else dummy, m if m is not None else dummy,
-        n, layout.num_blocks, r, layout.total_bytes // 4, layout.total_bytes, layout.values_offset,
+        n, layout.num_blocks, layout.total_bytes // 4, layout.total_bytes, layout.values_offset,
         inverse_replicas(r), float(torch.tensor(-lr, dtype=torch.float32)),
         float(torch.tensor(mu, dtype=torch.float32)),
-        FMT=_FMT_ID[layout.fmt], BLOCK=layout.block_size, ROWS=rows, MODE=mode,
-        NATIVE_FMA=not interpreting(),
+        NUM_REPLICAS=r, FMT=_FMT_ID[layout.fmt], BLOCK=layout.block_size, ROWS=rows, MODE=mode,
+        NATIVE_FMA=not interpreting(), num_warps=num_warps or DECODE_NUM_WARPS,
         enable_fp_fusion=False,
     )
     return None if outer is not None else out
