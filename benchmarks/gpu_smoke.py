@@ -28,11 +28,13 @@ MODEL = """
 """.split()
 
 
-def run(name: str, out: Path, args: list[str], nproc: int) -> tuple[list[dict], str]:
+def run(name: str, out: Path, args: list[str], nproc: int,
+        extra_env: dict[str, str] | None = None) -> tuple[list[dict], str]:
     d = out / name
     d.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, BENCH_OUT=str(d), PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
-               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               **(extra_env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(REPO / "benchmarks" / "instrumented.py"), *MODEL, *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -47,6 +49,20 @@ def run(name: str, out: Path, args: list[str], nproc: int) -> tuple[list[dict], 
 def summary_of(log: str) -> dict:
     lines = [l for l in log.splitlines() if l.startswith("DILOCOX SUMMARY ")]
     return json.loads(lines[-1][len("DILOCOX SUMMARY "):]) if lines else {}
+
+
+def boundary_step_times(recs: list[dict], local_steps: int, boundary: bool | None, warm: int = 5) -> list[float]:
+    """Per-iteration step times (max over ranks: a step ends when the slowest rank ends), after
+    ``warm`` iterations; only boundary steps (every H-th), only inner steps, or all (None)."""
+    per_it = [max(r["iter_s"][i] for r in recs) for i in range(len(recs[0]["iter_s"]))]
+    return [t for i, t in enumerate(per_it, start=1) if i > warm and
+            (boundary is None or ((i % local_steps == 0) == boundary))]
+
+
+def loss_at(recs: list[dict], it: int) -> float:
+    """Mean over the loss-logging ranks of the loss at iteration ``it``."""
+    vals = [r["losses"][str(it)] for r in recs if str(it) in r["losses"]]
+    return sum(vals) / len(vals)
 
 
 def parse_bench_args(extra_flags=None) -> tuple[argparse.Namespace, list[str]]:
@@ -71,18 +87,10 @@ def main() -> None:
     dilocox, log = run("dilocox", a.out, common + dx_args, a.nproc)
     blocking, log_none = run("dilocox_none", a.out, common + dx_args + ["--diloco-x-overlap", "none"], a.nproc)
     s = summary_of(log)
-    H, warm = a.local_steps, 5
+    H = a.local_steps
 
     def step_times(recs, boundary: bool | None):
-        # per-iteration max over ranks (the step ends when the slowest rank ends)
-        per_it = [max(r["iter_s"][i] for r in recs) for i in range(len(recs[0]["iter_s"]))]
-        pick = [t for i, t in enumerate(per_it, start=1) if i > warm and
-                (boundary is None or ((i % H == 0) == boundary))]
-        return pick
-
-    def loss_at(recs, it):
-        vals = [r["losses"][str(it)] for r in recs if str(it) in r["losses"]]
-        return sum(vals) / len(vals)
+        return boundary_step_times(recs, H, boundary)
 
     v_inner, d_inner = step_times(vanilla, False), step_times(dilocox, False)
     d_bound = step_times(dilocox, True)

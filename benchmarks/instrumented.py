@@ -7,6 +7,15 @@ One process per rank (under torchrun). Writes ``$BENCH_OUT/rank{R}.json``::
 
 Iteration times are measured around Megatron's ``train_step`` with a device synchronization on both
 sides, identically with and without ``--diloco-x``.
+
+Slow link between replicas (``benchmarks/link_model.py``), when ``BENCH_LINK_MBPS`` is set (a number
+in Mbit/s, or ``inf`` to count cross-replica bytes without slowing anything):
+``BENCH_LINK_LATENCY_MS`` (default 5), ``BENCH_LINK_REPLICAS`` (R, default 2: contiguous blocks of
+world/R ranks), ``BENCH_LINK_SHARE`` (``rank``: a link per rank, default; ``replica``: one per
+replica). The rank file then also holds ``"link"`` (the model's totals per op kind) and
+``"link_cum"``: per iteration, cumulative ``[wire bytes sent, modelled link s, waited s]`` of this rank.
+With ``--diloco-x`` it holds ``"rounds"``: this rank's per-boundary metrics (bytes, exchange and
+exposed seconds, ...), as logged in the ``[DiLoCoX] round`` lines.
 """
 
 from __future__ import annotations
@@ -26,6 +35,22 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
 
 rec: dict = {"iter_s": [], "losses": {}, "params_on_rank": 0, "mem_after_setup_bytes": None}
+_link = None  # the installed link model, if any
+
+
+def install_link_model() -> None:
+    """Install the slow-link model from ``BENCH_LINK_*`` (no-op when ``BENCH_LINK_MBPS`` is unset)."""
+    global _link
+    mbps = os.environ.get("BENCH_LINK_MBPS")
+    if not mbps:
+        return
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import link_model
+
+    _link = link_model.install(float(mbps), float(os.environ.get("BENCH_LINK_LATENCY_MS", "5")),
+                               int(os.environ.get("BENCH_LINK_REPLICAS", "2")),
+                               os.environ.get("BENCH_LINK_SHARE", "rank"))
+    rec["link_cum"] = []
 
 
 def _sync() -> None:
@@ -45,6 +70,10 @@ def instrument() -> None:
         from megatron.core import parallel_state as ps
 
         rec["pp_rank"] = ps.get_pipeline_model_parallel_rank()
+        if _link is not None:
+            _link.rebind()  # modules imported since install() bound the original collectives
+        rec["tp_rank"] = ps.get_tensor_model_parallel_rank()
+        rec["rank"] = dist.get_rank()
         _sync()
         if torch.cuda.is_available():
             rec["mem_after_setup_bytes"] = torch.cuda.memory_allocated()
@@ -56,6 +85,8 @@ def instrument() -> None:
         out = orig_step(*a, **k)
         _sync()
         rec["iter_s"].append(time.perf_counter() - t0)
+        if _link is not None:
+            rec["link_cum"].append(list(_link.counters()))
         return out
 
     def training_log(loss_dict, *a, **k):
@@ -67,6 +98,33 @@ def instrument() -> None:
     training.train_step, training.training_log = train_step, training_log
     training.setup_model_and_optimizer = setup_model_and_optimizer
 
+    from megatron_diloco import integration
+
+    orig_log_round = integration._Installation.log_round
+
+    def log_round(self, m):
+        rec.setdefault("rounds", []).append({k: (v if isinstance(v, (bool, int, float)) else float(v))
+                                             for k, v in m.items()})
+        return orig_log_round(self, m)
+
+    integration._Installation.log_round = log_round
+
+    if os.environ.get("BENCH_CHECK_BOUNDARIES") == "1":
+        # after every DiLoCoX boundary: are the replicas bit-identical? (a fingerprint all-gather;
+        # outside the timed train_step only in the sense that it runs inside step(): use for checks)
+        from megatron_diloco.optimizer import DiLoCoXOptimizer
+
+        orig_opt_step = DiLoCoXOptimizer.step
+        rec["boundary_identical"] = []
+
+        def step(self):
+            out = orig_opt_step(self)
+            if self.step_calls % self.diloco_config.local_steps == 0:
+                rec["boundary_identical"].append([self.step_calls, self.replicas_identical()])
+            return out
+
+        DiLoCoXOptimizer.step = step
+
 
 def main() -> None:
     script = str(REPO / "examples" / "pretrain_gpt_diloco.py")
@@ -75,6 +133,7 @@ def main() -> None:
 
     compat.apply_all()
     instrument()
+    install_link_model()  # after Megatron's modules are imported (it rebinds their references)
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
@@ -82,6 +141,8 @@ def main() -> None:
             if torch.cuda.is_available():
                 rec["max_mem_bytes"] = torch.cuda.max_memory_allocated()
                 rec["device"] = torch.cuda.get_device_name()
+            if _link is not None:
+                rec["link"] = _link.stats()
             Path(os.environ["BENCH_OUT"], f"rank{dist.get_rank()}.json").write_text(json.dumps(rec))
 
 
