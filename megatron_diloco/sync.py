@@ -161,12 +161,14 @@ class OuterSync:
         torch._foreach_add_(xs, self.view.split(self.start_point))
         return float(torch.stack(torch._foreach_norm(xs, 2)).double().square().sum())
 
-    def _any_replica_nonfinite(self) -> bool:
-        """Whether any replica's pseudo-gradient shard (in ``buffer``) holds a NaN/Inf.
+    def _any_replica_nonfinite(self, sq: float) -> bool:
+        """Whether any replica's pseudo-gradient shard holds a NaN/Inf.
 
-        One pass over the shard and a 1-element MAX all-reduce over the outer group (blocking), so
-        that every replica takes the same decision before anything is sent."""
-        flag = (~torch.isfinite(self.buffer)).any().to(torch.float32).reshape(1)
+        ``sq`` is this rank's squared norm of it (already on the host, no extra pass over the shard):
+        non-finite when the shard holds a NaN/Inf, or when its fp32 norm overflows (entries near
+        1e19: a diverged round, skipped as well). A 1-element MAX all-reduce over the outer group (blocking) makes every replica take the same
+        decision before anything is sent."""
+        flag = torch.tensor([0.0 if math.isfinite(sq) else 1.0], dtype=torch.float32, device=self.view.device)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
@@ -226,7 +228,7 @@ class OuterSync:
             with record_function("megatron_diloco::prepare"):
                 sq = self._pseudo_gradient_into_x()
                 self.view.gather(self.buffer)
-                if self._any_replica_nonfinite():
+                if self._any_replica_nonfinite(sq):
                     return self._skip(sq, completed=None)
                 handle = self._launch()
             with record_function("megatron_diloco::perform"):
@@ -247,7 +249,7 @@ class OuterSync:
                 self.pending = None
         with record_function("megatron_diloco::launch"):
             self.view.gather(self.buffer)
-            if self._any_replica_nonfinite():
+            if self._any_replica_nonfinite(sq):
                 return self._skip(sq, completed)
             self.pending = self._launch()
             if self.anchor is not None:
