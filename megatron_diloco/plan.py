@@ -1,0 +1,613 @@
+"""Analytic projection of a DiLoCoX run: memory per GPU, time per step and per round, exchange and
+exposed time, and speedup over data-parallel AllReduce over the same slow link.
+
+    python -m megatron_diloco.plan --params 107e9 --pp 8 --dp 10 --replicas 2 --gpu-tflops 125 \\
+        --tokens-per-step 327680 --link-mbps 1000 --local-steps 500 --codec int8
+    python -m megatron_diloco.plan --preset paper [--json]
+
+The model is arithmetic; only the blockwise codecs' byte layout is imported from the codec (which
+imports torch). Units are in every name (``_s`` seconds, ``_bytes``,
+``_gib`` = 2^30 bytes, ``_mbps`` = 10^6 bit/s).
+
+**Layout.** R replicas (``--replicas``), each ``tp x pp x dp`` GPUs on a fast network (the measured
+or modelled inner step covers all traffic inside a replica). A rank holds ``N / (tp pp)`` parameters
+(equal stages; embedding imbalance ignored) and its outer shard is ``N / (tp pp dp)`` elements, exactly
+like the distributed optimizer's fp32 main shard.
+
+**Link model.** Only traffic *between replicas* crosses the slow link. The link is full duplex,
+``link_mbps`` each way, carrying ``link_efficiency`` of that as payload (default 1448/1514: TCP/IP
+over Ethernet at MTU 1500, measured on the tc-shaped links, KNOWLEDGE.md), plus ``latency_ms`` per
+sequential ring step. One link is shared by a *site* (``--link-scope``): ``cluster`` (one link per
+replica, the default: the clusters of the paper joined by one 1 Gbps line), ``node`` (one per
+``gpus_per_node`` GPUs) or ``gpu`` (one per rank: the CPU WAN emulation, one shaped veth per rank).
+A site's transfer time is the bytes that its ranks send to other replicas over its link, divided by
+the payload bandwidth: sites are symmetric, so every site finishes at the same time.
+
+- **DiLoCoX exchange** (per round): the outer group of a rank is R ranks, one per replica. ``none``
+  is a ring all-reduce of the fp32 shard: each rank sends ``2 (R-1)/R x 4 x shard`` bytes; the
+  quantized and low-rank codecs all-gather payloads: ``(R-1) x payload`` (the byte accounting of
+  :mod:`megatron_diloco.collectives`). Every rank of a site sends at once, so a site carries
+  ``ranks_per_site`` times that.
+- **AllReduce baseline** (per step): the same job as plain data parallelism over all ``R x dp``
+  ranks of a stage; Megatron's distributed optimizer reduce-scatters gradients and all-gathers
+  parameters (``baseline_bytes_per_param`` = grad reduce bytes + param bytes, 4 + 2 for bf16 with
+  fp32 gradient reduction). ``hierarchical`` (default, the most favourable to AllReduce):
+  reduce inside the replica, exchange the ``1/dp`` slice among the R replicas (each rank sends
+  ``(R-1)/R x bytes/dp`` of its group), gather inside. ``ring``: one flat ring per (stage, tp rank)
+  over ``n = R dp`` ranks ordered replica by replica; the edge leaving a replica carries
+  ``(n-1)/n x bytes`` and a site holds ``min(ranks_per_site, tp pp)`` such edges.
+
+**Time.** Inner step ``t = flops_per_token x tokens_per_step / (gpus_per_replica x gpu_tflops)``
+(``6 N``, plus ``12 L h s`` attention when the GPT shape is given), or the measured ``step_time_s``.
+Round = ``H t + boundary + exposed``; exposed = ``max(0, exchange - H t)`` with the one-step-delay
+overlap (the exchange launched at a boundary has the next H steps to finish), the whole exchange
+without overlap. AllReduce step = ``t + comm`` (``max(t, comm)`` with ``baseline_overlap``).
+Speedup = (AllReduce seconds per token) / (DiLoCoX seconds per token), both over R replicas' tokens.
+
+**Memory** per GPU (bytes per parameter of the rank): inner = params (2, bf16) + main grads (4,
+fp32) + distributed-optimizer fp32 main params and Adam moments (12 / dp); outer (DiLoCoX) = theta
+(4) + momentum (4, if mu > 0) + exchange buffer (4) + error-feedback residual (4, lossy codecs), all
+/ dp; plus the transient payload + gather buffer of a quantized exchange ((1 + R) x the shard's payload). The
+AllReduce job shards its optimizer over ``R dp``. Activations (of the first pipeline stage, the
+fullest) are estimated only when the GPT shape and micro-batch are given (:func:`activation_bytes`),
+otherwise they are left out and the output says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+#: Payload fraction of a TCP/IPv4 stream on Ethernet at MTU 1500 (1448 payload bytes per 1514 on the wire).
+TCP_EFFICIENCY = 1448 / 1514
+#: Codecs the planner knows (``--diloco-x-compression`` values).
+PLAN_CODECS: tuple[str, ...] = ("none", "int8", "int4", "fp8", "lowrank", "lowrank-int8", "adaptive")
+#: Elements per fp32 scale of the blockwise codecs (``reference.DEFAULT_BLOCK_SIZE``).
+BLOCK_SIZE = 256
+#: Where the measured codec ratios live (``benchmarks/codecs_bench.py``).
+CODECS_JSON = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "codecs.json"
+#: Boundary overhead per shard parameter: (boundary step - inner step) / shard params, measured on
+#: 4 x H200 (benchmarks/results/gpu_smoke.json: 179.0 - 173.2 ms over 42.77 M params).
+BOUNDARY_NS_PER_PARAM = 0.136
+
+
+def blockwise_payload_bytes(numel: int, fmt: str, block_size: int = BLOCK_SIZE) -> int:
+    """Bytes of one blockwise-quantized payload of ``numel`` elements: the codec's own layout
+    (:func:`megatron_diloco.compression.reference.payload_layout`: fp32 scales, values, padding)."""
+    if fmt not in ("int8", "int4", "fp8"):
+        raise ValueError(f"--codec: no blockwise payload for {fmt!r}")
+    from megatron_diloco.compression.reference import payload_layout  # imports torch (~2 s)
+
+    return payload_layout(numel, fmt, block_size).total_bytes
+
+
+def measured_ratio(codec: str, rank: int = 4, energy: float = 0.9, path: Path = CODECS_JSON) -> float:
+    """Compression ratio (4 N / payload) of a low-rank/adaptive codec from ``codecs.json``.
+
+    Measured on the 4-layer, hidden-192 demo model: low-rank ratios grow with the matrix width
+    (about ``h / (2 r)`` for a square matrix), so they understate what a wide model gets.
+    """
+    key = {"lowrank": f"lowrank-r{rank}", "lowrank-int8": f"lowrank-int8-r{rank}",
+           "adaptive": f"adaptive-e{energy:g}"}[codec]
+    if not path.exists():
+        raise ValueError(f"--compression-ratio is required for --codec {codec} ({path} not found)")
+    codecs = json.loads(path.read_text())["codecs"]
+    if key not in codecs:
+        raise ValueError(f"--compression-ratio is required for --codec {codec}: {path.name} has no "
+                         f"{key!r} (it has {', '.join(codecs)})")
+    return float(codecs[key]["compression_ratio"])
+
+
+@dataclasses.dataclass
+class PlanConfig:
+    """Inputs of the projection. Every field maps to the ``--flag`` of the same name (``_`` -> ``-``)."""
+
+    # ---------------- model ----------------
+    params: float | None = None
+    """N: parameters of one model replica. None: computed from the GPT shape below."""
+    layers: int | None = None
+    """L: transformer layers (GPT shape; enables the attention FLOPs and the activation estimate)."""
+    hidden: int | None = None
+    """h: hidden size."""
+    ffn_hidden: int | None = None
+    """FFN hidden size (default 4 h)."""
+    vocab: int | None = None
+    """Padded vocabulary size (embedding and, untied, output layer)."""
+    heads: int | None = None
+    """a: attention heads (activation estimate)."""
+    seq_length: int | None = None
+    """s: sequence length in tokens."""
+    swiglu: bool = False
+    """Gated FFN (three FFN matrices instead of two)."""
+    tied_embeddings: bool = False
+    """Output layer shares the embedding (counted once)."""
+
+    # ---------------- batch ----------------
+    tokens_per_step: int = 0
+    """Tokens one replica processes per inner step (its global batch x sequence length)."""
+    micro_batch: int | None = None
+    """b: micro-batch size (activation estimate only)."""
+    recompute: str = "none"
+    """Activation recomputation: ``none``, ``selective`` or ``full`` (activation estimate only)."""
+    dropout: bool = True
+    """Dropout masks are stored (activation estimate only; ``--no-dropout`` for dropout 0)."""
+
+    # ---------------- layout ----------------
+    tp: int = 1
+    """Tensor-parallel size inside a replica."""
+    pp: int = 1
+    """Pipeline-parallel size inside a replica."""
+    dp: int = 1
+    """Data-parallel size inside a replica (the distributed optimizer and the outer state shard over it)."""
+    replicas: int = 2
+    """R: replicas (clusters)."""
+    gpus_per_node: int = 8
+    """GPUs per node (``--link-scope node``)."""
+
+    # ---------------- compute ----------------
+    gpu_tflops: float | None = None
+    """Achieved model TFLOP/s per GPU (pipeline bubble included). Ignored when step_time_s is given."""
+    step_time_s: float | None = None
+    """Measured inner-step time in seconds (overrides the FLOP model)."""
+    boundary_s: float | None = None
+    """Extra time of a boundary step in seconds (pseudo-gradient, outer step, re-gather). None:
+    BOUNDARY_NS_PER_PARAM x shard parameters."""
+
+    # ---------------- slow link ----------------
+    link_mbps: float = 1000.0
+    """Slow-link bandwidth, Mbit/s each way (full duplex)."""
+    latency_ms: float = 0.0
+    """One-way latency per sequential ring step, milliseconds."""
+    link_scope: str = "cluster"
+    """Ranks sharing one link: ``cluster`` (a replica), ``node`` (gpus_per_node) or ``gpu`` (one rank)."""
+    link_efficiency: float = TCP_EFFICIENCY
+    """Payload fraction of the link rate."""
+
+    # ---------------- DiLoCoX ----------------
+    local_steps: int = 500
+    """H: inner steps per outer round."""
+    codec: str = "int8"
+    """Pseudo-gradient codec (``--diloco-x-compression``)."""
+    compression_ratio: float | None = None
+    """4 N / payload bytes. None: the exact blockwise formula (none/int8/int4/fp8) or codecs.json
+    (lowrank, lowrank-int8 at ``rank``, adaptive at ``energy``)."""
+    rank: int = 4
+    """Low-rank rank (ratio lookup in codecs.json)."""
+    energy: float = 0.9
+    """Adaptive energy target (ratio lookup in codecs.json)."""
+    overlap: str = "delayed"
+    """``delayed`` / ``eager``: exchange hidden behind the next round; ``none``: blocking."""
+    outer_momentum: float = 0.9
+    """mu: > 0 allocates the outer momentum buffer."""
+
+    # ---------------- memory ----------------
+    param_bytes: int = 2
+    """Bytes per model parameter (2: bf16, 4: fp32)."""
+    grad_bytes: int = 4
+    """Bytes per main gradient (4: fp32 grad buffer, Megatron's default with bf16)."""
+    optimizer_bytes: int = 12
+    """Distributed-optimizer bytes per parameter before sharding (fp32 main params + Adam m, v)."""
+    gpu_memory_gib: float | None = None
+    """GPU memory in GiB, to say whether the plan fits."""
+
+    # ---------------- AllReduce baseline ----------------
+    baseline_algo: str = "hierarchical"
+    """``hierarchical`` (reduce in the replica, exchange 1/dp across replicas) or ``ring`` (flat ring)."""
+    baseline_bytes_per_param: float | None = None
+    """Bytes per parameter a step reduces/gathers. None: grad_bytes + param_bytes (reduce-scatter of
+    the main grads + all-gather of the params, Megatron's distributed optimizer)."""
+    baseline_overlap: bool = False
+    """Overlap the AllReduce with the backward pass (step = max(compute, comm))."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the ``--flag`` of any invalid value."""
+        for name in ("tp", "pp", "dp", "replicas", "gpus_per_node", "local_steps", "rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{_flag(name)} must be an integer >= 1, got {v!r}")
+        shape = (self.layers, self.hidden)
+        if self.params is None and None in shape:
+            raise ValueError("--params is required unless the GPT shape (--layers, --hidden) is given")
+        if self.params is not None and not (self.params > 0 and math.isfinite(self.params)):
+            raise ValueError(f"--params must be a finite number > 0, got {self.params!r}")
+        for name in ("layers", "hidden", "ffn_hidden", "vocab", "heads", "seq_length", "micro_batch"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{_flag(name)} must be an integer >= 1, got {v!r}")
+        if self.layers is not None and self.layers % self.pp:
+            raise ValueError(f"--pp ({self.pp}) must divide --layers ({self.layers})")
+        if self.heads is not None and self.heads % self.tp:
+            raise ValueError(f"--tp ({self.tp}) must divide --heads ({self.heads})")
+        if not isinstance(self.tokens_per_step, int) or self.tokens_per_step < 1:
+            raise ValueError(f"--tokens-per-step must be an integer >= 1, got {self.tokens_per_step!r}")
+        if self.step_time_s is None:
+            if self.gpu_tflops is None or not (self.gpu_tflops > 0 and math.isfinite(self.gpu_tflops)):
+                raise ValueError(f"--gpu-tflops must be a finite number > 0 (or give --step-time-s), "
+                                 f"got {self.gpu_tflops!r}")
+        elif not (self.step_time_s > 0 and math.isfinite(self.step_time_s)):
+            raise ValueError(f"--step-time-s must be a finite number > 0, got {self.step_time_s!r}")
+        if self.boundary_s is not None and not (self.boundary_s >= 0 and math.isfinite(self.boundary_s)):
+            raise ValueError(f"--boundary-s must be a finite number >= 0, got {self.boundary_s!r}")
+        if not (self.link_mbps > 0 and math.isfinite(self.link_mbps)):
+            raise ValueError(f"--link-mbps must be a finite number > 0, got {self.link_mbps!r}")
+        if not (self.latency_ms >= 0 and math.isfinite(self.latency_ms)):
+            raise ValueError(f"--latency-ms must be a finite number >= 0, got {self.latency_ms!r}")
+        if not (0 < self.link_efficiency <= 1):
+            raise ValueError(f"--link-efficiency must be in (0, 1], got {self.link_efficiency!r}")
+        _choice("link_scope", self.link_scope, ("cluster", "node", "gpu"))
+        _choice("codec", self.codec, PLAN_CODECS)
+        _choice("overlap", self.overlap, ("none", "delayed", "eager"))
+        _choice("recompute", self.recompute, ("none", "selective", "full"))
+        _choice("baseline_algo", self.baseline_algo, ("hierarchical", "ring"))
+        if self.compression_ratio is not None and not (self.compression_ratio >= 1 and
+                                                       math.isfinite(self.compression_ratio)):
+            raise ValueError(f"--compression-ratio must be a finite number >= 1, got {self.compression_ratio!r}")
+        if not (0 <= self.outer_momentum < 1):
+            raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum!r}")
+        for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            if getattr(self, name) not in (0, 1, 2, 4, 8, 12, 16):
+                raise ValueError(f"{_flag(name)} must be a byte count like 2, 4 or 12, got {getattr(self, name)!r}")
+        if self.baseline_bytes_per_param is not None and not self.baseline_bytes_per_param > 0:
+            raise ValueError(f"--baseline-bytes-per-param must be > 0, got {self.baseline_bytes_per_param!r}")
+        if self.link_scope == "node" and self.gpus_per_replica % self.gpus_per_node:
+            raise ValueError(f"--gpus-per-node ({self.gpus_per_node}) must divide the GPUs of a replica "
+                             f"(tp x pp x dp = {self.gpus_per_replica}) with --link-scope node")
+
+    # ---------------------------------------------------------------- derived sizes
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def n_params(self) -> float:
+        """N: parameters of one replica (given, or from the GPT shape)."""
+        if self.params is not None:
+            return float(self.params)
+        h, L = self.hidden, self.layers
+        ffn = self.ffn_hidden or 4 * h
+        per_layer = 4 * h * h + (3 if self.swiglu else 2) * h * ffn + 2 * h  # qkv+proj, FFN, 2 norms
+        emb = (self.vocab or 0) * h * (1 if self.tied_embeddings else 2)
+        return float(L * per_layer + emb + h)
+
+    @property
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 N, plus 12 L h s for the attention score/value matmuls."""
+        attn = 12 * self.layers * self.hidden * self.seq_length if None not in (
+            self.layers, self.hidden, self.seq_length) else 0
+        return 6 * self.n_params + attn
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{_flag(name)} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+@dataclasses.dataclass
+class Plan:
+    """Outputs of :func:`plan` (seconds, bytes, GiB)."""
+
+    config: PlanConfig
+    params: float
+    """N: parameters of one replica."""
+    params_per_gpu: float
+    """N / (tp pp): parameters on one GPU."""
+    shard_params: float
+    """N / (tp pp dp): elements of a rank's outer shard (and distributed-optimizer shard)."""
+    memory_gib: dict[str, float]
+    """DiLoCoX per-GPU memory by component (GiB); ``inner``, ``outer`` and ``total`` sum them."""
+    baseline_memory_gib: float
+    """Per-GPU memory of the AllReduce job (optimizer sharded over R dp, no outer state), GiB."""
+    activations_estimated: bool
+    """Whether ``memory_gib["activations"]`` is an estimate (GPT shape given) or left out (0)."""
+    compute_step_s: float
+    """Inner step, seconds (FLOP model or measured)."""
+    boundary_s: float
+    """Extra time of a boundary step, seconds."""
+    compression_ratio: float
+    """4 x shard / payload bytes."""
+    ratio_source: str
+    """Where the ratio came from (formula, codecs.json, given)."""
+    payload_bytes_per_rank: float
+    """Bytes of one rank's encoded pseudo-gradient."""
+    bytes_sent_per_rank_per_round: float
+    """Bytes a rank sends to other replicas per round (collectives.py accounting)."""
+    bytes_per_link_per_round: float
+    """Bytes one site's link carries (each way) per round."""
+    exchange_s: float
+    """Time of one round's exchange on the link, seconds."""
+    exposed_s: float
+    """Time per round the training waits for the exchange, seconds."""
+    round_s: float
+    """H x step + boundary + exposed, seconds."""
+    min_hidden_local_steps: int
+    """Smallest H for which the exchange hides under the next round's compute."""
+    allreduce_bytes_per_link_per_step: float
+    """Bytes one site's link carries (each way) per AllReduce step."""
+    allreduce_comm_s: float
+    """Gradient/parameter synchronization time per AllReduce step, seconds."""
+    allreduce_step_s: float
+    """AllReduce step time, seconds."""
+    dilocox_tokens_per_s: float
+    """Tokens per second over all R replicas."""
+    allreduce_tokens_per_s: float
+    """Tokens per second of the AllReduce job (same GPUs, same tokens per step)."""
+    speedup_vs_allreduce: float
+    """dilocox_tokens_per_s / allreduce_tokens_per_s."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["config"] = dataclasses.asdict(self.config)
+        return d
+
+
+def _ranks_per_site(cfg: PlanConfig) -> int:
+    return {"cluster": cfg.gpus_per_replica, "node": cfg.gpus_per_node, "gpu": 1}[cfg.link_scope]
+
+
+def _ratio(cfg: PlanConfig, shard: int) -> tuple[float, str]:
+    if cfg.compression_ratio is not None:
+        return cfg.compression_ratio, "given"
+    if cfg.codec == "none":
+        return 1.0, "fp32"
+    if cfg.codec in ("int8", "int4", "fp8"):
+        return 4 * shard / blockwise_payload_bytes(shard, cfg.codec), "blockwise formula"
+    return measured_ratio(cfg.codec, cfg.rank, cfg.energy), "codecs.json (hidden-192 demo model)"
+
+
+def activation_bytes(cfg: PlanConfig, stage: int = 0) -> float | None:
+    """Activation memory of a GPU of pipeline ``stage`` in bytes (None without the GPT shape).
+
+    Per layer and micro-batch (Korthikanti et al. 2022, bf16): ``s b h (34 + 5 a s / h)`` without
+    recomputation (``32 + 4 a s / h`` without dropout masks), ``34 s b h`` selective (attention
+    recomputed), ``2 s b h`` full; divided by tp (no sequence parallelism counted). Under 1F1B stage
+    ``i`` holds ``pp - i`` micro-batches in flight (at most the number of micro-batches).
+    """
+    if None in (cfg.layers, cfg.hidden, cfg.heads, cfg.seq_length, cfg.micro_batch):
+        return None
+    s, b, h, a = cfg.seq_length, cfg.micro_batch, cfg.hidden, cfg.heads
+    full_coef = (34 + 5 * a * s / h) if cfg.dropout else (32 + 4 * a * s / h)
+    per_layer = {"none": full_coef, "selective": 34.0, "full": 2.0}[cfg.recompute] * s * b * h / cfg.tp
+    micro_batches = max(1, cfg.tokens_per_step // (s * b * cfg.dp))
+    return per_layer * (cfg.layers // cfg.pp) * min(cfg.pp - stage, micro_batches)
+
+
+def plan(cfg: PlanConfig) -> Plan:
+    """Project ``cfg`` (see the module docstring for every formula)."""
+    R, H = cfg.replicas, cfg.local_steps
+    n = cfg.n_params
+    per_gpu = n / (cfg.tp * cfg.pp)
+    shard = per_gpu / cfg.dp
+    shard_int = max(1, int(round(shard)))
+
+    # ---- memory (bytes per GPU) ----
+    lossy = cfg.codec != "none"
+    ratio, source = _ratio(cfg, shard_int)
+    payload = 4 * shard / ratio  # bytes one rank sends per round (before the R-1 factor)
+    act = activation_bytes(cfg)
+    mem = {
+        "params": cfg.param_bytes * per_gpu,
+        "main_grads": cfg.grad_bytes * per_gpu,
+        "inner_optimizer": cfg.optimizer_bytes * shard,
+        "outer_theta": 4 * shard,
+        "outer_momentum": 4 * shard if cfg.outer_momentum > 0 else 0.0,
+        "outer_exchange_buffer": 4 * shard,
+        "outer_residual": 4 * shard if lossy else 0.0,
+        "exchange_transient": (1 + R) * payload if cfg.codec in ("int8", "int4", "fp8") else 0.0,
+        "activations": act or 0.0,
+    }
+    mem_gib = {k: v / 2**30 for k, v in mem.items()}
+    mem_gib["inner"] = sum(mem_gib[k] for k in ("params", "main_grads", "inner_optimizer"))
+    mem_gib["outer"] = sum(mem_gib[k] for k in mem if k.startswith("outer_") or k == "exchange_transient")
+    mem_gib["total"] = sum(mem.values()) / 2**30
+    baseline_mem = (mem["params"] + mem["main_grads"] + cfg.optimizer_bytes * per_gpu / (cfg.dp * R)
+                    + mem["activations"]) / 2**30
+
+    # ---- compute ----
+    if cfg.step_time_s is not None:
+        t_step = cfg.step_time_s
+    else:
+        t_step = cfg.flops_per_token * cfg.tokens_per_step / (cfg.gpus_per_replica * cfg.gpu_tflops * 1e12)
+    t_boundary = cfg.boundary_s if cfg.boundary_s is not None else BOUNDARY_NS_PER_PARAM * 1e-9 * shard
+
+    # ---- DiLoCoX exchange over the slow link ----
+    rate = cfg.link_mbps * 1e6 / 8 * cfg.link_efficiency  # payload bytes/s per link, each way
+    lat = cfg.latency_ms * 1e-3
+    sites = _ranks_per_site(cfg)
+    if cfg.codec == "none":
+        sent = 2 * (R - 1) / R * payload  # ring all-reduce
+        steps = 2 * (R - 1)
+    else:
+        sent = (R - 1) * payload  # all-gather of payloads
+        steps = (R - 1) * (2 if cfg.codec in ("lowrank", "lowrank-int8", "adaptive") else 1)  # P then Q
+    per_link = sites * sent
+    exchange = per_link / rate + steps * lat if R > 1 else 0.0
+    if cfg.overlap == "none":
+        exposed = exchange
+    else:
+        exposed = max(0.0, exchange - H * t_step)
+    round_s = H * t_step + t_boundary + exposed
+    min_h = max(1, math.ceil(exchange / t_step)) if exchange > 0 else 1
+
+    # ---- AllReduce baseline: the same job as plain DP over R x dp ranks per stage ----
+    bpp = cfg.baseline_bytes_per_param if cfg.baseline_bytes_per_param is not None else (
+        cfg.grad_bytes + cfg.param_bytes)
+    group_bytes = bpp * per_gpu  # bytes one (stage, tp rank) group reduces + gathers per step
+    if cfg.baseline_algo == "hierarchical":
+        ar_per_link = sites * (R - 1) / R * group_bytes / cfg.dp
+        ar_steps = 2 * (R - 1)
+    else:
+        ring_n = R * cfg.dp
+        ar_per_link = min(sites, cfg.tp * cfg.pp) * (ring_n - 1) / ring_n * group_bytes
+        ar_steps = 2 * (ring_n - 1)
+    ar_comm = ar_per_link / rate + ar_steps * lat if R > 1 else 0.0
+    ar_step = max(t_step, ar_comm) if cfg.baseline_overlap else t_step + ar_comm
+
+    tokens_round = H * R * cfg.tokens_per_step
+    dx_tps = tokens_round / round_s
+    ar_tps = R * cfg.tokens_per_step / ar_step
+    return Plan(
+        config=cfg, params=n, params_per_gpu=per_gpu, shard_params=shard, memory_gib=mem_gib,
+        baseline_memory_gib=baseline_mem, activations_estimated=act is not None,
+        compute_step_s=t_step, boundary_s=t_boundary, compression_ratio=ratio, ratio_source=source,
+        payload_bytes_per_rank=payload, bytes_sent_per_rank_per_round=sent if R > 1 else 0.0,
+        bytes_per_link_per_round=per_link if R > 1 else 0.0, exchange_s=exchange, exposed_s=exposed,
+        round_s=round_s, min_hidden_local_steps=min_h, allreduce_bytes_per_link_per_step=ar_per_link,
+        allreduce_comm_s=ar_comm, allreduce_step_s=ar_step, dilocox_tokens_per_s=dx_tps,
+        allreduce_tokens_per_s=ar_tps, speedup_vs_allreduce=dx_tps / ar_tps,
+    )
+
+
+# -------------------------------------------------------------------- presets
+A800_BF16_PEAK_TFLOPS = 312.0
+#: The paper's setting (arXiv 2506.21263): 107B, 160 A800 in 20 nodes x 8, PP 8, 1 Gbps. What the
+#: paper does not state here is assumed (see :data:`PAPER_ASSUMPTIONS`).
+PAPER_PRESET: dict[str, Any] = dict(
+    params=107e9, tp=1, pp=8, dp=10, replicas=2, gpus_per_node=8,
+    gpu_tflops=0.4 * A800_BF16_PEAK_TFLOPS, tokens_per_step=160 * 2048,
+    link_mbps=1000.0, latency_ms=0.0, link_scope="cluster", local_steps=500, codec="int8",
+    overlap="delayed", outer_momentum=0.9, gpu_memory_gib=80.0,
+)
+PAPER_ASSUMPTIONS: tuple[str, ...] = (
+    "2 clusters of 10 nodes (PP 8 x DP 10 each), as in the paper's Fig. 1 (2 clusters, PP 8 x DP 2) scaled to 160 GPUs",
+    "A800 bf16 dense peak 312 TFLOP/s at 40% model FLOPs utilization (124.8 TFLOP/s achieved)",
+    "160 sequences x 2048 tokens per replica step (327,680 tokens; 16 micro-batches of 1 per DP rank)",
+    "one 1 Gbit/s full-duplex line between the clusters, 95.6% TCP payload efficiency, no latency term",
+    "H = 500 (DiLoCo default), int8 pseudo-gradients (the paper's adaptive low-rank + quantization sends fewer bytes)",
+    "AllReduce baseline: hierarchical reduce-scatter fp32 grads + all-gather bf16 params (6 B/param), no overlap",
+)
+
+PRESETS: dict[str, dict[str, Any]] = {"paper": PAPER_PRESET}
+
+
+# -------------------------------------------------------------------- output
+def _fmt_bytes(b: float) -> str:
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if b >= k:
+            return f"{b / k:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+def _fmt_s(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.3g} h"
+    if s >= 1:
+        return f"{s:.4g} s"
+    return f"{s * 1e3:.3g} ms"
+
+
+def format_table(p: Plan) -> str:
+    """A readable two-column table of the projection."""
+    c = p.config
+    m = p.memory_gib
+    fits = "" if c.gpu_memory_gib is None else (
+        f"  ({'fits' if m['total'] <= c.gpu_memory_gib else 'does NOT fit'} {c.gpu_memory_gib:g} GiB)")
+    rows = [
+        ("model", f"{p.params / 1e9:.4g} B params; {p.params_per_gpu / 1e9:.4g} B per GPU; "
+                  f"outer shard {p.shard_params / 1e6:.4g} M per rank"),
+        ("layout", f"{c.replicas} replicas x (TP {c.tp} x PP {c.pp} x DP {c.dp}) = "
+                   f"{c.replicas * c.gpus_per_replica} GPUs; link {c.link_mbps:g} Mbit/s per {c.link_scope}"),
+        ("memory / GPU, DiLoCoX", f"{m['total']:.2f} GiB = inner {m['inner']:.2f} (params {m['params']:.2f}, "
+                                  f"grads {m['main_grads']:.2f}, optimizer {m['inner_optimizer']:.2f}) + outer "
+                                  f"{m['outer']:.2f} + activations "
+                                  + (f"{m['activations']:.2f}" if p.activations_estimated else "not estimated")
+                                  + fits),
+        ("memory / GPU, AllReduce job", f"{p.baseline_memory_gib:.2f} GiB"),
+        ("inner step", _fmt_s(p.compute_step_s) + ("  (measured)" if c.step_time_s is not None else
+                                                   f"  ({p.config.gpu_tflops:g} TFLOP/s per GPU)")),
+        ("codec", f"{c.codec}, {p.compression_ratio:.4g}x vs fp32 ({p.ratio_source})"),
+        ("exchange / round", f"{_fmt_bytes(p.bytes_sent_per_rank_per_round)} per rank, "
+                             f"{_fmt_bytes(p.bytes_per_link_per_round)} per link -> {_fmt_s(p.exchange_s)}"),
+        ("exposed / round", f"{_fmt_s(p.exposed_s)} ({c.overlap}; H = {c.local_steps}, "
+                            f"hidden from H = {p.min_hidden_local_steps})"),
+        ("round", f"{_fmt_s(p.round_s)} = {c.local_steps} x {_fmt_s(p.compute_step_s)} + boundary "
+                  f"{_fmt_s(p.boundary_s)} + exposed"),
+        ("AllReduce step", f"{_fmt_s(p.allreduce_step_s)} = compute + {_fmt_s(p.allreduce_comm_s)} comm "
+                           f"({_fmt_bytes(p.allreduce_bytes_per_link_per_step)} per link, {c.baseline_algo})"),
+        ("tokens/s", f"DiLoCoX {p.dilocox_tokens_per_s:,.0f}; AllReduce {p.allreduce_tokens_per_s:,.1f}"),
+        ("speedup vs AllReduce", f"{p.speedup_vs_allreduce:.1f}x"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+# -------------------------------------------------------------------- CLI
+def _field_docs() -> dict[str, str]:
+    """The docstring under each PlanConfig field (first sentence), for ``--help``."""
+    import ast
+    import inspect
+
+    body = ast.parse(inspect.getsource(PlanConfig)).body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = " ".join(str(b.value.value).split()).replace("%", "%%")
+    return docs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    docs = _field_docs()
+    p = argparse.ArgumentParser(prog="python -m megatron_diloco.plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), help="start from a preset (flags given override it)")
+    p.add_argument("--json", action="store_true", help="print the projection as JSON")
+    for f in dataclasses.fields(PlanConfig):
+        flag = _flag(f.name)
+        doc = docs.get(f.name, "")
+        if f.type in ("bool",):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc or None)
+        else:
+            conv = {"int": int, "int | None": int, "float | None": float, "float": float}.get(f.type, str)
+            if f.name == "params":
+                conv = lambda v: float(v)  # noqa: E731 (accepts 107e9)
+            if f.name == "tokens_per_step":
+                conv = lambda v: int(float(v))  # noqa: E731
+            p.add_argument(flag, type=conv, default=None, help=doc or None)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> PlanConfig:
+    """The PlanConfig of parsed CLI arguments: preset values, overridden by the flags given."""
+    values = dict(PRESETS[args.preset]) if args.preset else {}
+    for f in dataclasses.fields(PlanConfig):
+        v = getattr(args, f.name)
+        if v is not None:
+            values[f.name] = v
+    return PlanConfig(**values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        p = plan(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = p.to_dict()
+        if args.preset == "paper":
+            out["assumptions"] = list(PAPER_ASSUMPTIONS)
+        print(json.dumps(out, indent=1))
+    else:
+        print(format_table(p))
+        if args.preset == "paper":
+            print("\nassumptions (not stated in the material available here):")
+            print("\n".join(f"  - {a}" for a in PAPER_ASSUMPTIONS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""The analytic planner: hand-computed memory, byte counts equal to the codecs' real payloads, exposed
+time, speedup, CLI, and flag-naming validation."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_diloco.collectives import ring_allreduce_bytes
+from megatron_diloco.compression import get_codec
+from megatron_diloco.plan import PlanConfig, blockwise_payload_bytes, main, plan
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cfg(**kw) -> PlanConfig:
+    base = dict(params=1e9, step_time_s=1.0, tokens_per_step=1000, replicas=2, local_steps=10,
+                link_mbps=8000.0, link_efficiency=1.0, boundary_s=0.0, codec="none")
+    base.update(kw)
+    return PlanConfig(**base)
+
+
+def test_memory_hand_computed():
+    # 8e9 params, TP 2 x PP 2 -> 2e9 per GPU; DP 4 -> outer shard 0.5e9.
+    p = plan(cfg(params=8e9, tp=2, pp=2, dp=4, codec="none", outer_momentum=0.9))
+    gib = 2**30
+    assert p.params_per_gpu == 2e9 and p.shard_params == 0.5e9
+    assert p.memory_gib["inner"] * gib == pytest.approx(2 * 2e9 + 4 * 2e9 + 12 * 0.5e9)  # 18e9
+    assert p.memory_gib["outer"] * gib == pytest.approx(12 * 0.5e9)  # theta, momentum, buffer
+    assert p.memory_gib["total"] * gib == pytest.approx(24e9)
+    assert p.baseline_memory_gib * gib == pytest.approx(4e9 + 8e9 + 12 * 2e9 / 8)  # optimizer over R dp
+    assert not p.activations_estimated and p.memory_gib["activations"] == 0
+    # mu = 0 drops the momentum; a lossy codec adds the residual and the payload + gather buffers.
+    q = plan(cfg(params=8e9, tp=2, pp=2, dp=4, codec="int8", outer_momentum=0.0))
+    payload = blockwise_payload_bytes(500_000_000, "int8")
+    assert q.memory_gib["outer"] * gib == pytest.approx(12 * 0.5e9 + 3 * payload)
+
+
+@pytest.mark.parametrize("fmt, numel", [("int8", 1000), ("int8", 4096), ("int4", 1001), ("int4", 300)])
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_exchange_bytes_equal_the_codec_payload(fmt, numel, replicas):
+    codec = get_codec(fmt)
+    residual = torch.zeros(numel)
+    payload = codec.encode(residual, pseudo_grad=torch.randn(numel), residual_out=residual)
+    assert blockwise_payload_bytes(numel, fmt) == payload.numel() == codec.payload_bytes(numel)
+    p = plan(cfg(params=numel, replicas=replicas, codec=fmt))
+    assert p.bytes_sent_per_rank_per_round == (replicas - 1) * payload.numel()  # all-gather accounting
+    assert p.compression_ratio == pytest.approx(4 * numel / payload.numel())
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_uncompressed_exchange_is_the_ring_allreduce(replicas):
+    numel = 12_000
+    p = plan(cfg(params=numel, replicas=replicas, codec="none"))
+    assert p.bytes_sent_per_rank_per_round == ring_allreduce_bytes(4 * numel, replicas)
+
+
+def test_per_link_bytes_and_time_follow_the_scope():
+    # TP 2 x PP 2 x DP 2 = 8 ranks per replica, 4 per node; 1 byte/s per link (8e-6 Mbit/s).
+    kw = dict(params=8e6, tp=2, pp=2, dp=2, gpus_per_node=4, codec="none", link_mbps=8e-6)
+    per_rank = plan(cfg(**kw, link_scope="gpu")).bytes_sent_per_rank_per_round  # 4 B x 1e6 elements
+    assert per_rank == 4e6
+    for scope, ranks in (("gpu", 1), ("node", 4), ("cluster", 8)):
+        p = plan(cfg(**kw, link_scope=scope))
+        assert p.bytes_per_link_per_round == ranks * per_rank
+        assert p.exchange_s == pytest.approx(ranks * per_rank)
+
+
+def test_exposed_time():
+    # int8 exchange of 1e9 elements at 1 GB/s payload: about 1.016 s.
+    exch = plan(cfg(codec="int8")).exchange_s
+    assert 1.0 < exch < 1.02
+    assert plan(cfg(codec="int8", overlap="delayed", local_steps=2)).exposed_s == 0.0  # fits in H steps
+    assert plan(cfg(codec="int8", overlap="eager", local_steps=2)).exposed_s == 0.0
+    assert plan(cfg(codec="int8", overlap="none", local_steps=2)).exposed_s == pytest.approx(exch)
+    short = plan(cfg(codec="int8", overlap="delayed", step_time_s=0.25, local_steps=2))
+    assert short.exposed_s == pytest.approx(exch - 0.5)
+    assert short.min_hidden_local_steps == math.ceil(exch / 0.25)
+    assert short.round_s == pytest.approx(0.5 + short.exposed_s)
+
+
+def test_speedup_hand_computed():
+    # AllReduce: (R-1)/R x (4 + 2) B x 1e9 params = 3e9 B at 1e9 B/s -> 3 s comm + 1 s compute = 4 s/step.
+    # DiLoCoX: H = 10 steps of 1 s per round, exchange (1 s) hidden: 1 s/step. Speedup 4.
+    p = plan(cfg(codec="int8"))
+    assert p.allreduce_comm_s == pytest.approx(3.0)
+    assert p.allreduce_step_s == pytest.approx(4.0)
+    assert p.speedup_vs_allreduce == pytest.approx(4.0)
+    assert plan(cfg(codec="int8", baseline_overlap=True)).speedup_vs_allreduce == pytest.approx(3.0)
+    # Flat ring over R dp = 4 ranks (dp 2): the edge leaving a replica carries (n-1)/n of the group.
+    ring = plan(cfg(dp=2, baseline_algo="ring"))
+    assert ring.allreduce_bytes_per_link_per_step == pytest.approx(0.75 * 6e9)
+
+
+def test_flops_step_time_and_activation_estimate():
+    p = plan(PlanConfig(layers=2, hidden=64, vocab=100, heads=4, seq_length=32, micro_batch=2, pp=2,
+                        tokens_per_step=256, gpu_tflops=1e-6, codec="none"))
+    n = 2 * (4 * 64 * 64 + 2 * 64 * 256 + 2 * 64) + 2 * 100 * 64 + 64
+    assert p.params == n
+    assert p.compute_step_s == pytest.approx((6 * n + 12 * 2 * 64 * 32) * 256 / (2 * 1e6))
+    # 4 micro-batches of 2 x 32 tokens; stage 0 holds pp = 2 of them; 1 layer per stage.
+    per_layer = 32 * 2 * 64 * (34 + 5 * 4 * 32 / 64)
+    assert p.activations_estimated and p.memory_gib["activations"] * 2**30 == pytest.approx(2 * per_layer)
+
+
+def test_cli_prints_json_and_table():
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert main(["--preset", "paper", "--json"]) == 0
+    out = json.loads(buf.getvalue())
+    assert out["config"]["params"] == 107e9 and out["config"]["pp"] == 8
+    assert out["speedup_vs_allreduce"] > 1 and out["memory_gib"]["total"] > 0 and out["assumptions"]
+    proc = subprocess.run([sys.executable, "-m", "megatron_diloco.plan", "--params", "1e9",
+                           "--tokens-per-step", "4096", "--gpu-tflops", "100", "--link-mbps", "100",
+                           "--local-steps", "50", "--codec", "lowrank-int8", "--compression-ratio", "100"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "speedup vs AllReduce" in proc.stdout and "lowrank-int8, 100x" in proc.stdout
+
+
+@pytest.mark.parametrize("kw, flag", [
+    (dict(layers=30, hidden=64, pp=4, params=None), "--pp"),
+    (dict(link_mbps=0.0), "--link-mbps"),
+    (dict(link_mbps=float("inf")), "--link-mbps"),
+    (dict(tp=0), "--tp"),
+    (dict(codec="zip"), "--codec"),
+    (dict(link_scope="rack"), "--link-scope"),
+    (dict(step_time_s=None, gpu_tflops=None), "--gpu-tflops"),
+    (dict(step_time_s=-1.0), "--step-time-s"),
+    (dict(tokens_per_step=0), "--tokens-per-step"),
+    (dict(params=None), "--params"),
+    (dict(compression_ratio=0.5), "--compression-ratio"),
+    (dict(local_steps=0), "--local-steps"),
+    (dict(link_scope="node", dp=3, gpus_per_node=8), "--gpus-per-node"),
+])
+def test_bad_input_names_the_flag(kw, flag):
+    with pytest.raises(ValueError, match=flag):
+        cfg(**kw)
+
+
+def test_cli_bad_input_exits_2_naming_the_flag(capsys):
+    assert main(["--preset", "paper", "--link-mbps", "0"]) == 2
+    assert "--link-mbps" in capsys.readouterr().err
+
+
+def test_validation_reader_on_a_wan_bench_shaped_result():
+    """benchmarks/plan_validate.py reads wan_bench.py's JSON: bytes rows follow the plan's formula,
+    failed runs become notes (guards the reader until the real wan.json lands)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_validate", REPO / "benchmarks" / "plan_validate.py")
+    pv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pv)
+    n, h = 10_000, 4
+    summary = {"rounds": 3, "local_steps": h, "replicas": 2, "overlap": "none", "compression": "none",
+               "bytes_sent_per_rank": 3 * 4 * n}
+    runs = [{"link_mbps": 10.0, "method": "allreduce", "tokens_per_s": 100.0, "step_s": 0.1, "inner_step_s": 0.05},
+            {"link_mbps": 10.0, "method": "diloco", "tokens_per_s": 400.0, "inner_step_s": 0.05, "window_s": 1.0,
+             "rounds_in_window": 2, "exchange_per_round_s": 0.03, "exposed_comm_per_round_s": 0.03,
+             "boundary_per_round_s": 0.04, "speedup_vs_allreduce": 4.0, "summary": summary},
+            {"link_mbps": 10.0, "method": "dilocox", "error": "timeout"}]
+    data = {"config": {"local_steps": h, "replicas": 2, "ranks_per_replica": 1},
+            "model": {"params": n, "tokens_per_iter": 64}, "links": [], "runs": runs}
+    rows, notes = pv.link_rows(data, "wan.json")
+    got = {r["quantity"]: r for r in rows}
+    assert got["bytes sent per rank per round"]["predicted"] == 4 * n == got["bytes sent per rank per round"]["measured"]
+    assert {"AllReduce step time", "exchange time per round", "speedup vs AllReduce (tokens/s ratio)"} <= set(got)
+    assert len(notes) == 1 and "timeout" in notes[0]
+
+    # gpu_throughput.py's gpu.json: 2 replicas x PP 2 of the 85.5M GPT, one modelled link per GPU.
+    n_rank = pv.SMOKE_PARAMS[2] / 2
+    gpu = {"link_model": {"share": "rank"}, "runs": [
+        {"gpus": 4, "link_mbps": 1000.0, "method": "allreduce", "tokens_per_step": 65536, "compute_step_s": 0.17,
+         "step_s_mean": 1.2, "tokens_per_s": 5e4, "bytes_per_rank_per_round": 3 * n_rank},
+        {"gpus": 4, "link_mbps": 1000.0, "method": "dilocox", "tokens_per_step": 65536, "compute_step_s": 0.17,
+         "step_s_mean": 0.18, "tokens_per_s": 3e5, "bytes_per_rank_per_round": 4.4e7, "exposed_s_per_round": 0.0,
+         "local_steps": 20, "speedup_vs_allreduce": 6.0},
+        {"gpus": 4, "link_mbps": 1000.0, "method": "diloco"}]}
+    rows, notes = pv.gpu_rows(gpu, "gpu.json")
+    got = {(r["run"], r["quantity"]): r for r in rows}
+    ar = got[("gpu 4x 1000 Mbit allreduce", "AllReduce bytes per rank per step")]
+    assert ar["predicted"] == pytest.approx(ar["measured"])  # (n-1)/n x (4 + 2) B with n = 2
+    assert ("gpu 4x 1000 Mbit dilocox", "speedup vs AllReduce (tokens/s ratio)") in got
+    assert len(notes) == 1 and "diloco" in notes[0]
