@@ -3,7 +3,9 @@
 One process per rank (under torchrun). Writes ``$BENCH_OUT/rank{R}.json``::
 
     {"iter_s": [...], "losses": {iteration: loss}, "params_on_rank": N,
-     "mem_after_setup_bytes": B, "max_mem_bytes": B, "device": "..."}
+     "mem_after_setup_bytes": B, "max_mem_bytes": B, "device": "...", "completed": true}
+
+(``completed``: the script returned normally; the process then exits without interpreter teardown.)
 
 Iteration times are measured around Megatron's ``train_step`` with a device synchronization on both
 sides, identically with and without ``--diloco-x``.
@@ -14,6 +16,11 @@ in Mbit/s, or ``inf`` to count cross-replica bytes without slowing anything):
 world/R ranks), ``BENCH_LINK_SHARE`` (``rank``: a link per rank, default; ``replica``: one per
 replica). The rank file then also holds ``"link"`` (the model's totals per op kind) and
 ``"link_cum"``: per iteration, cumulative ``[wire bytes sent, modelled link s, waited s]`` of this rank.
+``BENCH_FIXED_EVAL=1``: every evaluation (Megatron's periodic one and the one after training) sees
+the same batches: the first ``--eval-iters`` batches of each evaluation data stream, cached on first
+use and replayed (by default each evaluation takes the stream's next batches).
+``--bench-plain-ddp`` (consumed here) drops the example's ``--use-distributed-optimizer``: plain
+Megatron DDP, gradients all-reduced (as ``wan_worker.py`` does for the CPU WAN benchmark).
 With ``--diloco-x`` it holds ``"rounds"``: this rank's per-boundary metrics (bytes, exchange and
 exposed seconds, ...), as logged in the ``[DiLoCoX] round`` lines.
 """
@@ -126,16 +133,67 @@ def instrument() -> None:
         DiLoCoXOptimizer.step = step
 
 
+def fixed_evaluation() -> None:
+    """Make every ``evaluate`` call replay the same batches of its data iterator (see above)."""
+    import megatron.training.training as training
+
+    orig = training.evaluate
+    seen: dict[int, tuple[list, object]] = {}  # id(iterator) -> (batches so far, iterator kept alive)
+
+    def evaluate(forward_step_func, data_iterator, *a, **k):
+        if data_iterator is None or isinstance(data_iterator, list):  # no data on this stage / VPP
+            return orig(forward_step_func, data_iterator, *a, **k)
+        batches, _ = seen.setdefault(id(data_iterator), ([], data_iterator))
+
+        def replay():
+            yield from list(batches)
+            while True:  # only on the first evaluation (or a longer one)
+                try:
+                    batch = next(data_iterator)  # (Megatron's RerunDataIterator has no __iter__)
+                except StopIteration:
+                    return
+                batches.append(batch)
+                yield batch
+
+        return orig(forward_step_func, replay(), *a, **k)
+
+    training.evaluate = evaluate
+
+
+def plain_ddp() -> None:
+    """Make the example's argument parsing ignore ``--use-distributed-optimizer`` (its demo
+    defaults add it): Megatron's DDP then all-reduces the gradients."""
+    import functools
+
+    import megatron.training.arguments as arguments
+
+    orig = arguments.parse_and_validate_args
+
+    @functools.wraps(orig)
+    def parse_and_validate_args(*a, **k):
+        sys.argv = [x for x in sys.argv if x != "--use-distributed-optimizer"]
+        return orig(*a, **k)
+
+    arguments.parse_and_validate_args = parse_and_validate_args
+
+
 def main() -> None:
     script = str(REPO / "examples" / "pretrain_gpt_diloco.py")
-    sys.argv = [script] + sys.argv[1:]
+    argv = sys.argv[1:]
+    sys.argv = [script] + [x for x in argv if x != "--bench-plain-ddp"]
     from megatron_diloco import compat
 
     compat.apply_all()
     instrument()
+    if "--bench-plain-ddp" in argv:
+        plain_ddp()
+    if os.environ.get("BENCH_FIXED_EVAL") == "1":
+        fixed_evaluation()
     install_link_model()  # after Megatron's modules are imported (it rebinds their references)
+    rec["completed"] = False
     try:
         runpy.run_path(script, run_name="__main__")
+        rec["completed"] = True
     finally:
         if dist.is_initialized() and os.environ.get("BENCH_OUT"):
             if torch.cuda.is_available():
@@ -144,6 +202,12 @@ def main() -> None:
             if _link is not None:
                 rec["link"] = _link.stats()
             Path(os.environ["BENCH_OUT"], f"rank{dist.get_rank()}.json").write_text(json.dumps(rec))
+    if rec["completed"] and os.environ.get("BENCH_OUT"):
+        # Records written: leave without interpreter teardown (a gloo run once aborted there, after
+        # finishing, with "terminate called without an active exception").
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,200 @@
+"""The in-process slow-link model of ``benchmarks/link_model.py`` on 2 gloo ranks.
+
+Each case installs a link of a few Mbit/s and checks wall times against the model with margins wide
+enough for a loaded 2-core machine (modelled times of 0.2-0.7 s; the real gloo ops take ~ms) and
+narrow enough to tell an overlapped transfer (the max of transfer and compute) from a serial one
+(their sum).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import link_model  # noqa: E402
+from tests.dist_utils import run_world  # noqa: E402
+
+MBPS = 8.0  # 1 MB/s: 1 byte = 1 microsecond
+LATENCY_MS = 20.0
+SLACK = 0.3  # seconds a loaded machine may add on top of the model
+
+
+def _modelled(kind: str, nbytes: int, n: int = 2) -> float:
+    wire, hops = link_model.ring_cost(kind, nbytes, n)
+    return hops * LATENCY_MS / 1e3 + wire / (MBPS * 1e6 / 8)
+
+
+def test_ring_cost_formulas():
+    B = 1200
+    assert link_model.ring_cost("all_reduce", B, 4) == (2 * 3 * B // 4, 6)
+    assert link_model.ring_cost("reduce_scatter", B, 4) == (3 * B // 4, 3)
+    assert link_model.ring_cost("all_gather", B, 4) == (3 * B, 3)  # B = one rank's input
+    assert link_model.ring_cost("broadcast", B, 4) == (B, 3)
+    assert link_model.ring_cost("all_reduce", B, 1) == (0, 0)
+
+
+def test_crosses_replicas():
+    assert not link_model.crosses_replicas([0, 1], ranks_per_replica=2)
+    assert link_model.crosses_replicas([0, 2], ranks_per_replica=2)
+    assert link_model.crosses_replicas([1, 3], ranks_per_replica=2)
+    assert not link_model.crosses_replicas([3], ranks_per_replica=1)
+
+
+def _sync_all_reduce(rank, world):
+    link = link_model.install(MBPS, LATENCY_MS, replicas=2)
+    t = torch.ones(100_000)  # 400 kB -> ring all-reduce over 2 sends 400 kB: 0.4 s + 2 x 20 ms
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.all_reduce(t)
+    elapsed = time.perf_counter() - t0
+    expected = _modelled("all_reduce", 400_000)
+    assert torch.equal(t, torch.full_like(t, 2.0)), "the real collective must still run"
+    assert expected <= elapsed + 1e-3, (elapsed, expected)
+    assert elapsed < expected + SLACK, (elapsed, expected)
+    assert link.bytes_sent == 400_000 and link.cross_ops == 1
+    assert link.modelled_s == pytest.approx(expected)
+
+
+def test_sync_all_reduce_takes_the_modelled_time():
+    run_world(_sync_all_reduce, 2)
+
+
+def _async_overlaps(rank, world):
+    link = link_model.install(MBPS, LATENCY_MS, replicas=2)
+    t = torch.ones(125_000)  # 500 kB all-reduce: 0.5 s + 40 ms on the link
+    expected = _modelled("all_reduce", 500_000)
+    dist.barrier()
+    t0 = time.perf_counter()
+    work = dist.all_reduce(t, async_op=True)
+    launched = time.perf_counter() - t0
+    time.sleep(0.5)  # "compute" while the transfer is in flight
+    work.wait()
+    elapsed = time.perf_counter() - t0
+    assert launched < 0.1, "launching an async op must not block for the transfer"
+    assert elapsed >= expected - 1e-3, (elapsed, expected)
+    assert elapsed < max(expected, 0.5) + SLACK, f"cost the sum, not the max: {elapsed} vs {expected} + 0.5"
+    assert link.waited_s < expected  # part of the transfer was hidden under the sleep
+    # a future that completes at the modelled finish (ExchangeHandle times exchanges with it)
+    w2 = dist.all_reduce(t, async_op=True)
+    fut = w2.get_future()
+    w2.wait()
+    fut.wait()
+
+
+def test_async_all_reduce_overlaps_with_compute():
+    run_world(_async_overlaps, 2)
+
+
+def _bytes_and_queue(rank, world):
+    link = link_model.install(MBPS, LATENCY_MS, replicas=2)
+    x = torch.ones(50_000)  # 200 kB
+    out_rs = torch.empty(25_000)
+    out_ag = torch.empty(100_000)
+    lst = [torch.empty(50_000) for _ in range(2)]
+    dist.reduce_scatter_tensor(out_rs, x)
+    dist.all_gather_into_tensor(out_ag, x)
+    dist.all_gather(lst, x)
+    dist.broadcast(x, src=0)
+    kinds = link.stats()["kinds"]
+    assert kinds["reduce_scatter"]["bytes"] == 100_000  # (n-1)/n of the 200 kB input
+    assert kinds["all_gather"]["bytes"] == 2 * 200_000  # (n-1) x input, twice
+    assert kinds["broadcast"]["bytes"] == 200_000
+    assert link.bytes_sent == 100_000 + 400_000 + 200_000
+    # Two async transfers queue on the link (FIFO): the second finishes after both.
+    a, b = torch.ones(50_000), torch.ones(50_000)  # 200 kB each: 0.2 s + 40 ms each
+    dist.barrier()
+    t0 = time.perf_counter()
+    wa = dist.all_reduce(a, async_op=True)
+    wb = dist.all_reduce(b, async_op=True)
+    wb.wait()
+    elapsed = time.perf_counter() - t0
+    wa.wait()
+    assert elapsed >= 2 * _modelled("all_reduce", 200_000) - 1e-3, elapsed
+    # A coalesced batch (Megatron's DDP buckets) is one transfer: bytes summed, latency once.
+    before = link.modelled_s
+    dist.barrier()
+    t0 = time.perf_counter()
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    cm.wait()
+    elapsed = time.perf_counter() - t0
+    expected = 2 * LATENCY_MS / 1e3 + 400_000 / (MBPS * 1e6 / 8)
+    assert link.modelled_s - before == pytest.approx(expected)
+    assert expected - 1e-3 <= elapsed < expected + SLACK, (elapsed, expected)
+
+
+def test_bytes_follow_the_ring_formulas_and_transfers_queue():
+    run_world(_bytes_and_queue, 2)
+
+
+def _intra_replica_untouched(rank, world):
+    link = link_model.install(1.0, 1000.0, replicas=1)  # 1 Mbit/s, 1 s latency: would be obvious
+    t = torch.ones(100_000)
+    t0 = time.perf_counter()
+    dist.all_reduce(t)
+    dist.all_reduce(t, async_op=True).wait()
+    assert time.perf_counter() - t0 < 0.5
+    assert link.bytes_sent == 0 and link.cross_ops == 0 and link.local_ops == 2
+    # Accounting-only mode (no bandwidth): bytes counted, nothing slowed.
+    link = link_model.install(None, 1000.0, replicas=2)
+    t0 = time.perf_counter()
+    dist.all_reduce(t)
+    assert time.perf_counter() - t0 < 0.5
+    assert link.bytes_sent == 400_000 and link.modelled_s == 0.0
+    link.uninstall()
+    assert not hasattr(dist.all_reduce, "_link_model")
+
+
+def test_intra_replica_group_is_not_slowed():
+    run_world(_intra_replica_untouched, 2)
+
+
+def _exchanges(rank, world):
+    """The DiLoCoX exchanges under the model: the fp32 all-reduce and the int8 all-gather
+    (``dist.Work`` handles waited by ``ExchangeHandle``) and the low-rank one (blocking
+    collectives on a worker thread) all overlap with the caller's compute: 0.6 s of sleep and a
+    ~0.6 s exchange cost ~0.6 s, not 1.2 s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_diloco.collectives import (
+        start_compressed_exchange, start_exchange, start_threaded_exchange,
+    )
+    from megatron_diloco.compression import get_codec
+
+    link = link_model.install(MBPS, 300.0, replicas=2)  # 300 ms per hop, 1 MB/s
+    group = dist.group.WORLD  # the outer group (None would mean a single replica)
+    compute_s = 0.6
+
+    def timed(start):
+        dist.barrier()
+        before, t0 = link.modelled_s, time.perf_counter()
+        handle = start()
+        time.sleep(compute_s)
+        out = handle.wait()
+        elapsed, modelled = time.perf_counter() - t0, link.modelled_s - before
+        assert modelled >= 0.55, modelled
+        assert modelled - 1e-3 <= elapsed < max(modelled, compute_s) + SLACK, (elapsed, modelled)
+        return out
+
+    fp32 = torch.full((16_000,), float(rank))  # 64 kB all-reduce: 2 hops + 64 ms
+    out = timed(lambda: start_exchange(fp32, group))
+    assert torch.equal(out, torch.full_like(out, 0.5))
+    q = torch.full((300_000,), float(rank))  # ~0.3 MB int8 payload: 1 hop + ~0.3 s
+    out = timed(lambda: start_compressed_exchange(q, torch.zeros_like(q), get_codec("int8"), group))
+    assert torch.allclose(out, torch.full_like(out, 0.5), atol=1e-2)
+    m = torch.randn(64 * 64)
+    with ThreadPoolExecutor(max_workers=1) as pool:  # two dependent all-gathers (P, then Q)
+        timed(lambda: start_threaded_exchange(m, torch.zeros_like(m), get_codec("lowrank", [(0, (64, 64))], rank=2),
+                                              group, pool))
+
+
+def test_diloco_exchanges_overlap_under_the_model():
+    run_world(_exchanges, 2)
