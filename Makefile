@@ -1,6 +1,7 @@
 # make venv   - .venv with the pinned requirements and this package (editable), via uv
 # make demo   - the CPU demo: 4 ranks, PP 2 x DP 2, DiLoCoX with 2 replicas (ARGS=... to add flags)
 # make test   - the test suite
+# make bench-wan - throughput over an emulated slow network (root; ARGS=... to add flags)
 
 SHELL := /bin/bash
 VENV := .venv
@@ -16,7 +17,7 @@ PYTHON312 ?= $(shell for p in python3.12 /root/.pyenv/versions/3.12.*/bin/python
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 \
 	&& { command -v $$p; break; }; done)
 
-.PHONY: venv demo test clean-venv
+.PHONY: venv demo test bench-wan clean-venv
 
 venv: $(STAMP)
 
@@ -37,6 +38,11 @@ demo: venv
 
 test: venv
 	timeout $(TEST_TIMEOUT) $(PY) -m pytest -q tests
+
+# Needs root (network namespaces, tc); about 10 minutes on 2 CPU cores. Writes
+# benchmarks/results/wan.json and, with matplotlib installed, benchmarks/wan.png.
+bench-wan: venv
+	$(PY) benchmarks/wan_bench.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
