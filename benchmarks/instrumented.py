@@ -178,6 +178,10 @@ def plain_ddp() -> None:
 
 
 def main() -> None:
+    if os.environ.get("BENCH_HANG_DUMP_S"):  # diagnose hangs: every N s, all threads' stacks to stderr
+        import faulthandler
+
+        faulthandler.dump_traceback_later(int(os.environ["BENCH_HANG_DUMP_S"]), repeat=True)
     script = str(REPO / "examples" / "pretrain_gpt_diloco.py")
     argv = sys.argv[1:]
     sys.argv = [script] + [x for x in argv if x != "--bench-plain-ddp"]

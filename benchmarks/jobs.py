@@ -108,8 +108,10 @@ def run_jobs(jobs: list[Job], out: Path, parallel: int = 1, budget_s: float | No
             for stale in d.glob("rank*.json"):
                 stale.unlink()
             env = {**os.environ, **BASE_ENV, **job.env, "BENCH_OUT": str(d)}
-            if devices:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+            if devices:  # slices of the devices this process sees (honours an outer CUDA_VISIBLE_DEVICES)
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in devices)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                    "--nproc-per-node", str(job.nproc), "--master-addr", "127.0.0.1",
                    "--master-port", str(free_port()), str(INSTRUMENTED), *job.args,
