@@ -245,14 +245,17 @@ def gpu_rows(d: dict, source: str) -> tuple[list[dict], list[str]]:
             common = dict(params=float(r.get("params", SMOKE_PARAMS.get(pp, 0)) or 1), pp=pp, dp=1, replicas=2,
                           tokens_per_step=int(r["tokens_per_step"]) // 2, step_time_s=float(r["compute_step_s"]),
                           link_mbps=link, latency_ms=float(r.get("latency_ms") or 0.0), link_scope=scope,
-                          link_efficiency=1.0, param_bytes=2, grad_bytes=4)
+                          link_efficiency=1.0, param_bytes=2, grad_bytes=4,
+                          # gpu_throughput.py's AllReduce is plain DDP (--bench-plain-ddp): one ring
+                          # all-reduce of the fp32 grads, 2(n-1)/n x 4 B per parameter
+                          baseline_algo="ring", baseline_bytes_per_param=8.0)
             if r["method"] == "allreduce":
                 p = plan(PlanConfig(**common, local_steps=1, codec="none", baseline_overlap=overlap))
                 ar_tps[(gpus, link)] = p.allreduce_tokens_per_s
                 rows += [row(name, source, "AllReduce step time", p.allreduce_step_s, float(r["step_s_mean"]), "s",
                              "max(compute, sync): Megatron's overlap taken as complete" if overlap else "compute + sync"),
                          row(name, source, "AllReduce bytes per rank per step", p.allreduce_bytes_per_link_per_step / (1 if scope == "gpu" else pp),
-                             float(r["bytes_per_rank_per_round"]), "B", "reduce-scatter fp32 grads + all-gather bf16 params")]
+                             float(r["bytes_per_rank_per_round"]), "B", "ring all-reduce of fp32 grads (plain DDP)")]
                 continue
             codec, ov = codec_of[r["method"]]
             H = int(r["local_steps"])
