@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -214,6 +215,20 @@ class _ThreadWork:
         raise NotImplementedError  # completion time is recorded by the worker itself
 
 
+#: executor -> {device: the CUDA stream its worker runs exchanges on}
+_WORKER_STREAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _worker_stream(executor, device: torch.device) -> "torch.cuda.Stream":
+    """One CUDA stream per worker (and device), reused every round: the caching allocator keeps freed
+    blocks per stream, so a fresh pool stream each round would strand the worker's buffers of
+    earlier rounds (up to 32 pool streams' worth) instead of reusing them."""
+    streams = _WORKER_STREAMS.setdefault(executor, {})
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
+
+
 def start_threaded_exchange(buffer: torch.Tensor, residual: torch.Tensor, codec,
                             group: dist.ProcessGroup | None, executor) -> ExchangeHandle:
     """Run a multi-collective codec exchange (low-rank, adaptive) on ``executor``'s one worker thread.
@@ -228,13 +243,22 @@ def start_threaded_exchange(buffer: torch.Tensor, residual: torch.Tensor, codec,
         buffer: fp32 ``[N]`` pseudo-gradient shard in, decoded mean over the group out.
         residual: fp32 ``[N]`` error-feedback residual (updated in place by the worker).
         codec: ``LowRankCodec`` / ``AdaptiveCodec`` of :mod:`megatron_diloco.compression`.
-        group: the outer group; every collective of the round runs on it, from the worker thread.
+        group: a group over the outer group's ranks; every collective of the round runs on it, from
+            the worker thread. For tensors on a GPU it must be a **gloo** group (the host mirror of
+            :func:`megatron_diloco.topology.host_mirror_of_outer_groups`): the worker copies each
+            payload to the host, all-gathers it there and copies the result back, so it never
+            enqueues a GPU kernel that waits for another rank (a worker-thread NCCL collective can
+            deadlock against the training loop's own NCCL kernels; seen on 2 x H200).
         executor: a ``ThreadPoolExecutor(max_workers=1)`` owned by the caller (exchanges in order).
 
     While it is in flight no other thread may issue collectives on ``group`` (the boundary logic of
     :class:`megatron_diloco.sync.OuterSync` only does so after waiting for it).
     """
     size = dist.get_world_size(group) if group is not None else 1
+    on_host = buffer.is_cuda
+    if on_host and size > 1 and dist.get_backend(group) != "gloo":
+        raise ValueError("start_threaded_exchange: tensors on a GPU need a gloo group (the host mirror of "
+                         f"the outer group), got backend {dist.get_backend(group)!r}")
     stats = ExchangeStats(raw_bytes=4 * buffer.numel())
     handle = ExchangeHandle(buffer, None, size, stats, finish=lambda: None)
 
@@ -242,18 +266,20 @@ def start_threaded_exchange(buffer: torch.Tensor, residual: torch.Tensor, codec,
         t = t.contiguous()
         if size == 1:
             return t.unsqueeze(0)
-        out = torch.empty(size * t.numel(), dtype=t.dtype, device=t.device)  # (R*k,)
-        dist.all_gather_into_tensor(out, t, group=group)
-        return out.view(size, -1)
+        src = t.cpu() if on_host else t  # waits for the worker stream's producer of t only
+        out = torch.empty(size * src.numel(), dtype=src.dtype, device=src.device)  # (R*k,)
+        dist.all_gather_into_tensor(out, src, group=group)
+        return out.to(t.device).view(size, -1)
 
-    def agree(t: torch.Tensor) -> torch.Tensor:
-        if size > 1:  # the policy's small tensors live on the CPU; NCCL needs them on the device
-            on_device = t.to(buffer.device)
-            dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=group)
-            t.copy_(on_device)
+    def agree(t: torch.Tensor) -> torch.Tensor:  # the policy's small CPU tensors
+        if size > 1:
+            on = t if (on_host or not buffer.is_cuda) else t.to(buffer.device)
+            dist.all_reduce(on, op=dist.ReduceOp.MAX, group=group)
+            if on is not t:
+                t.copy_(on)
         return t
 
-    stream = torch.cuda.Stream(buffer.device) if buffer.is_cuda else None
+    stream = _worker_stream(executor, buffer.device) if buffer.is_cuda else None
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(buffer.device))
 

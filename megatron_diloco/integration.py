@@ -111,8 +111,12 @@ class _Installation:
 
         for chunk in model_chunks:
             make_gradient_reduction_replica_local(chunk, self.config.replicas)
-        self.optimizer = DiLoCoXOptimizer(inner, self.config, from_parallel_state(self.config.replicas),
-                                          on_round=self.log_round)
+        from megatron_diloco.sync import MATRIX_CODECS
+
+        # low-rank / adaptive exchanges run on a worker thread: on GPUs they talk over gloo mirrors
+        host_mirror = self.config.compression in MATRIX_CODECS and torch.cuda.is_available()
+        topology = from_parallel_state(self.config.replicas, host_mirror=host_mirror)
+        self.optimizer = DiLoCoXOptimizer(inner, self.config, topology, on_round=self.log_round)
         return self.optimizer
 
     def log_round(self, m: dict) -> None:

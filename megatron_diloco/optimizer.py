@@ -91,7 +91,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self.on_round = on_round
         self.dist_opts = distributed_optimizers(inner)
         self.view = ShardView(_main_params(self.dist_opts))
-        self.sync = OuterSync(self.view, config, topology.outer_group, _shard_shapes(self.dist_opts))
+        self.sync = OuterSync(self.view, config, topology.outer_group, _shard_shapes(self.dist_opts),
+                              host_group=topology.outer_host_group)
         self._round_started: float | None = None
         self.step_calls = 0
         self.totals = ExchangeStats()

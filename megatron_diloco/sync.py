@@ -113,10 +113,14 @@ class OuterSync:
     """
 
     def __init__(self, view: ShardView, config: DiLoCoXConfig, group: dist.ProcessGroup | None,
-                 shapes: list[tuple[int, ...]] | None = None) -> None:
+                 shapes: list[tuple[int, ...]] | None = None,
+                 host_group: dist.ProcessGroup | None = None) -> None:
         self.view = view
         self.config = config
         self.group = group
+        # low-rank / adaptive on a GPU: the worker thread's collectives go over this gloo mirror of
+        # ``group`` on host copies (see megatron_diloco.topology.host_mirror_of_outer_groups)
+        self.host_group = host_group
         self.codec = None  # None: exact fp32 all-reduce
         self._executor = None  # worker thread of the multi-collective (low-rank) exchanges
         if config.compression != "none":
@@ -188,7 +192,13 @@ class OuterSync:
         b, e = self.buffer, self.residual
         input_sq = float(torch.dot(b, b) + 2 * torch.dot(b, e) + torch.dot(e, e))
         if self._executor is not None:
-            handle = start_threaded_exchange(self.buffer, self.residual, self.codec, self.group,
+            if self.buffer.is_cuda and self.host_group is None and self.group is not None \
+                    and dist.get_world_size(self.group) > 1:
+                raise RuntimeError(
+                    f"--diloco-x-compression {self.config.compression} on a GPU needs the gloo mirror of "
+                    "the outer group (OuterSync(host_group=...)); megatron_diloco.install() creates it")
+            handle = start_threaded_exchange(self.buffer, self.residual, self.codec,
+                                             self.host_group if self.buffer.is_cuda else self.group,
                                              self._executor)
         else:
             handle = start_compressed_exchange(self.buffer, self.residual, self.codec, self.group)

@@ -30,10 +30,37 @@ class Topology:
     replica_groups: tuple[dist.ProcessGroup, ...]
     """Groups that together span this rank's replica (intra-replica DP, model parallel); used to
     reduce per-replica statistics without touching the slow link."""
+    outer_host_group: dist.ProcessGroup | None = None
+    """A gloo group over the outer group's ranks (CPU tensors), for exchanges that run off the main
+    thread on a GPU (low-rank / adaptive): see :func:`host_mirror_of_outer_groups`. None otherwise."""
 
 
-def from_parallel_state(replicas: int) -> Topology:
-    """Read the topology from Megatron's ``parallel_state`` (after ``initialize_model_parallel``)."""
+def host_mirror_of_outer_groups(replicas: int) -> dist.ProcessGroup | None:
+    """Create a gloo group for every outer group (collective over the world: every rank must call
+    this, once, at the same point) and return this rank's.
+
+    Why: an exchange run on a worker thread that issued NCCL collectives would enqueue kernels that
+    wait for the peer replicas on the same GPU as the training loop's own NCCL kernels (intra-replica
+    reductions, Megatron's timer and evaluation collectives), in an order that differs between
+    ranks; with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one hardware queue, as Megatron recommends) that
+    deadlocks, and it was seen to on 2 x H200. Gloo collectives on host copies never enqueue a kernel
+    that waits for another rank, so the worker cannot block the GPU.
+    """
+    world = dist.get_world_size()
+    per = world // replicas
+    mine = None
+    for i in range(per):  # the same groups in the same order on every rank
+        ranks = [i + k * per for k in range(replicas)]
+        group = dist.new_group(ranks, backend="gloo")
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def from_parallel_state(replicas: int, host_mirror: bool = False) -> Topology:
+    """Read the topology from Megatron's ``parallel_state`` (after ``initialize_model_parallel``).
+
+    ``host_mirror``: also create the gloo mirrors of the outer groups (collective over the world)."""
     from megatron.core import parallel_state as ps
 
     world = dist.get_world_size()
@@ -54,4 +81,5 @@ def from_parallel_state(replicas: int) -> Topology:
             )
     intra_dp = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
     groups = tuple(g for g in (intra_dp, ps.get_model_parallel_group()) if dist.get_world_size(g) > 1)
-    return Topology(replicas, rank // per, per, rank % per, outer, groups)
+    host = host_mirror_of_outer_groups(replicas) if host_mirror and replicas > 1 else None
+    return Topology(replicas, rank // per, per, rank % per, outer, groups, host)

@@ -348,3 +348,19 @@ def _link_worker(rank, world, bandwidth):
 @pytest.mark.parametrize("bandwidth", [None, 80.0])
 def test_adaptive_budget_from_measured_or_given_link(bandwidth):
     run_world(_link_worker, 2, bandwidth)
+
+
+def _mirror_worker(rank, world):
+    from megatron_diloco.topology import host_mirror_of_outer_groups
+
+    group = host_mirror_of_outer_groups(2)  # replicas {0,1} and {2,3}: outer groups {0,2}, {1,3}
+    assert dist.get_backend(group) == "gloo"
+    assert dist.get_process_group_ranks(group) == [rank % 2, rank % 2 + 2]
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=group)
+    assert t.item() == 2 * (rank % 2) + 2
+
+
+def test_host_mirror_of_outer_groups():
+    """The gloo mirrors the GPU worker thread uses are exactly the outer groups."""
+    run_world(_mirror_worker, 4)
