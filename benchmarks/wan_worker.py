@@ -46,6 +46,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from instrumented import plain_ddp  # noqa: E402  (drops --use-distributed-optimizer: plain DDP)
 
 rec: dict = {"iters": [], "params_on_rank": 0, "train_iters": None, "tokens_per_iter": None,
              "drain_s": None}
@@ -172,20 +175,6 @@ def instrument() -> None:
 
     training.train_step = train_step
     training.setup_model_and_optimizer = setup_model_and_optimizer
-
-
-def plain_ddp() -> None:
-    """Make the example's Megatron argument parsing ignore ``--use-distributed-optimizer``."""
-    import megatron.training.arguments as arguments
-
-    orig = arguments.parse_and_validate_args
-
-    @functools.wraps(orig)
-    def parse_and_validate_args(*a, **k):
-        sys.argv = [x for x in sys.argv if x != "--use-distributed-optimizer"]
-        return orig(*a, **k)
-
-    arguments.parse_and_validate_args = parse_and_validate_args
 
 
 def main() -> None:
