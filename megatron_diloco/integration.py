@@ -113,8 +113,9 @@ class _Installation:
             make_gradient_reduction_replica_local(chunk, self.config.replicas)
         from megatron_diloco.sync import MATRIX_CODECS
 
-        # low-rank / adaptive exchanges run on a worker thread: on GPUs they talk over gloo mirrors
-        host_mirror = self.config.compression in MATRIX_CODECS and torch.cuda.is_available()
+        # low-rank / adaptive exchanges run on a worker thread: they talk over gloo mirrors of the
+        # outer groups, never over a group the training loop uses
+        host_mirror = self.config.compression in MATRIX_CODECS
         topology = from_parallel_state(self.config.replicas, host_mirror=host_mirror)
         self.optimizer = DiLoCoXOptimizer(inner, self.config, topology, on_round=self.log_round)
         return self.optimizer

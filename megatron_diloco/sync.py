@@ -198,7 +198,7 @@ class OuterSync:
                     f"--diloco-x-compression {self.config.compression} on a GPU needs the gloo mirror of "
                     "the outer group (OuterSync(host_group=...)); megatron_diloco.install() creates it")
             handle = start_threaded_exchange(self.buffer, self.residual, self.codec,
-                                             self.host_group if self.buffer.is_cuda else self.group,
+                                             self.host_group if self.host_group is not None else self.group,
                                              self._executor)
         else:
             handle = start_compressed_exchange(self.buffer, self.residual, self.codec, self.group)

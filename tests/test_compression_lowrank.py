@@ -7,7 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_diloco.compression import get_codec
+from megatron_diloco.compression import AdaptivePolicy, get_codec
 from megatron_diloco.compression.lowrank import LowRankCodec, init_basis, lowrank_pays_off, matrix_shape
 from tests.dist_utils import run_world
 
@@ -112,6 +112,53 @@ def test_state_dict_round_trip_resumes_exactly():
     assert torch.equal(ea, eb)
 
 
+class _CountingTwins:
+    """Fake all-gather over 2 identical replicas that counts the bytes this rank hands it."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def __call__(self, t):
+        self.bytes += t.numel() * t.element_size()
+        return torch.stack([t, t])
+
+
+def test_payload_bytes_are_the_bytes_all_gathered():
+    """``payload_bytes()`` is exactly what one replica puts into the round's all-gathers: the factors
+    quantized as one P and one Q payload, the fallback as one payload per format (scale headers and
+    16-byte alignment included), for every codec, rank and fallback mix."""
+    layout, n = _layout(LAYOUT_SHAPES + [(300, 7), (40, 40, 2)])
+    v = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    codecs = [get_codec(name, layout, rank=rank) for name in ("lowrank", "lowrank-int8") for rank in (1, 3, 9)]
+    codecs.append(LowRankCodec(layout, rank={0: 2, 5: 7}, factor_format="int8", fallback={1: "int4", 2: "none"},
+                               min_numel=0))
+    for budget in (None, 6000):  # adaptive: the budget brings in int4 fallbacks and halved ranks
+        codecs.append(get_codec("adaptive", layout, policy=AdaptivePolicy(max_rank=16, min_numel=0,
+                                                                           budget_bytes=budget)))
+    for codec in codecs:
+        low = getattr(codec, "lowrank", codec)
+        low.min_numel = 0
+        residual = torch.zeros(n)
+        for _ in range(2):
+            ag = _CountingTwins()
+            codec.exchange(residual, ag, pseudo_grad=v)
+            assert ag.bytes == codec.payload_bytes() > 0, (codec.name, low.rank, low.fallback)
+
+
+def test_exchange_writes_out_and_reads_pseudo_grad_first():
+    """``out`` may be the pseudo-gradient buffer itself (the exchange buffer of OuterSync), and the
+    residual holds v during the round: the result equals a run with separate buffers."""
+    layout, n = _layout(LAYOUT_SHAPES)
+    v = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    e0 = 1e-3 * torch.randn(n, generator=torch.Generator().manual_seed(7))
+    a, b = get_codec("lowrank-int8", layout, rank=2), get_codec("lowrank-int8", layout, rank=2)
+    ea, eb = e0.clone(), e0.clone()
+    da = a.exchange(ea, _twins, pseudo_grad=v.clone())
+    buf = v.clone()
+    db = b.exchange(eb, _twins, pseudo_grad=buf, out=buf)
+    assert db is buf and torch.equal(da, db) and torch.equal(ea, eb)
+
+
 def _gloo_allgather(t):
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t.contiguous())
@@ -130,11 +177,16 @@ def _worker(rank, world, names):
 
 def _run_codec(rank, world, name):
     layout, n = _layout(LAYOUT_SHAPES)
+    budget = name == "adaptive-budget"
+    name = "adaptive" if budget else name
     codec = get_codec(name, layout, rank=3)
     codec_min = getattr(codec, "lowrank", codec)
     codec_min.min_numel = 0
     if name == "adaptive":
         codec.policy.min_numel = 0
+        codec.policy.reevaluate_every = 2
+    if budget:  # each replica measures its own step time: budgets differ, the plan must not
+        codec.policy.budget_bytes = 1200 + 400 * rank  # the free plan is ~1.7 KB
     residual = torch.zeros(n)
     for rnd in range(3):
         anchor = torch.randn(n, generator=torch.Generator().manual_seed(100 + rnd))
@@ -145,8 +197,11 @@ def _run_codec(rank, world, name):
         for r in range(world):
             assert torch.equal(everyone[r].view(torch.int32), delta.view(torch.int32)), (name, rnd, r)
         assert torch.isfinite(delta).all() and delta.abs().sum() > 0
+        if budget:  # the group's smallest budget binds everyone
+            assert sum(c.bytes for c in codec.policy.plan) <= 1200 and not codec.policy.over_budget
 
 
 def test_gloo_replicas_decode_bit_identical():
-    """Different pseudo-gradients per replica; every rank decodes the same Delta, bit for bit."""
-    run_world(_worker, 2, ("lowrank", "lowrank-int8", "adaptive", "int8", "none"))
+    """Different pseudo-gradients per replica; every rank decodes the same Delta, bit for bit
+    (adaptive-budget: with a different byte budget on each replica)."""
+    run_world(_worker, 2, ("lowrank", "lowrank-int8", "adaptive", "adaptive-budget", "int8", "none"))

@@ -48,14 +48,21 @@ def test_replicas_identical_and_no_cross_replica_traffic(tmp_path, overlap):
     assert s["final_loss"] < s["first_loss"]
 
 
-@pytest.mark.parametrize("codec", ["none", "int8"])
+@pytest.mark.parametrize("codec", ["none", "int8", "lowrank-int8", "adaptive"])
 def test_checkpoint_resume_is_exact(tmp_path, codec):
     """Save mid-round (exchange in flight) and at a boundary, resume: the loss trajectory of the
-    uninterrupted run, bit for bit, on every replica (with int8: error-feedback residuals too)."""
-    base = ["--train-iters", "12", "--diloco-x-local-steps", "4", "--diloco-x-overlap", "delayed",
+    uninterrupted run, bit for bit, on every replica (with a lossy codec: error-feedback residuals
+    too; low-rank: the shared warm-start bases; adaptive: its plan and when it was evaluated, which
+    a resumed run must reuse rather than re-evaluate at its first boundary).
+
+    16 iterations, H = 4: the codec state saved at iterations 6 and 8 feeds the exchange launched at
+    boundary 8, which the delay applies at boundary 12, so it shows in the losses of 13-16."""
+    base = ["--train-iters", "16", "--diloco-x-local-steps", "4", "--diloco-x-overlap", "delayed",
             "--diloco-x-compression", codec,
             "--diloco-x-outer-lr", "0.7", "--diloco-x-outer-momentum", "0.9",  # momentum state too
             "--save-interval", "1000", "--no-load-rng"]
+    if codec == "adaptive":  # a fixed, non-binding byte budget: the plan must not depend on timing
+        base += ["--diloco-x-bandwidth-mbps", "1e6"]
     full, log = run_megatron(tmp_path, base)
     ckpt = str(tmp_path / "ckpt")
     leg1, _ = run_megatron(tmp_path, base + ["--save", ckpt, "--exit-interval", "6"])  # mid-round 2
@@ -69,12 +76,14 @@ def test_checkpoint_resume_is_exact(tmp_path, codec):
     got = {r: {**losses(leg1)[r], **losses(leg2)[r], **losses(leg3)[r]} for r in want}
     assert sorted(losses(leg1)[1]) == list(range(1, 7))
     assert sorted(losses(leg2)[1]) == [7, 8]
-    assert sorted(losses(leg3)[1]) == list(range(9, 13))
+    assert sorted(losses(leg3)[1]) == list(range(9, 17))
     assert got == want  # exact float equality, every iteration, both replicas
-    assert summary(log3)["replicas_identical"] and summary(log3)["rounds"] == 3
+    assert summary(log3)["replicas_identical"] and summary(log3)["rounds"] == 4
     assert summary(log3)["final_loss"] == summary(log)["final_loss"]
     if codec == "int8":  # 1 byte + 4/256 bytes of scale per element, padded: 3.9x fewer bytes than fp32
         assert 3.8 < summary(log3)["compression_ratio"] < 4.0
+    if codec in ("lowrank-int8", "adaptive"):  # matrices sent as factors: well above int8's ratio
+        assert summary(log3)["compression_ratio"] > 4.5
 
 
 def test_outer_state_is_sharded_like_the_distributed_optimizer(tmp_path):

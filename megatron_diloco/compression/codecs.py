@@ -92,16 +92,12 @@ class BlockwiseCodec:
                residual_out=None) -> torch.Tensor:
         """Error-feedback encode (see :func:`reference.encode_reference`); returns uint8 ``[P]``."""
         self._check_device(residual.device)
-        fn = tk.encode_triton if tk.use_triton(residual.device) else ref.encode_reference
-        return fn(residual, self.fmt, self.block_size, anchor=anchor, x=x, pseudo_grad=pseudo_grad,
-                  residual_out=residual_out)
+        return tk.encode_blockwise(residual, self.fmt, self.block_size, anchor=anchor, x=x,
+                                   pseudo_grad=pseudo_grad, residual_out=residual_out)
 
     def decode(self, payloads: torch.Tensor, numel: int, out=None, outer=None) -> torch.Tensor | None:
         """Ordered mean of the ``[R, P]`` payloads, optionally fused with ``outer.step``."""
-        layout = self.layout(numel)
-        if tk.use_triton(payloads.device):
-            return tk.decode_triton(payloads, layout, out=out, outer=outer)
-        return ref.decode_reference(payloads, layout, out=out, outer=outer)
+        return tk.decode_blockwise(payloads, self.layout(numel), out=out, outer=outer)
 
     def exchange(self, residual, allgather: AllGather, *, out=None, outer=None, **pg):
         payload = self.encode(residual, **pg)
@@ -127,7 +123,7 @@ class AdaptiveCodec:
     def exchange(self, residual, allgather: AllGather, *, agree=None, out=None, **pg) -> torch.Tensor:
         """One round; ``agree`` is the policy's MAX collective (see :meth:`AdaptivePolicy.choose`)."""
         self.rounds += 1
-        v = ref.error_feedback_input(residual, **pg)  # (N,) fp32
+        v = ref.error_feedback_input_(residual, **pg)  # (N,) fp32: v = pseudo_grad + e, in the residual
         plan = self.policy.choose(v, self.lowrank.layout, self.rounds, agree)
         self.lowrank.rank = {i: c.rank for i, c in enumerate(plan) if c.rank > 0}
         self.lowrank.fallback = {i: c.fmt for i, c in enumerate(plan) if c.rank == 0}

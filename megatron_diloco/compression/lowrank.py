@@ -4,11 +4,11 @@ A tensor of shape ``(m, *rest)`` is viewed as the matrix ``M`` of shape ``(m, n)
 and sent as ``M ~ P Q^T`` (``P`` ``(m, r)``, ``Q`` ``(n, r)``). One round, on every rank of the outer
 group (the math of Vogels et al. 2019, with the basis shared across the group)::
 
-    1. v = pseudo_grad + e                      (per tensor, M = v viewed as a matrix)
+    1. v = pseudo_grad + e                      (in e's buffer; per tensor, M = v viewed as a matrix)
     2. P = M Q                                  Q: last round's averaged basis (warm start), identical
                                                 on every rank; initialised from a shared seed
     3. P <- mean_r P_r                          collective #1 (all-gather, fixed-order sum)
-    4. P <- orth(P)                             (QR; identical inputs -> identical outputs)
+    4. P <- orth(P)                             (QR, batched per shape; identical inputs -> outputs)
     5. Q = M^T P
     6. Q <- mean_r Q_r                          collective #2
     7. Delta = P Q^T = P P^T mean_r(M_r)        identical on every rank
@@ -20,11 +20,13 @@ Tensors that are 1-D or small (``rank * (m + n) >= m * n``, or fewer than ``min_
 never low-ranked: they go through the blockwise quantizer (``fallback="int8"``) or raw fp32
 (``fallback="none"``), so they never cost more than raw. With ``factor_format="int8"`` the factors are
 quantized (blockwise absmax, :mod:`reference`) before the all-gather and everyone averages the same
-dequantized factors: nothing is quantized twice.
+dequantized factors: nothing is quantized twice. Quantization and decoding go through the dispatch of
+the blockwise codecs (:func:`triton_kernels.encode_blockwise`): the fused Triton kernels on CUDA
+(Triton required there), the bit-identical reference on CPU.
 
 Collectives are a parameter: ``allgather(t: Tensor[k]) -> Tensor[R, k]`` (row r = replica r's
 ``t``); it must be called by every rank of the outer group in the same order (two calls per round
-when any tensor is low-ranked, plus one for the fallback tensors when there are any).
+when any tensor is low-ranked, P then Q, plus one per fallback format present, in sorted order).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Callable, Sequence
 import torch
 
 from megatron_diloco.compression import reference as ref
+from megatron_diloco.compression import triton_kernels as tk
 
 AllGather = Callable[[torch.Tensor], torch.Tensor]
 #: A tensor of the bucket: (offset in the flat bucket, shape).
@@ -78,18 +81,37 @@ def _mean_in_order(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _exchange_mean(flat: torch.Tensor, allgather: AllGather, fmt: str | None,
-                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mean over the group, what this rank sent)`` of the fp32 ``[k]`` ``flat``.
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(mean over the group, what this rank did not send)`` of the fp32 ``[k]`` ``flat``.
 
-    ``fmt`` None sends fp32 (sent == flat); else the blockwise format, quantized once, and
-    ``sent`` is this rank's dequantized payload.
+    ``fmt`` None: sends fp32, everything is sent (``None`` is returned for the second item). Else
+    the blockwise format, quantized once by :func:`triton_kernels.encode_blockwise` (the fused
+    Triton kernel on CUDA, the reference on CPU: the same bits) and decoded likewise; the second
+    item is ``flat - dequant(own payload)``, fp32 ``[k]`` (exact: ``dequant + it == flat``).
     """
     flat = flat.contiguous()
     if fmt is None:
-        return _mean_in_order(allgather(flat)), flat
-    layout = ref.payload_layout(flat.numel(), fmt, block_size)
-    payload, sent = ref.quantize_reference(flat, fmt, block_size)
-    return ref.decode_reference(allgather(payload), layout), sent
+        return _mean_in_order(allgather(flat)), None
+    err = torch.zeros_like(flat)  # (k,) fp32: e = 0 in, flat - dequant(payload) out
+    payload = tk.encode_blockwise(err, fmt, block_size, pseudo_grad=flat, residual_out=err)  # (P,) uint8
+    mean = tk.decode_blockwise(allgather(payload), ref.payload_layout(flat.numel(), fmt, block_size))
+    return mean, err
+
+
+def _orthonormalize(ps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``Q`` of the reduced QR of every ``(m, r)`` matrix, one batched QR per distinct shape.
+
+    (On CPU a batched QR is the loop of single ones: the same bits; on a GPU it saves a solver
+    launch, and its workspace queries, per tensor.)"""
+    out: list[torch.Tensor | None] = [None] * len(ps)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for j, p in enumerate(ps):
+        groups.setdefault(tuple(p.shape), []).append(j)
+    for idx in groups.values():
+        q = torch.linalg.qr(torch.stack([ps[j] for j in idx]), mode="reduced").Q  # (b, m, r)
+        for j, qj in zip(idx, q.unbind(0)):
+            out[j] = qj
+    return out
 
 
 @dataclasses.dataclass
@@ -138,16 +160,22 @@ class LowRankCodec:
                 if lowrank_pays_off(shape, self.rank_of(i), self.min_numel)]
 
     def payload_bytes(self) -> int:
-        """Bytes one replica sends per round (factors + fallback payload; all-gather counts once)."""
+        """Bytes one replica puts into the round's all-gathers (all-gather counts once): all P
+        factors as one payload, all Q factors as another, and one payload per fallback format,
+        exactly as :meth:`exchange_v` sends them (quantized payloads with their scale headers and
+        16-byte alignment padding)."""
         low = set(self.lowranked())
-        total, rest = 0, {}
+        p_numel = q_numel = 0
+        rest: dict[str, int] = {}
         for i, (_, shape) in enumerate(self.layout):
             if i in low:
                 m, n = matrix_shape(shape)
-                total += sum(self._factor_bytes(k * self.rank_of(i)) for k in (m, n))
+                p_numel += m * self.rank_of(i)
+                q_numel += n * self.rank_of(i)
             else:
                 fmt = self.fallback_of(i)
                 rest[fmt] = rest.get(fmt, 0) + math.prod(shape)
+        total = self._factor_bytes(p_numel) + self._factor_bytes(q_numel) if low else 0
         return total + sum(self._fallback_bytes(fmt, k) for fmt, k in rest.items())
 
     def _factor_bytes(self, numel: int) -> int:
@@ -163,12 +191,14 @@ class LowRankCodec:
     def _basis(self, index: int, n: int, rank: int, device: torch.device) -> torch.Tensor:
         """Q for tensor ``index``: the warm start, cut or extended (shared seeds) to ``rank`` columns."""
         q = self.bases.get(index)
+        if q is not None and q.device != device:  # restored from a checkpoint loaded on the CPU
+            q = q.to(device)
         if q is None or q.shape[0] != n:
             q = init_basis(n, rank, self.seed + 7919 * index, device)
         elif q.shape[1] > rank:
             q = q[:, :rank].contiguous()
-        elif q.shape[1] < rank:
-            extra = init_basis(n, rank, self.seed + 7919 * index + 104729 * rank, device)[:, q.shape[1]:]
+        elif q.shape[1] < rank:  # new columns from their own shared seed
+            extra = init_basis(n, rank - q.shape[1], self.seed + 7919 * index + 104729 * rank, device)
             q = torch.cat([q, extra], dim=1)
         return q
 
@@ -179,68 +209,79 @@ class LowRankCodec:
         """One round: encode, exchange (via ``allgather``), decode; the residual is updated in place.
 
         Args:
-            residual: e, fp32 ``[N]`` (the flat bucket); becomes e_new.
+            residual: e, fp32 ``[N]`` (the flat bucket); holds v = pseudo_grad + e during the round
+                (no second ``[N]`` buffer) and e_new after it.
             allgather: the collective (see the module docstring); every rank calls this with the
                 same layout, ranks and call order.
             pseudo_grad / anchor, x: the pseudo-gradient, as in :func:`reference.error_feedback_input`.
+                ``pseudo_grad`` is read before ``out`` is written: it may be ``out`` itself.
             out: fp32 ``[N]`` for Delta, allocated when None.
 
         Returns:
             Delta, fp32 ``[N]``: the group's mean pseudo-gradient as decoded; identical on every rank.
         """
-        v = ref.error_feedback_input(residual, anchor, x, pseudo_grad)  # (N,) fp32
+        v = ref.error_feedback_input_(residual, anchor, x, pseudo_grad)  # (N,) fp32, v in residual
         return self.exchange_v(v, residual, allgather, out)
 
     @torch.no_grad()
     def exchange_v(self, v: torch.Tensor, residual: torch.Tensor, allgather: AllGather,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`exchange` from ``v = pseudo_grad + e`` (fp32 ``[N]``, read); e_new goes to ``residual``."""
+        """:meth:`exchange` from ``v = pseudo_grad + e`` (fp32 ``[N]``); e_new goes to ``residual``.
+
+        ``v`` may be ``residual`` itself (each tensor's part of v is read before its e_new is written)."""
         delta = torch.empty_like(v) if out is None else out
         low = self.lowranked()
         low_set = set(low)
         rest = [i for i in range(len(self.layout)) if i not in low_set]
 
         if low:
-            mats = {}
+            mats = []
             for i in low:
                 off, shape = self.layout[i]
                 m, n = matrix_shape(shape)
-                mats[i] = v[off: off + m * n].view(m, n)  # (m, n) view of v
+                mats.append(v[off: off + m * n].view(m, n))  # (m, n) view of v
             # 2-3. P = M Q, averaged over the group in one collective
-            ps = {i: mats[i] @ self._basis(i, mats[i].shape[1], self.rank_of(i), v.device) for i in low}
-            p_all, _ = _exchange_mean(torch.cat([ps[i].reshape(-1) for i in low]), allgather,
+            ps = [mat @ self._basis(i, mat.shape[1], self.rank_of(i), v.device) for i, mat in zip(low, mats)]
+            p_all, _ = _exchange_mean(torch.cat([p.reshape(-1) for p in ps]), allgather,
                                       self.factor_format, self.block_size)
             # 4-5. orthogonalize, Q = M^T P
-            qs, start = {}, 0
-            for i in low:
-                m, r = ps[i].shape
-                p = torch.linalg.qr(p_all[start: start + m * r].view(m, r), mode="reduced").Q  # (m, r)
+            p_views, start = [], 0
+            for p in ps:
+                m, r = p.shape
+                p_views.append(p_all[start: start + m * r].view(m, r))  # (m, r) group mean
                 start += m * r
-                ps[i] = p
-                qs[i] = mats[i].T @ p  # (n, r)
+            ps = _orthonormalize(p_views)
+            qs = [mat.T @ p for mat, p in zip(mats, ps)]  # (n, r) each
             # 6. Q averaged over the group in one collective
-            q_all, q_sent = _exchange_mean(torch.cat([qs[i].reshape(-1) for i in low]), allgather,
-                                           self.factor_format, self.block_size)
+            q_flat = torch.cat([q.reshape(-1) for q in qs])  # (sum n r,) this rank's Q
+            q_all, q_err = _exchange_mean(q_flat, allgather, self.factor_format, self.block_size)
+            q_sent = q_flat if q_err is None else q_flat.sub_(q_err)  # exactly the dequantized payload
             start = 0
-            for i in low:
-                n, r = qs[i].shape
+            for i, mat, p in zip(low, mats, ps):
+                m, n = mat.shape
+                r = p.shape[1]
                 q = q_all[start: start + n * r].view(n, r)  # (n, r) group mean
                 q_own = q_sent[start: start + n * r].view(n, r)  # (n, r) what this rank sent
                 start += n * r
                 self.bases[i] = q.clone()  # warm start of the next round
-                off, shape = self.layout[i]
-                m = shape[0]
-                torch.mm(ps[i], q.T, out=delta[off: off + m * n].view(m, n))  # 7. P Q^T
-                e = residual[off: off + m * n].view(m, n)
-                torch.sub(mats[i], ps[i] @ q_own.T, out=e)  # 8. e_new = v - P Q_own^T
+                off = self.layout[i][0]
+                torch.mm(p, q.T, out=delta[off: off + m * n].view(m, n))  # 7. P Q^T
+                e = residual[off: off + m * n].view(m, n)  # (m, n); mat itself when v is the residual
+                if e.data_ptr() != mat.data_ptr():
+                    e.copy_(mat)
+                e.addmm_(p, q_own.T, alpha=-1.0)  # 8. e_new = v - P Q_own^T (no (m, n) temporary)
 
         for fmt in sorted({self.fallback_of(i) for i in rest}):  # one collective per format, fixed order
-            idx = torch.cat([torch.arange(self.layout[i][0], self.layout[i][0] + math.prod(self.layout[i][1]),
-                                          device=v.device) for i in rest if self.fallback_of(i) == fmt])
-            sub = v[idx]  # (k,) fp32 gathered fallback tensors
-            mean, sent = _exchange_mean(sub, allgather, None if fmt == "none" else fmt, self.block_size)
-            delta[idx] = mean
-            residual[idx] = sub - sent  # exact: dequant + e_new == v (0 for raw fp32)
+            spans = [(self.layout[i][0], math.prod(self.layout[i][1])) for i in rest if self.fallback_of(i) == fmt]
+            sub = torch.cat([v[o: o + k] for o, k in spans])  # (k,) fp32 copy of the fallback tensors
+            mean, err = _exchange_mean(sub, allgather, None if fmt == "none" else fmt, self.block_size)
+            sizes = [k for _, k in spans]
+            torch._foreach_copy_([delta[o: o + k] for o, k in spans], list(mean.split(sizes)))
+            if err is None:  # raw fp32: everything sent
+                for o, k in spans:
+                    residual[o: o + k].zero_()
+            else:  # exact: dequant + e_new == v
+                torch._foreach_copy_([residual[o: o + k] for o, k in spans], list(err.split(sizes)))
         return delta
 
     # ---------------- checkpointing ----------------

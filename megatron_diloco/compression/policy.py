@@ -2,19 +2,26 @@
 
 Per matrix tensor ``M`` (``(m, n)`` view, see :mod:`lowrank`), every ``reevaluate_every`` rounds:
 
-1. Estimate the spectrum with a randomized range finder (Halko et al. 2011) on a sketch: a shared
-   seeded Gaussian ``Omega`` ``(n, max_rank + oversample)``, ``Y = M (M^T (M Omega))`` (one power
-   iteration), ``B = orth(Y)^T M`` and ``sigma = svdvals(B)``. Cost ``O(mn(max_rank + oversample))``,
-   the same order as one low-rank round, and no ``m x n`` SVD.
-2. Captured energy of rank r: ``E(r) = sum_{i<r} sigma_i^2 / ||M||_F^2`` (an upper bound for what one
-   warm-started power iteration captures; the error feedback carries the rest).
+1. Estimate the spectrum with a randomized range finder (Halko et al. 2011) on a sketch: a seeded
+   Gaussian ``Omega`` ``(n, max_rank + oversample)`` (one per matrix shape), ``Y = M (M^T (M Omega))``
+   (one power iteration), ``B = orth(Y)^T M`` and ``sigma^2 = eigvalsh(B B^T)`` (fp64, on CPU).
+   Cost ``O(mn(max_rank + oversample))``, the same order as one low-rank round, and no ``m x n`` SVD;
+   matrices of one shape are sketched together (batched QR, one host transfer per shape).
+2. Captured energy of rank r: ``E(r) = sum_{i<r} sigma_i^2 / ||M||_F^2``. This is what the best
+   rank-r approximation *within the sketch* captures: at most the truncated SVD's energy, and
+   more than the codec's own round achieves (one power iteration from last round's basis, on the
+   replicas' mean, with int8 factors). On real pseudo-gradients the achieved per-round error is
+   well above ``sqrt(1 - energy_target)``; the error feedback carries the rest into later rounds
+   (see the README).
 3. Rank = the smallest r <= ``max_rank`` with ``E(r) >= energy_target``. If there is none, or a
    factorization of that rank does not pay off (``r (m + n) >= m n``, or the tensor is small or 1-D),
    the tensor is quantized blockwise instead (int8), which meets any practical target.
-4. The replicas agree on the ranks (an ``agree`` collective, elementwise MAX), so the round's layout
-   is the same on every rank of the outer group.
+4. The replicas agree on the ranks and on the budget (one ``agree`` collective, elementwise MAX over
+   the ranks and the negated budgets), so the round's layout is the same on every rank of the outer
+   group even though each replica measures its own step time.
 5. Byte budget ``= bandwidth_bytes_per_s * local_steps * step_time_s`` (the exchange hides under the
-   H inner steps of the next round). While the plan exceeds it, the largest contributor steps down:
+   H inner steps of the next round), the smallest over the group. While the plan exceeds it, the
+   largest contributor steps down:
    low-rank tensors halve their rank (down to 1), quantized tensors go int8 -> int4. If even the
    smallest plan exceeds the budget, that plan is used and ``over_budget`` is set (log it).
 """
@@ -43,26 +50,47 @@ class TensorChoice:
     fmt: str
     """Blockwise format of the factors (rank > 0) or of the tensor (rank 0)."""
     bytes: int
-    """Payload bytes of this tensor per replica per round."""
+    """Payload bytes of this tensor per replica per round, laid out on its own. The exchange packs all
+    factors (and all fallback tensors of one format) into one payload, which never needs more: the
+    round's bytes (:meth:`LowRankCodec.payload_bytes`) are at most the plan's sum."""
+
+
+def energy_curves(mats: Sequence[torch.Tensor], max_rank: int, seed: int, oversample: int = 8) -> torch.Tensor:
+    """Estimated captured energy ``E(r)``, r = 1..k, of same-shape matrices: fp32 ``[b, k]`` on CPU.
+
+    ``k = min(max_rank, m, n)``. One sketch ``Omega`` (seeded) serves the whole group; the QR runs
+    batched, and the only host transfer is the ``[b, w, w]`` Grams and ``[b]`` norms at the end.
+    Cost per matrix: 4 products ``(m, n) x (n|m, w)``, ``w = min(k + oversample, n)``, one ``(m, w)``
+    QR and a ``(w, w)`` fp64 eigendecomposition on CPU (no ``m x n`` SVD, no fp64 copy of ``M``).
+
+    Args:
+        mats: ``b`` fp32 ``(m, n)`` matrices on one device (views are fine); not modified.
+    """
+    b = len(mats)
+    m, n = mats[0].shape
+    k = min(max_rank, m, n)
+    if k <= 0:
+        return torch.ones(b, 0)
+    width = min(k + oversample, n)
+    omega = init_basis(n, width, seed, mats[0].device)  # (n, w)
+    ys = torch.stack([mat @ (mat.T @ (mat @ omega)) for mat in mats])  # (b, m, w): one power iteration
+    basis = torch.linalg.qr(ys, mode="reduced").Q  # (b, m, w)
+    sketches = [q.T @ mat for q, mat in zip(basis.unbind(0), mats)]  # B = basis^T M, (w, n) each
+    grams = torch.stack([sk @ sk.T for sk in sketches])  # (b, w, w): sigma(B)^2 = eig(B B^T)
+    totals = torch.stack([torch.linalg.vector_norm(mat) for mat in mats])  # (b,) ||M||_F, fp32
+    grams, totals = grams.double().cpu(), totals.double().cpu().square()  # the one host sync
+    sigma_sq = torch.linalg.eigvalsh(grams).flip(-1).clamp(min=0.0)[:, :k]  # (b, k) descending
+    curve = (sigma_sq.cumsum(1) / totals.clamp(min=torch.finfo(torch.float64).tiny)[:, None]).clamp(max=1.0)
+    return torch.where((totals == 0)[:, None], torch.ones_like(curve), curve).float()
 
 
 def energy_curve(mat: torch.Tensor, max_rank: int, seed: int, oversample: int = 8) -> torch.Tensor:
     """Estimated captured energy ``E(r)`` for r = 1..k, fp32 ``[k]``, ``k = min(max_rank, m, n)``.
 
     Args:
-        mat: ``M``, fp32 ``(m, n)``; not modified.
+        mat: ``M``, fp32 ``(m, n)``; not modified. See :func:`energy_curves`.
     """
-    m, n = mat.shape
-    k = min(max_rank, m, n)
-    total = float(mat.double().square().sum())
-    if k == 0 or total == 0.0:
-        return torch.ones(max(k, 0))
-    width = min(k + oversample, n)
-    omega = init_basis(n, width, seed, mat.device)  # (n, width)
-    y = mat @ (mat.T @ (mat @ omega))  # (m, width): one power iteration
-    basis = torch.linalg.qr(y, mode="reduced").Q  # (m, width)
-    sigma = torch.linalg.svdvals(basis.T @ mat)  # (width,)
-    return (sigma[:k].double().square().cumsum(0) / total).clamp(max=1.0).float()
+    return energy_curves([mat], max_rank, seed, oversample)[0]
 
 
 def _tensor_bytes(shape: Sequence[int], rank: int, fmt: str, block_size: int) -> int:
@@ -105,22 +133,31 @@ class AdaptivePolicy:
         Args:
             bucket: this replica's pseudo-gradient (+ residual), fp32 ``[N]``; read.
             layout: (offset, shape) per tensor.
-            agree: elementwise MAX over the outer group of an int64 ``[T]`` tensor (all ranks must
-                call it together, at the same rounds); None for a single replica.
+            agree: elementwise MAX over the outer group of an int64 ``[T + 1]`` CPU tensor (all ranks
+                must call it together, at the same rounds): the T ranks, then the negated byte
+                budget, so that every replica fits the plan to the group's smallest budget (each
+                replica measures its own step time). None for a single replica.
         """
         if self.plan is not None and self.evaluated_at is not None \
                 and round_index - self.evaluated_at < self.reevaluate_every:
             return self.plan
         ranks = torch.zeros(len(layout), dtype=torch.int64)
-        for i, (off, shape) in enumerate(layout):
-            if not lowrank_pays_off(shape, 1, self.min_numel):
-                continue
-            m, n = matrix_shape(shape)
-            curve = energy_curve(bucket[off: off + m * n].view(m, n), self.max_rank, self.seed + i)
-            hit = (curve >= self.energy_target).nonzero()
-            ranks[i] = int(hit[0]) + 1 if hit.numel() else 0  # target out of reach: quantize
+        groups: dict[tuple[int, int], list[int]] = {}  # matrix shape -> tensor indices: one batched sketch
+        for i, (_, shape) in enumerate(layout):
+            if lowrank_pays_off(shape, 1, self.min_numel):
+                groups.setdefault(matrix_shape(shape), []).append(i)
+        for (m, n), idx in groups.items():
+            mats = [bucket[layout[i][0]: layout[i][0] + m * n].view(m, n) for i in idx]
+            hit = energy_curves(mats, self.max_rank, self.seed + idx[0]) >= self.energy_target  # (b, k)
+            first = hit.to(torch.int64).argmax(dim=1) + 1  # smallest rank meeting the target
+            ranks[idx] = torch.where(hit.any(dim=1), first, 0)  # target out of reach: quantize
+        budget = self.budget_bytes
         if agree is not None:
-            ranks = agree(ranks)
+            no_cap = -(1 << 62)  # no budget (and any budget beyond 2^62 bytes)
+            neg = no_cap if budget is None else -min(int(budget), 1 << 62)
+            packed = agree(torch.cat([ranks, torch.tensor([neg], dtype=torch.int64)]))
+            ranks = packed[:-1]
+            budget = None if int(packed[-1]) == no_cap else float(-int(packed[-1]))
         plan = []
         for i, (_, shape) in enumerate(layout):
             r = int(ranks[i])
@@ -128,20 +165,22 @@ class AdaptivePolicy:
                 plan.append(TensorChoice(r, "int8", _tensor_bytes(shape, r, "int8", self.block_size)))
             else:
                 plan.append(TensorChoice(0, "int8", _tensor_bytes(shape, 0, "int8", self.block_size)))
-        self.plan = self.fit_budget(plan, layout)
+        self.plan = self._fit(plan, layout, budget)
         self.evaluated_at = round_index
         logger.info("megatron_diloco adaptive compression: ranks %s, %d bytes/round (budget %s)",
-                    [c.rank if c.rank else c.fmt for c in self.plan], sum(c.bytes for c in self.plan),
-                    self.budget_bytes)
+                    [c.rank if c.rank else c.fmt for c in self.plan], sum(c.bytes for c in self.plan), budget)
         return self.plan
 
     def fit_budget(self, plan: list[TensorChoice], layout) -> list[TensorChoice]:
         """Step the largest contributors down until the plan fits ``budget_bytes`` (or nothing is left)."""
+        return self._fit(plan, layout, self.budget_bytes)
+
+    def _fit(self, plan: list[TensorChoice], layout, budget: float | None) -> list[TensorChoice]:
         plan = list(plan)
         self.over_budget = False
-        if self.budget_bytes is None:
+        if budget is None:
             return plan
-        while sum(c.bytes for c in plan) > self.budget_bytes:
+        while sum(c.bytes for c in plan) > budget:
             best = None
             for i in sorted(range(len(plan)), key=lambda j: -plan[j].bytes):
                 c, shape = plan[i], layout[i][1]
@@ -155,7 +194,7 @@ class AdaptivePolicy:
             if best is None:
                 self.over_budget = True
                 logger.warning("megatron_diloco adaptive compression: %d bytes/round exceed the budget of %d "
-                               "even at the smallest ranks/bits", sum(c.bytes for c in plan), self.budget_bytes)
+                               "even at the smallest ranks/bits", sum(c.bytes for c in plan), budget)
                 break
             plan[best[0]] = best[1]
         return plan

@@ -129,6 +129,21 @@ def error_feedback_input(residual: torch.Tensor, anchor: torch.Tensor | None = N
     return (anchor - x.float()) + residual
 
 
+def error_feedback_input_(residual: torch.Tensor, anchor: torch.Tensor | None = None,
+                          x: torch.Tensor | None = None,
+                          pseudo_grad: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`error_feedback_input` written into ``residual`` (fp32 ``[N]``, modified in place and
+    returned): the same bits (fp32 addition commutes), without a second ``[N]`` buffer."""
+    # read 4N (e) + 4N (pseudo_grad) | 4N (anchor) + 2-4N (x), write 4N (v, in place)
+    if pseudo_grad is not None:
+        if anchor is not None or x is not None:
+            raise ValueError("pass either pseudo_grad or (anchor, x), not both")
+        return residual.add_(pseudo_grad.float())
+    if anchor is None or x is None:
+        raise ValueError("pass pseudo_grad or both anchor and x")
+    return residual.add_(anchor - x.float())
+
+
 def quantize_reference(v: torch.Tensor, fmt: str, block_size: int = DEFAULT_BLOCK_SIZE,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise absmax quantization of the fp32 ``[N]`` bucket ``v`` (any device; not modified).

@@ -13,6 +13,7 @@ multiply-adds into FMAs (``enable_fp_fusion=False``) except where torch itself u
 
 Dispatch: on a CUDA device the kernels always run (no Triton there raises); on CPU they run only
 under ``TRITON_INTERPRET=1`` (tests), otherwise callers use the reference (:func:`use_triton`).
+Every codec goes through :func:`encode_blockwise` / :func:`decode_blockwise`, which apply that rule.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import torch
 
 from megatron_diloco.compression.reference import (
-    FORMATS, QMAX, PayloadLayout, inverse_replicas, payload_layout,
+    FORMATS, QMAX, PayloadLayout, decode_reference, encode_reference, inverse_replicas, payload_layout,
 )
 
 try:  # Triton is a hard requirement on GPUs only; see use_triton().
@@ -399,4 +400,25 @@ def decode_triton(payloads: torch.Tensor, layout: PayloadLayout, out: torch.Tens
     return None if outer is not None else out
 
 
-__all__ = ["FORMATS", "decode_triton", "encode_triton", "interpreting", "use_triton"]
+def encode_blockwise(residual: torch.Tensor, fmt: str, block_size: int, **pseudo_grad) -> torch.Tensor:
+    """Error-feedback encode of a flat bucket on its device: :func:`encode_triton` where
+    :func:`use_triton` says so (always on CUDA), else :func:`reference.encode_reference`; the same
+    contract and bits either way. ``pseudo_grad``: ``anchor=, x=`` or ``pseudo_grad=``, and
+    optionally ``residual_out=``."""
+    fn = encode_triton if use_triton(residual.device) else encode_reference
+    return fn(residual, fmt, block_size, **pseudo_grad)
+
+
+def decode_blockwise(payloads: torch.Tensor, layout: PayloadLayout, out: torch.Tensor | None = None,
+                     outer=None) -> torch.Tensor | None:
+    """Ordered mean of the ``[R, P]`` payloads (+ ``outer.step``), dispatched as :func:`encode_blockwise`.
+
+    Returns Delta fp32 ``[N]``; with ``outer`` the Triton kernel returns ``None`` (Delta is never
+    materialized) while the reference returns scratch: callers with ``outer`` must not use it."""
+    if use_triton(payloads.device):
+        return decode_triton(payloads, layout, out=out, outer=outer)
+    return decode_reference(payloads, layout, out=out, outer=outer)
+
+
+__all__ = ["FORMATS", "decode_blockwise", "decode_triton", "encode_blockwise", "encode_triton", "interpreting",
+           "use_triton"]
