@@ -14,6 +14,7 @@ On a machine without CUDA, ``megatron_diloco.compat.cpu`` patches Megatron-Core 
 
 from __future__ import annotations
 
+import atexit
 import sys
 from functools import partial
 from pathlib import Path
@@ -201,7 +202,17 @@ def forward_step(data_iterator, model):
     return output_tensor, partial(loss_func, loss_mask)
 
 
+def _destroy_process_groups() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def main() -> None:
+    # Tear the process groups down at exit, before the interpreter's own teardown: gloo threads
+    # still alive then aborted a finished run once in a while ("terminate called without an active
+    # exception", SIGABRT after training). atexit runs after callers' finally blocks (the test and
+    # benchmark runners write their records there).
+    atexit.register(_destroy_process_groups)
     sys.argv[1:] = demo_argv(sys.argv[1:])
     args = parse_and_validate_args(extra_args_provider=add_script_args)
     if args.diloco_x:
