@@ -271,12 +271,9 @@ def start_threaded_exchange(buffer: torch.Tensor, residual: torch.Tensor, codec,
         dist.all_gather_into_tensor(out, src, group=group)
         return out.to(t.device).view(size, -1)
 
-    def agree(t: torch.Tensor) -> torch.Tensor:  # the policy's small CPU tensors
+    def agree(t: torch.Tensor) -> torch.Tensor:  # the policy's small CPU tensors, over the gloo group
         if size > 1:
-            on = t if (on_host or not buffer.is_cuda) else t.to(buffer.device)
-            dist.all_reduce(on, op=dist.ReduceOp.MAX, group=group)
-            if on is not t:
-                t.copy_(on)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return t
 
     stream = _worker_stream(executor, buffer.device) if buffer.is_cuda else None
