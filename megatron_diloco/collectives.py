@@ -255,10 +255,11 @@ def start_threaded_exchange(buffer: torch.Tensor, residual: torch.Tensor, codec,
     :class:`megatron_diloco.sync.OuterSync` only does so after waiting for it).
     """
     size = dist.get_world_size(group) if group is not None else 1
-    on_host = buffer.is_cuda
-    if on_host and size > 1 and dist.get_backend(group) != "gloo":
+    via_host = buffer.is_cuda  # GPU tensors travel as host copies over the gloo group
+    if via_host and size > 1 and dist.get_backend(group) != "gloo":
         raise ValueError("start_threaded_exchange: tensors on a GPU need a gloo group (the host mirror of "
-                         f"the outer group), got backend {dist.get_backend(group)!r}")
+                         "the outer group that megatron_diloco.install() creates), got backend "
+                         f"{dist.get_backend(group)!r}")
     stats = ExchangeStats(raw_bytes=4 * buffer.numel())
     handle = ExchangeHandle(buffer, None, size, stats, finish=lambda: None)
 
@@ -266,7 +267,7 @@ def start_threaded_exchange(buffer: torch.Tensor, residual: torch.Tensor, codec,
         t = t.contiguous()
         if size == 1:
             return t.unsqueeze(0)
-        src = t.cpu() if on_host else t  # waits for the worker stream's producer of t only
+        src = t.cpu() if via_host else t  # waits for the worker stream's producer of t only
         out = torch.empty(size * src.numel(), dtype=src.dtype, device=src.device)  # (R*k,)
         dist.all_gather_into_tensor(out, src, group=group)
         return out.to(t.device).view(size, -1)

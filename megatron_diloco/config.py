@@ -63,7 +63,8 @@ class DiLoCoXConfig:
 
     bandwidth_mbps: float | None = None
     """``adaptive``: slow-link bandwidth in Mbit/s; caps a round's bytes at bandwidth x (time of H
-    inner steps) so the exchange hides under compute. None: measured over the outer group at the first boundary (``--diloco-x-bandwidth-mbps``)."""
+    inner steps) so the exchange hides under compute. None: measured over the outer group at the
+    first boundary (``--diloco-x-bandwidth-mbps``)."""
 
     def __post_init__(self) -> None:
         self.validate()

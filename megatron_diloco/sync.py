@@ -170,8 +170,8 @@ class OuterSync:
 
         ``sq`` is this rank's squared norm of it (already on the host, no extra pass over the shard):
         non-finite when the shard holds a NaN/Inf, or when its fp32 norm overflows (entries near
-        1e19: a diverged round, skipped as well). A 1-element MAX all-reduce over the outer group (blocking) makes every replica take the same
-        decision before anything is sent."""
+        1e19: a diverged round, skipped as well). A 1-element MAX all-reduce over the outer group
+        (blocking) makes every replica take the same decision before anything is sent."""
         flag = torch.tensor([0.0 if math.isfinite(sq) else 1.0], dtype=torch.float32, device=self.view.device)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
@@ -192,11 +192,7 @@ class OuterSync:
         b, e = self.buffer, self.residual
         input_sq = float(torch.dot(b, b) + 2 * torch.dot(b, e) + torch.dot(e, e))
         if self._executor is not None:
-            if self.buffer.is_cuda and self.host_group is None and self.group is not None \
-                    and dist.get_world_size(self.group) > 1:
-                raise RuntimeError(
-                    f"--diloco-x-compression {self.config.compression} on a GPU needs the gloo mirror of "
-                    "the outer group (OuterSync(host_group=...)); megatron_diloco.install() creates it")
+            # (start_threaded_exchange refuses a non-gloo group for GPU tensors)
             handle = start_threaded_exchange(self.buffer, self.residual, self.codec,
                                              self.host_group if self.host_group is not None else self.group,
                                              self._executor)
