@@ -53,7 +53,8 @@ Use::
     ...
     link.stats()   # per-rank: wire bytes, modelled seconds, waited seconds, per op kind
 
-``benchmarks/instrumented.py`` installs it from ``BENCH_LINK_*`` environment variables.
+``benchmarks/instrumented.py`` installs it from ``BENCH_LINK_*`` environment variables;
+``BENCH_LINK_TRACE=1`` also counts the cross-replica ops per call site (``stats()["sites"]``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import os
 import sys
 import threading
 import time
@@ -192,6 +194,10 @@ class LinkModel:
         self.cross_ops = 0
         self.local_ops = 0
         self.untracked_coalesced_ops = 0
+        # call site ("file:line in function" of the first frame outside torch and this module)
+        # -> [ops, wire bytes] of the cross-replica ops issued there; filled when ``trace`` is on
+        self.trace = os.environ.get("BENCH_LINK_TRACE") == "1"
+        self.sites: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ topology
     def _ranks_per_replica(self) -> int:
@@ -245,12 +251,17 @@ class LinkModel:
                 self.waited_s += remaining
 
     def _account(self, kind: str, wire: int) -> None:
+        site = _call_site() if self.trace else None
         with self._lock:
             s = self.kinds.setdefault(kind, KindStats())
             s.ops += 1
             s.bytes += wire
             self.bytes_sent += wire
             self.cross_ops += 1
+            if site is not None:
+                entry = self.sites.setdefault(f"{kind} @ {site}", [0, 0])
+                entry[0] += 1
+                entry[1] += wire
 
     # ------------------------------------------------------------------ wrappers
     def _wrap(self, name: str, kind: str, tensor_arg: str, original: Callable) -> Callable:
@@ -369,7 +380,20 @@ class LinkModel:
             "cross_ops": self.cross_ops, "local_ops": self.local_ops,
             "untracked_coalesced_ops": self.untracked_coalesced_ops,
             "kinds": {k: dataclasses.asdict(v) for k, v in self.kinds.items()},
+            **({"sites": {k: {"ops": o, "bytes": b} for k, (o, b) in self.sites.items()}}
+               if self.trace else {}),
         }
+
+
+def _call_site() -> str:
+    """``file:line in function`` of the innermost frame outside torch and this module."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path != __file__ and f"{os.sep}torch{os.sep}" not in path:
+            return f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
 
 
 def _replace_in_modules(by_id: dict[int, Callable]) -> int:

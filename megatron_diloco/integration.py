@@ -223,28 +223,33 @@ def make_gradient_reduction_replica_local(ddp_chunk: torch.nn.Module, replicas: 
 def _replica_local_loss_reduction(model):
     """During ``train_step``, let the model's process-group collection name the replica's own
     data-parallel group as ``dp_cp``: Megatron then reduces the logged loss inside the replica
-    instead of across the slow link every step."""
+    instead of across the slow link every step.
+
+    ``train_step`` reads ``pg_collection`` from the outermost wrapper that has one
+    (``get_attr_wrapped_model``): with ``--bf16``/``--fp16`` that is ``Float16Module``, which keeps
+    its own reference, so every level of the wrapper chain is switched, not only the bare model."""
     from megatron.core import parallel_state as ps
-    from megatron.core.utils import unwrap_model
 
     saved = []
     for chunk in model:
-        inner = unwrap_model(chunk)
-        pgc = getattr(inner, "pg_collection", None)
-        if pgc is None:
-            continue
-        cached = getattr(inner, "_diloco_x_local_pgc", None)
-        if cached is None or cached[0] is not pgc:  # built once per collection, not every step
-            intra = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
-            local = copy.copy(pgc)
-            local.dp_cp = intra
-            if getattr(local, "dp_cp_gtp_remat", None) is not None:
-                local.dp_cp_gtp_remat = intra
-            cached = inner._diloco_x_local_pgc = (pgc, local)
-        saved.append((inner, pgc))
-        inner.pg_collection = cached[1]
+        level = chunk
+        while level is not None:
+            pgc = level.__dict__.get("pg_collection")
+            if pgc is not None:
+                cached = level.__dict__.get("_diloco_x_local_pgc")
+                if cached is None or cached[0] is not pgc:  # built once per collection, not every step
+                    intra = ps.get_data_parallel_group(with_context_parallel=True,
+                                                       partial_data_parallel=True)
+                    local = copy.copy(pgc)
+                    local.dp_cp = intra
+                    if getattr(local, "dp_cp_gtp_remat", None) is not None:
+                        local.dp_cp_gtp_remat = intra
+                    cached = level._diloco_x_local_pgc = (pgc, local)
+                saved.append((level, pgc))
+                level.pg_collection = cached[1]
+            level = getattr(level, "module", None)
     try:
         yield
     finally:
-        for inner, pgc in saved:
-            inner.pg_collection = pgc
+        for level, pgc in saved:
+            level.pg_collection = pgc

@@ -32,10 +32,14 @@ def test_degenerate_case_equals_data_parallel(tmp_path):
     assert summary(log)["replicas_identical"]
 
 
-@pytest.mark.parametrize("overlap", ["none", "delayed"])
-def test_replicas_identical_and_no_cross_replica_traffic(tmp_path, overlap):
+@pytest.mark.parametrize("overlap,precision", [("none", []), ("delayed", []), ("delayed", ["--bf16"])],
+                         ids=["none", "delayed", "delayed-bf16"])
+def test_replicas_identical_and_no_cross_replica_traffic(tmp_path, overlap, precision):
+    """Between boundaries nothing crosses replicas. bf16 matters: Megatron's Float16Module wrapper
+    keeps its own ``pg_collection``, which ``train_step`` reads for the per-step loss all-reduce."""
     recs, log = run_megatron(tmp_path, ["--train-iters", "12", "--diloco-x-local-steps", "4",
-                                        "--diloco-x-overlap", overlap, "--diloco-x-outer-momentum", "0.9"])
+                                        "--diloco-x-overlap", overlap, "--diloco-x-outer-momentum", "0.9",
+                                        *precision])
     for rank, rec in enumerate(recs):
         assert [s for s, _ in rec["boundary_identical"]] == [4, 8, 12], rank
         assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
