@@ -26,7 +26,9 @@ def _plt():
 #: Method names of convergence.py and of gpu_throughput.py (where ``dilocox`` is int8).
 CONVERGENCE_LABELS = {"allreduce": "AllReduce DP (every step)", "diloco": "DiLoCo (blocking, fp32)",
                       "dilocox": "DiLoCoX (delayed, fp32)", "dilocox_compressed": "DiLoCoX (delayed, adaptive)",
-                      "dilocox_eager": "DiLoCoX (eager, fp32)"}
+                      "dilocox_eager": "DiLoCoX (eager, fp32)",
+                      "dilocox_eager_compressed": "DiLoCoX (eager, adaptive)",
+                      "diloco_compressed": "DiLoCo (blocking, adaptive)"}
 THROUGHPUT_LABELS = {"allreduce": "AllReduce DP (DDP)", "allreduce-distopt": "AllReduce DP (dist. optimizer)",
                      "diloco": "DiLoCo (blocking, fp32)", "dilocox": "DiLoCoX (delayed, int8)",
                      "dilocox-adaptive": "DiLoCoX (delayed, adaptive)", "dilocox-fp32": "DiLoCoX (delayed, fp32)"}
