@@ -233,8 +233,8 @@ def gpu_rows(d: dict, source: str) -> tuple[list[dict], list[str]]:
     share = (d.get("link_model") or {}).get("share", "rank")
     scope = "cluster" if share == "replica" else "gpu"
     overlap = bool(d.get("allreduce_overlap", True))
-    codec_of = {"diloco": ("none", "none"), "dilocox": ("int8", "delayed"), "dilocox_fp32": ("none", "delayed"),
-                "dilocox_adaptive": ("adaptive", "delayed")}
+    codec_of = {"diloco": ("none", "none"), "dilocox": ("int8", "delayed"), "dilocox-fp32": ("none", "delayed"),
+                "dilocox-adaptive": ("adaptive", "delayed")}
     rows: list[dict] = []
     notes: list[str] = []
     ar_tps: dict[tuple[int, float], float] = {}

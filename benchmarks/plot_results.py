@@ -28,7 +28,9 @@ CONVERGENCE_LABELS = {"allreduce": "AllReduce DP (every step)", "diloco": "DiLoC
                       "dilocox": "DiLoCoX (delayed, fp32)", "dilocox_compressed": "DiLoCoX (delayed, adaptive)",
                       "dilocox_eager": "DiLoCoX (eager, fp32)",
                       "dilocox_eager_compressed": "DiLoCoX (eager, adaptive)",
-                      "diloco_compressed": "DiLoCo (blocking, adaptive)"}
+                      "diloco_compressed": "DiLoCo (blocking, adaptive)",
+                      "diloco_compressed_energy0.99": "DiLoCo (blocking, adaptive E=0.99)",
+                      "dilocox_eager_compressed_energy0.99": "DiLoCoX (eager, adaptive E=0.99)"}
 THROUGHPUT_LABELS = {"allreduce": "AllReduce DP (DDP)", "allreduce-distopt": "AllReduce DP (dist. optimizer)",
                      "diloco": "DiLoCo (blocking, fp32)", "dilocox": "DiLoCoX (delayed, int8)",
                      "dilocox-adaptive": "DiLoCoX (delayed, adaptive)", "dilocox-fp32": "DiLoCoX (delayed, fp32)"}
@@ -71,7 +73,7 @@ def plot_throughput(json_path: Path, png_path: Path) -> None:
     data = json.loads(Path(json_path).read_text())
     groups = sorted({(r["gpus"], r["link_mbps"]) for r in data["runs"]}, key=lambda g: (g[0], -g[1]))
     methods = list(dict.fromkeys(r["method"] for r in data["runs"]))
-    fig, ax = plt.subplots(figsize=(2.5 + 1.6 * len(groups), 4.5))
+    fig, ax = plt.subplots(figsize=(4.5 + 1.6 * len(groups), 4.5))
     width = 0.8 / max(1, len(methods))
     for k, m in enumerate(methods):
         xs, ys = [], []
@@ -85,7 +87,7 @@ def plot_throughput(json_path: Path, png_path: Path) -> None:
     ax.set_ylabel("tokens / s")
     ax.set_yscale("log")
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title(f"{data.get('model')}; {data.get('card')}", fontsize=9)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
