@@ -11,6 +11,8 @@ Methods (``--methods``):
   (``--energy``) capped by ``--diloco-x-bandwidth-mbps`` (``--bandwidth-mbps``).
 * ``dilocox_eager``: ``--diloco-x-overlap eager``, no compression (``--eta-eager``/``--mu-eager``).
 * ``dilocox_eager_compressed``: eager + adaptive (as ``dilocox_compressed``, eager's eta/mu).
+* ``dilocox_eager_full`` / ``dilocox_eager_full_compressed``: eager with ``--diloco-x-eager-weight 1``
+  (the replica's whole own pseudo-gradient as the look-ahead), fp32 / adaptive.
 * ``diloco_compressed``: blocking (``none``) + adaptive (blocking's eta/mu): what the one-step delay
   costs at the compressed variant's bytes (with ~100x+ fewer bytes the exchange is short enough that
   a blocking one may expose little; see the GPU throughput benchmark).
@@ -36,13 +38,13 @@ methods also the few-byte cross-replica scalars (loss logging, timers, evaluatio
 
 How to run (GPU machine; megatron-core from the wheel, ``PYTHONPATH`` set)::
 
-    python benchmarks/convergence.py --out DIR                       # 7 methods, 1 seed, 4 GPUs: 2 runs at once
+    python benchmarks/convergence.py --out DIR                       # 9 methods, 1 seed, 4 GPUs: 2 runs at once
     python benchmarks/convergence.py --out DIR2 --seeds 2            # a second seed (another call)
     python benchmarks/convergence.py --out DIR --report-only --from DIR2    # merge, JSON + PNG
     python benchmarks/convergence.py --out DIR --cpu-smoke           # CPU, gloo, tiny GPT, few its
 
 Expected wall time on 4 x H100 (85.5M GPT, 64 x 1024 tokens per step, 400 iterations, H = 20,
-an evaluation every 40): ~2 min per run, two at a time: ~8 min for 7 methods. Runs done in ``DIR`` with the same flags are skipped
+an evaluation every 40): ~2 min per run, two at a time: ~10 min for 9 methods. Runs done in ``DIR`` with the same flags are skipped
 and none starts past ``--budget-s``: rerun the command to finish. Writes ``DIR/convergence.json``
 after every run and ``DIR/convergence.png`` when matplotlib is importable (else run
 ``python benchmarks/plot_results.py convergence DIR/convergence.json`` where it is).
@@ -62,7 +64,8 @@ from gpu_smoke import MODEL as GPU_MODEL  # noqa: E402  (the 85.5M GPT of the GP
 from jobs import Job, done, gpu_count, load_ranks, run_jobs, summary_of  # noqa: E402
 
 METHODS = ("allreduce", "diloco", "dilocox", "dilocox_compressed", "dilocox_eager",
-           "dilocox_eager_compressed", "diloco_compressed")
+           "dilocox_eager_compressed", "diloco_compressed", "dilocox_eager_full",
+           "dilocox_eager_full_compressed")
 CPU_MODEL = """
     --num-layers 2 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 2
     --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8
@@ -81,18 +84,19 @@ def method_args(method: str, a: argparse.Namespace) -> list[str]:
     if method == "dilocox":
         return dx + ["--diloco-x-overlap", "delayed", "--diloco-x-compression", "none",
                      *outer(a.eta_delayed, a.mu_delayed)]
+    full = ["--diloco-x-eager-weight", "1"] if method.startswith("dilocox_eager_full") else []
     compressed = {"dilocox_compressed": a.compressed_overlap, "dilocox_eager_compressed": "eager",
-                  "diloco_compressed": "none"}
+                  "diloco_compressed": "none", "dilocox_eager_full_compressed": "eager"}
     if method in compressed:
         overlap = compressed[method]
         eta, mu = {"none": (a.eta_none, a.mu_none), "delayed": (a.eta_delayed, a.mu_delayed),
                    "eager": (a.eta_eager, a.mu_eager)}[overlap]
         return dx + ["--diloco-x-overlap", overlap, "--diloco-x-compression", "adaptive",
                      "--diloco-x-energy", str(a.energy), "--diloco-x-bandwidth-mbps", str(a.bandwidth_mbps),
-                     *outer(eta, mu)]
-    if method == "dilocox_eager":
+                     *outer(eta, mu), *full]
+    if method in ("dilocox_eager", "dilocox_eager_full"):
         return dx + ["--diloco-x-overlap", "eager", "--diloco-x-compression", "none",
-                     *outer(a.eta_eager, a.mu_eager)]
+                     *outer(a.eta_eager, a.mu_eager), *full]
     raise SystemExit(f"unknown method {method!r}; choose among {', '.join(METHODS)}")
 
 

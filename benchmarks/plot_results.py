@@ -30,7 +30,9 @@ CONVERGENCE_LABELS = {"allreduce": "AllReduce DP (every step)", "diloco": "DiLoC
                       "dilocox_eager_compressed": "DiLoCoX (eager, adaptive)",
                       "diloco_compressed": "DiLoCo (blocking, adaptive)",
                       "diloco_compressed_energy0.99": "DiLoCo (blocking, adaptive E=0.99)",
-                      "dilocox_eager_compressed_energy0.99": "DiLoCoX (eager, adaptive E=0.99)"}
+                      "dilocox_eager_compressed_energy0.99": "DiLoCoX (eager, adaptive E=0.99)",
+                      "dilocox_eager_full": "DiLoCoX (eager w=1, fp32)",
+                      "dilocox_eager_full_compressed": "DiLoCoX (eager w=1, adaptive)"}
 THROUGHPUT_LABELS = {"allreduce": "AllReduce DP (DDP)", "allreduce-distopt": "AllReduce DP (dist. optimizer)",
                      "diloco": "DiLoCo (blocking, fp32)", "dilocox": "DiLoCoX (delayed, int8)",
                      "dilocox-adaptive": "DiLoCoX (delayed, adaptive)", "dilocox-fp32": "DiLoCoX (delayed, fp32)"}

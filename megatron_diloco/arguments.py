@@ -37,6 +37,9 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="delayed: one-step-delay overlap (round t's exchange runs during round "
                             "t+1, applied one round late); eager: delayed plus each replica's own "
                             "fresh pseudo-gradient applied at once; none: blocking exchange (plain DiLoCo).")
+    group.add_argument("--diloco-x-eager-weight", type=float, default=None,
+                       help="eager only: weight of the replica's own fresh pseudo-gradient in its "
+                            "look-ahead, in (0, 1]; default 1/R (Kale et al.); 1: the full look-ahead.")
     group.add_argument("--diloco-x-compression", choices=COMPRESSION_CODECS,
                        default=defaults["compression"].default,
                        help="Pseudo-gradient codec (see the README).")
@@ -59,6 +62,7 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
         outer_momentum=args.diloco_x_outer_momentum,
         nesterov=not args.diloco_x_no_nesterov,
         overlap=args.diloco_x_overlap,
+        eager_weight=args.diloco_x_eager_weight,
         compression=args.diloco_x_compression,
         rank=args.diloco_x_rank,
         energy=args.diloco_x_energy,

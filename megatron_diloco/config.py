@@ -46,6 +46,13 @@ class DiLoCoXConfig:
     ``delayed`` plus each replica's own fresh pseudo-gradient applied at once as a look-ahead
     (Kale et al. 2025; see :mod:`megatron_diloco.sync`)."""
 
+    eager_weight: float | None = None
+    """``eager`` only: weight of the replica's own fresh pseudo-gradient in its look-ahead, as a
+    fraction of one outer step. None: 1/R, Kale et al.'s rule (own fresh + the others' stale, over
+    R). 1.0: the whole own pseudo-gradient, as if it were the replicas' mean; when the replicas'
+    pseudo-gradients agree this reproduces blocking DiLoCo's parameters exactly (mu = 0) while the
+    exchange still overlaps the next round (``--diloco-x-eager-weight``)."""
+
     compression: str = "none"
     """Pseudo-gradient codec. ``none`` sends fp32 shards and averages them exactly (all-reduce);
     ``int8``/``int4``/``fp8`` send blockwise-absmax-quantized shards (one fp32 scale per 256
@@ -98,6 +105,17 @@ class DiLoCoXConfig:
             raise ValueError(
                 f"--diloco-x-overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}"
             )
+        if self.eager_weight is not None:
+            if self.overlap != "eager":
+                raise ValueError(
+                    f"--diloco-x-eager-weight applies to --diloco-x-overlap eager only (got overlap "
+                    f"{self.overlap!r}); drop the flag or use --diloco-x-overlap eager"
+                )
+            if not (0.0 < self.eager_weight <= 1.0):
+                raise ValueError(
+                    f"--diloco-x-eager-weight must be in (0, 1], got {self.eager_weight!r} "
+                    "(1/R is Kale et al.'s rule, the default; 1 the full look-ahead)"
+                )
         if not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"--diloco-x-rank must be an integer >= 1, got {self.rank!r}")
         if not (0.0 < self.energy <= 1.0):

@@ -177,6 +177,7 @@ class _Installation:
                 "local_steps": self.config.local_steps,
                 "replicas": self.config.replicas,
                 "overlap": self.config.overlap,
+                **({"eager_weight": self.config.eager_weight} if self.config.eager_weight is not None else {}),
                 "compression": self.config.compression,
                 "iterations": iteration,
                 "bytes_sent_per_rank": float(table[:, 0].mean()),

@@ -26,9 +26,9 @@ into account at once, instead of waiting a round for it::
     delta_{r,t} = a_r - x           (a_r: the point replica r started round t from)
     wait for Delta_{t-1};  theta_t = OuterStep(theta_{t-1}, Delta_{t-1})     (shared, as delayed)
     launch the exchange of delta_{r,t}
-    a_r <- theta_t - c / R * delta_{r,t} ;  x <- a_r
+    a_r <- theta_t - c w * delta_{r,t} ;  x <- a_r
     c = eta * (1 + mu) with Nesterov, eta with heavy ball (the weight one outer step gives a fresh
-    pseudo-gradient)
+    pseudo-gradient); w = 1 / R (the paper's rule, default) or ``--diloco-x-eager-weight``
 
 The eager term is a look-ahead that the next boundary replaces by the real thing: ``Delta_t``
 (which holds delta_{r,t} / R) enters ``theta_{t+1}``, and a_r is rebuilt from ``theta_{t+1}``. With
@@ -36,6 +36,10 @@ mu = 0 this is exactly the paper's update (its per-replica outer params equal th
 eta / R * delta_{r,t}: own fresh pseudo-gradient + the others' one-round-stale ones); with momentum
 the paper keeps one outer momentum per replica, which drifts apart, where this keeps the one shared
 momentum, so ``theta`` and ``m`` stay bit-identical across replicas and checkpoint as shared state.
+With w = 1 (``--diloco-x-eager-weight 1``) the look-ahead takes the replica's own pseudo-gradient as
+the estimate of the mean: when all replicas' pseudo-gradients agree, a_r equals blocking DiLoCo's
+theta after the same round exactly (mu = 0), i.e. the overlap then costs nothing in the parameters;
+with 1 / R the own progress of the round enters at 1 / R at once and the rest one round late.
 Replicas' local params differ by their look-ahead between boundaries (by design); the drain at the
 end of training sets x <- theta on every replica. Cost: the per-replica start point ``a_r``
 (fp32, 4 B per shard element), checkpointed with the replica's own state.
@@ -264,11 +268,13 @@ class OuterSync:
         return RoundReport(self.rounds, completed is not None, self.pending.stats, completed, sq)
 
     def _eager_start(self) -> None:
-        """a_r <- theta_t - c / R * delta_{r,t}, with delta_{r,t} still in x (see the module doc)."""
+        """a_r <- theta_t - c w * delta_{r,t}, with delta_{r,t} still in x (see the module doc)."""
         c = self.config.outer_lr * ((1.0 + self.config.outer_momentum) if self.config.nesterov else 1.0)
-        replicas = dist.get_world_size(self.group) if self.group is not None else 1
+        w = self.config.eager_weight
+        if w is None:
+            w = 1.0 / (dist.get_world_size(self.group) if self.group is not None else 1)
         self.view.gather(self.anchor)
-        self.anchor.mul_(-c / replicas).add_(self.theta)
+        self.anchor.mul_(-c * w).add_(self.theta)
 
     def _skip(self, sq: float, completed: ExchangeStats | None) -> RoundReport:
         """Drop this round's pseudo-gradient everywhere: x <- theta, residual untouched."""

@@ -30,6 +30,9 @@ def megatron_args(**kw) -> argparse.Namespace:
     (["--diloco-x-outer-lr", "inf"], "--diloco-x-outer-lr"),
     (["--diloco-x-outer-momentum", "1.0"], "--diloco-x-outer-momentum"),
     (["--diloco-x-outer-momentum", "-0.1"], "--diloco-x-outer-momentum"),
+    (["--diloco-x-overlap", "eager", "--diloco-x-eager-weight", "0"], "--diloco-x-eager-weight"),
+    (["--diloco-x-overlap", "eager", "--diloco-x-eager-weight", "1.5"], "--diloco-x-eager-weight"),
+    (["--diloco-x-overlap", "delayed", "--diloco-x-eager-weight", "1"], "--diloco-x-eager-weight"),
 ])
 def test_bad_values_name_their_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):

@@ -19,21 +19,24 @@ def grad(r: int, step: int, x: torch.Tensor) -> torch.Tensor:
     return torch.sin(x * (r + 1) + step) + 0.1 * (r - 0.5)
 
 
-def reference(R: int, overlap: str, x0: torch.Tensor, lr_in: float, cfg: DiLoCoXConfig) -> list:
+def reference(R: int, overlap: str, x0: torch.Tensor, lr_in: float, cfg: DiLoCoXConfig,
+              homogeneous: bool = False) -> list:
     """Straight-line re-statement of DESIGN.md section 1 (and the eager rule of sync.py), one
-    process. Returns, per boundary, the list of the R replicas' params after it."""
+    process. Returns, per boundary, the list of the R replicas' params after it. ``homogeneous``:
+    every replica sees replica 0's gradients."""
     theta = x0.clone()
     m = torch.zeros_like(theta)
     xs = [x0.clone() for _ in range(R)]
     starts = [x0.clone() for _ in range(R)]
     c = cfg.outer_lr * ((1 + cfg.outer_momentum) if cfg.nesterov else 1.0)
+    w = cfg.eager_weight if cfg.eager_weight is not None else 1.0 / R
     pending = None
     trace = []
     step = 0
     for _t in range(ROUNDS):
         for _ in range(H):
             for r in range(R):
-                xs[r] = xs[r] - lr_in * grad(r, step, xs[r])
+                xs[r] = xs[r] - lr_in * grad(0 if homogeneous else r, step, xs[r])
             step += 1
         own = [starts[r] - xs[r] for r in range(R)]
         delta = sum(own) / R
@@ -44,7 +47,7 @@ def reference(R: int, overlap: str, x0: torch.Tensor, lr_in: float, cfg: DiLoCoX
             upd = apply + cfg.outer_momentum * m if cfg.nesterov else m
             theta = theta - cfg.outer_lr * upd
         if overlap == "eager":
-            starts = [theta - c / R * own[r] for r in range(R)]
+            starts = [theta - c * w * own[r] for r in range(R)]
         else:
             starts = [theta.clone() for _ in range(R)]
         xs = [s.clone() for s in starts]
@@ -79,9 +82,11 @@ def eager_paper(R: int, x0: torch.Tensor, lr_in: float, eta: float) -> list:
     return trace
 
 
-def _worker(rank: int, world: int, overlap: str, nesterov: bool, momentum: float = 0.9) -> None:
+def _worker(rank: int, world: int, overlap: str, nesterov: bool, momentum: float = 0.9,
+            eager_weight: float | None = None, homogeneous: bool = False) -> None:
     cfg = DiLoCoXConfig(replicas=world, local_steps=H, outer_lr=0.7, outer_momentum=momentum,
-                        nesterov=nesterov, overlap=overlap)
+                        nesterov=nesterov, overlap=overlap, eager_weight=eager_weight)
+    g_rank = 0 if homogeneous else rank
     x0 = torch.linspace(-1, 1, 7)
     # Two shard tensors of odd shapes, as a distributed optimizer would hand them over.
     a, b = x0[:3].clone().view(3, 1), x0[3:].clone()
@@ -92,7 +97,7 @@ def _worker(rank: int, world: int, overlap: str, nesterov: bool, momentum: float
     for _t in range(ROUNDS):
         for _ in range(H):
             x = torch.cat([a.view(-1), b])
-            x = x - 0.05 * grad(rank, step, x)
+            x = x - 0.05 * grad(g_rank, step, x)
             a.copy_(x[:3].view(3, 1)); b.copy_(x[3:])
             step += 1
         report = sync.boundary()
@@ -108,13 +113,14 @@ def _worker(rank: int, world: int, overlap: str, nesterov: bool, momentum: float
     if overlap != "none":
         sync.drain()
         got.append(torch.cat([a.view(-1), b]).clone())
-    want = reference(world, overlap, x0, 0.05, cfg)
+    want = reference(world, overlap, x0, 0.05, cfg, homogeneous)
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g, w[rank], rtol=1e-6, atol=1e-6, msg=f"boundary {i}")
     if overlap == "eager":
-        assert not torch.equal(want[0][0], want[0][1])  # the look-ahead is replica-specific
-        if momentum == 0.0:  # the paper's own statement of the rule, per-replica outer params
+        if not homogeneous:
+            assert not torch.equal(want[0][0], want[0][1])  # the look-ahead is replica-specific
+        if momentum == 0.0 and eager_weight is None:  # the paper's own statement of the rule, per-replica outer params
             paper = eager_paper(world, x0, 0.05, cfg.outer_lr)
             for i, (g, w) in enumerate(zip(got, paper)):
                 torch.testing.assert_close(g, w[rank], rtol=1e-6, atol=1e-6, msg=f"eager boundary {i}")
@@ -139,6 +145,32 @@ def test_eager_matches_hand_sequence_nesterov():
 def test_eager_without_momentum_is_kale_et_al():
     """mu = 0: the eager rule equals the paper's own per-replica statement, three replicas."""
     run_world(_worker, 3, "eager", False, 0.0)
+
+
+def test_eager_weight_matches_hand_sequence():
+    """--diloco-x-eager-weight 0.4, Nesterov, two replicas: the look-ahead scales by w, not 1/R."""
+    run_world(_worker, 2, "eager", True, 0.9, 0.4)
+
+
+def test_full_eager_equals_blocking_diloco_when_replicas_agree():
+    """Eager weight 1, mu = 0, every replica seeing the same gradients: after every boundary the
+    params equal blocking DiLoCo's (overlap none), and the drained result equals its last theta. The
+    hand sequences of both are checked against the implementation by the worker; here they are
+    compared with each other, so the claim rests on the algorithm, not on one code path."""
+    run_world(_worker, 2, "eager", False, 0.0, 1.0, True)
+    x0 = torch.linspace(-1, 1, 7)
+    eager = reference(2, "eager", x0, 0.05, DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=0.7,
+                      outer_momentum=0.0, overlap="eager", eager_weight=1.0), homogeneous=True)
+    blocking = reference(2, "none", x0, 0.05, DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=0.7,
+                         outer_momentum=0.0, overlap="none"), homogeneous=True)
+    for t in range(ROUNDS):
+        for r in range(2):
+            torch.testing.assert_close(eager[t][r], blocking[t][r], rtol=1e-6, atol=1e-6, msg=f"round {t}")
+    torch.testing.assert_close(eager[ROUNDS][0], blocking[ROUNDS - 1][0], rtol=1e-6, atol=1e-6)
+    # and Kale et al.'s weight (1/R) does not: its own progress arrives at 1/R
+    kale = reference(2, "eager", x0, 0.05, DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=0.7,
+                     outer_momentum=0.0, overlap="eager"), homogeneous=True)
+    assert not torch.allclose(kale[0][0], blocking[0][0], rtol=1e-3, atol=1e-3)
 
 
 def _stale_worker(rank, world):
