@@ -44,15 +44,18 @@ def plot_convergence(json_path: Path, png_path: Path) -> None:
     data = json.loads(Path(json_path).read_text())
     setup = data.get("setup", {})
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for method, r in data["methods"].items():
+    colors = plt.get_cmap("tab20").colors
+    for i, (method, r) in enumerate(data["methods"].items()):
         if "error" in r or not r.get("curve"):
             continue
         label = CONVERGENCE_LABELS.get(method, method)
         tokens = [p[0] / 1e6 for p in r["curve"]]
         loss = [p[1] for p in r["curve"]]
         nbytes = [max(p[2], 1.0) for p in r["curve"]]
-        (line,) = ax_t.plot(tokens, loss, lw=1.8, label=label)
-        ax_b.plot(nbytes, loss, lw=1.8, color=line.get_color(), label=label)
+        style = dict(lw=1.8, color=colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20],
+                     ls="--" if "compressed" in method else "-")
+        (line,) = ax_t.plot(tokens, loss, label=label, **style)
+        ax_b.plot(nbytes, loss, label=label, **style)
         if r.get("final_val_loss") is not None:  # after training (delayed: after the final drain)
             ax_t.plot([r["tokens"] / 1e6], [r["final_val_loss"]], "o", color=line.get_color(), ms=4)
             ax_b.plot([max(r["bytes_total"], 1.0)], [r["final_val_loss"]], "o", color=line.get_color(), ms=4)

@@ -51,7 +51,9 @@ class DiLoCoXConfig:
     fraction of one outer step. None: 1/R, Kale et al.'s rule (own fresh + the others' stale, over
     R). 1.0: the whole own pseudo-gradient, as if it were the replicas' mean; when the replicas'
     pseudo-gradients agree this reproduces blocking DiLoCo's parameters exactly (mu = 0) while the
-    exchange still overlaps the next round (``--diloco-x-eager-weight``)."""
+    exchange still overlaps the next round (``--diloco-x-eager-weight``). Measured on the 85.5M GPT
+    benchmark (benchmarks/RESULTS.md): 1.0 was worse than 1/R, the replicas' pseudo-gradients there
+    being far from agreeing; keep the default unless yours agree (large per-replica batches)."""
 
     compression: str = "none"
     """Pseudo-gradient codec. ``none`` sends fp32 shards and averages them exactly (all-reduce);
