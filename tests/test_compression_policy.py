@@ -87,6 +87,27 @@ def test_byte_budget_caps_the_plan():
     assert tiny.over_budget and all(c.rank in (0, 1) for c in plan)
 
 
+def test_over_budget_quantized_matrices_fall_back_to_low_rank():
+    """White-noise matrices (no rank reaches the energy target: quantized int8) under a cap below
+    their int4 size: the plan factors the largest ones instead of giving up over budget."""
+    layout, off = [], 0
+    for shape in [(256, 192), (192, 128), (128, 96), (300,)]:
+        layout.append((off, shape))
+        off += shape[0] * (shape[1] if len(shape) > 1 else 1)
+    bucket = torch.randn(off, generator=torch.Generator().manual_seed(7))
+    free = AdaptivePolicy(energy_target=0.9, max_rank=16, min_numel=0).choose(bucket, layout, 1)
+    assert all(c.rank == 0 and c.fmt == "int8" for c in free)
+    budget = 0.25 * sum(c.bytes for c in free)  # about half of what all-int4 would take
+    policy = AdaptivePolicy(energy_target=0.9, max_rank=16, min_numel=0, budget_bytes=budget)
+    plan = policy.choose(bucket, layout, 1)
+    assert sum(c.bytes for c in plan) <= budget and not policy.over_budget
+    assert any(c.rank > 0 for c in plan)  # factored where int4 was not small enough
+    assert plan[3].rank == 0  # 1-D: never factored
+    for c, (_, shape) in zip(plan, layout):
+        if c.rank:
+            assert 1 <= c.rank <= 16 and c.fmt == "int8"
+
+
 def test_byte_budget_formula_and_validation():
     assert byte_budget(125e6, 100, 0.5) == 125e6 * 50  # 1 Gbit/s, H = 100 steps of 0.5 s
     with pytest.raises(ValueError, match="--diloco-x-energy"):

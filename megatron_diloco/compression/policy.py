@@ -22,7 +22,10 @@ Per matrix tensor ``M`` (``(m, n)`` view, see :mod:`lowrank`), every ``reevaluat
 5. Byte budget ``= bandwidth_bytes_per_s * local_steps * step_time_s`` (the exchange hides under the
    H inner steps of the next round), the smallest over the group. While the plan exceeds it, the
    largest contributor steps down:
-   low-rank tensors halve their rank (down to 1), quantized tensors go int8 -> int4. If even the
+   low-rank tensors halve their rank (down to 1), quantized tensors go int8 -> int4, and a
+   quantized matrix that can be factored goes int4 -> the largest rank <= ``max_rank`` whose
+   factors are smaller than its int4 payload (then halves like the others): past int4, a low-rank
+   approximation that misses the energy target still beats exceeding the link. If even the
    smallest plan exceeds the budget, that plan is used and ``over_budget`` is set (log it).
 """
 
@@ -189,6 +192,10 @@ class AdaptivePolicy:
                                                                                 self.block_size)))
                 elif c.rank == 0 and c.fmt == "int8":
                     best = (i, TensorChoice(0, "int4", _tensor_bytes(shape, 0, "int4", self.block_size)))
+                elif c.rank == 0 and c.fmt == "int4":
+                    r = self._largest_rank_below(shape, c.bytes)
+                    if r:
+                        best = (i, TensorChoice(r, "int8", _tensor_bytes(shape, r, "int8", self.block_size)))
                 if best is not None:
                     break
             if best is None:
@@ -198,6 +205,15 @@ class AdaptivePolicy:
                 break
             plan[best[0]] = best[1]
         return plan
+
+    def _largest_rank_below(self, shape: Sequence[int], nbytes: int) -> int:
+        """The largest rank <= ``max_rank`` at which ``shape`` may be factored and whose int8
+        factors take fewer than ``nbytes``; 0 if none (1-D, small, or even rank 1 is larger)."""
+        for r in range(self.max_rank, 0, -1):
+            if lowrank_pays_off(shape, r, self.min_numel) and \
+                    _tensor_bytes(shape, r, "int8", self.block_size) < nbytes:
+                return r
+        return 0
 
     def state_dict(self) -> dict:
         return {"plan": [dataclasses.astuple(c) for c in self.plan] if self.plan else None,
