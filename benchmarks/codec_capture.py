@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import runpy
 import subprocess
 import sys
 import time
@@ -124,13 +123,12 @@ def worker() -> None:
     replica0_only = os.environ.get("CODEC_CAPTURE_REPLICA0_ONLY") == "1"
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "examples"))
-    script = str(REPO / "examples" / "pretrain_gpt_diloco.py")
-    sys.argv = [script] + sys.argv[1:]
     from megatron_diloco import compat
+    from megatron_diloco.harness import run_script
 
     compat.apply_all()
     instrument(out, rounds, replica0_only)
-    runpy.run_path(script, run_name="__main__")
+    run_script(sys.argv[1:])  # the captures are written by the instrumentation, no rank record
 
 
 # --------------------------------------------------------------------------- launcher

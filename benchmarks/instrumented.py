@@ -27,9 +27,7 @@ exposed seconds, ...), as logged in the ``[DiLoCoX] round`` lines.
 
 from __future__ import annotations
 
-import json
 import os
-import runpy
 import sys
 import time
 from pathlib import Path
@@ -40,6 +38,8 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
+
+from megatron_diloco.harness import run_script, wrap  # noqa: E402
 
 rec: dict = {"iter_s": [], "losses": {}, "params_on_rank": 0, "mem_after_setup_bytes": None}
 _link = None  # the installed link model, if any
@@ -68,10 +68,11 @@ def _sync() -> None:
 def instrument() -> None:
     import megatron.training.training as training
 
-    orig_step, orig_log, orig_setup = training.train_step, training.training_log, training.setup_model_and_optimizer
+    from megatron_diloco import integration
 
-    def setup_model_and_optimizer(*a, **k):
-        out = orig_setup(*a, **k)
+    @wrap(training, "setup_model_and_optimizer")
+    def setup_model_and_optimizer(orig, *a, **k):
+        out = orig(*a, **k)
         model = out[0]
         rec["params_on_rank"] = sum(p.numel() for chunk in model for p in chunk.parameters())
         from megatron.core import parallel_state as ps
@@ -86,61 +87,53 @@ def instrument() -> None:
             rec["mem_after_setup_bytes"] = torch.cuda.memory_allocated()
         return out
 
-    def train_step(*a, **k):
+    @wrap(training, "train_step")
+    def train_step(orig, *a, **k):
         _sync()
         t0 = time.perf_counter()
-        out = orig_step(*a, **k)
+        out = orig(*a, **k)
         _sync()
         rec["iter_s"].append(time.perf_counter() - t0)
         if _link is not None:
             rec["link_cum"].append(list(_link.counters()))
         return out
 
-    def training_log(loss_dict, *a, **k):
+    @wrap(training, "training_log")
+    def training_log(orig, loss_dict, *a, **k):
         if loss_dict:
             it = k["iteration"] if "iteration" in k else a[2]
             rec["losses"][it] = float(next(iter(loss_dict.values())))
-        return orig_log(loss_dict, *a, **k)
+        return orig(loss_dict, *a, **k)
 
-    training.train_step, training.training_log = train_step, training_log
-    training.setup_model_and_optimizer = setup_model_and_optimizer
-
-    from megatron_diloco import integration
-
-    orig_log_round = integration._Installation.log_round
-
-    def log_round(self, m):
+    @wrap(integration._Installation, "log_round")
+    def log_round(orig, self, m):
         rec.setdefault("rounds", []).append({k: (v if isinstance(v, (bool, int, float)) else float(v))
                                              for k, v in m.items()})
-        return orig_log_round(self, m)
-
-    integration._Installation.log_round = log_round
+        return orig(self, m)
 
     if os.environ.get("BENCH_CHECK_BOUNDARIES") == "1":
         # after every DiLoCoX boundary: are the replicas bit-identical? (a fingerprint all-gather;
         # outside the timed train_step only in the sense that it runs inside step(): use for checks)
         from megatron_diloco.optimizer import DiLoCoXOptimizer
 
-        orig_opt_step = DiLoCoXOptimizer.step
         rec["boundary_identical"] = []
 
-        def step(self):
-            out = orig_opt_step(self)
+        @wrap(DiLoCoXOptimizer, "step")
+        def step(orig, self):
+            out = orig(self)
             if self.step_calls % self.diloco_config.local_steps == 0:
                 rec["boundary_identical"].append([self.step_calls, self.replicas_identical()])
             return out
-
-        DiLoCoXOptimizer.step = step
 
 
 def fixed_evaluation() -> None:
     """Make every ``evaluate`` call replay the same batches of its data iterator (see above)."""
     import megatron.training.training as training
 
-    orig = training.evaluate
     seen: dict[int, tuple[list, object]] = {}  # id(iterator) -> (batches so far, iterator kept alive)
 
-    def evaluate(forward_step_func, data_iterator, *a, **k):
+    @wrap(training, "evaluate")
+    def evaluate(orig, forward_step_func, data_iterator, *a, **k):
         if data_iterator is None or isinstance(data_iterator, list):  # no data on this stage / VPP
             return orig(forward_step_func, data_iterator, *a, **k)
         batches, _ = seen.setdefault(id(data_iterator), ([], data_iterator))
@@ -157,24 +150,16 @@ def fixed_evaluation() -> None:
 
         return orig(forward_step_func, replay(), *a, **k)
 
-    training.evaluate = evaluate
-
 
 def plain_ddp() -> None:
     """Make the example's argument parsing ignore ``--use-distributed-optimizer`` (its demo
     defaults add it): Megatron's DDP then all-reduces the gradients."""
-    import functools
-
     import megatron.training.arguments as arguments
 
-    orig = arguments.parse_and_validate_args
-
-    @functools.wraps(orig)
-    def parse_and_validate_args(*a, **k):
+    @wrap(arguments, "parse_and_validate_args")
+    def parse_and_validate_args(orig, *a, **k):
         sys.argv = [x for x in sys.argv if x != "--use-distributed-optimizer"]
         return orig(*a, **k)
-
-    arguments.parse_and_validate_args = parse_and_validate_args
 
 
 def main() -> None:
@@ -182,9 +167,7 @@ def main() -> None:
         import faulthandler
 
         faulthandler.dump_traceback_later(int(os.environ["BENCH_HANG_DUMP_S"]), repeat=True)
-    script = str(REPO / "examples" / "pretrain_gpt_diloco.py")
     argv = sys.argv[1:]
-    sys.argv = [script] + [x for x in argv if x != "--bench-plain-ddp"]
     from megatron_diloco import compat
 
     compat.apply_all()
@@ -195,23 +178,17 @@ def main() -> None:
         fixed_evaluation()
     install_link_model()  # after Megatron's modules are imported (it rebinds their references)
     rec["completed"] = False
-    try:
-        runpy.run_path(script, run_name="__main__")
-        rec["completed"] = True
-    finally:
-        if dist.is_initialized() and os.environ.get("BENCH_OUT"):
-            if torch.cuda.is_available():
-                rec["max_mem_bytes"] = torch.cuda.max_memory_allocated()
-                rec["device"] = torch.cuda.get_device_name()
-            if _link is not None:
-                rec["link"] = _link.stats()
-            Path(os.environ["BENCH_OUT"], f"rank{dist.get_rank()}.json").write_text(json.dumps(rec))
-    if rec["completed"] and os.environ.get("BENCH_OUT"):
-        # Records written: leave without interpreter teardown (a gloo run once aborted there, after
-        # finishing, with "terminate called without an active exception").
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+
+    def finalize(completed: bool) -> None:
+        rec["completed"] = completed
+        if dist.is_initialized() and torch.cuda.is_available():
+            rec["max_mem_bytes"] = torch.cuda.max_memory_allocated()
+            rec["device"] = torch.cuda.get_device_name()
+        if _link is not None:
+            rec["link"] = _link.stats()
+
+    run_script([x for x in argv if x != "--bench-plain-ddp"], rec, os.environ.get("BENCH_OUT"), finalize,
+               fast_exit=True)  # (no checkpointing in the benchmarks: no helper processes to orphan)
 
 
 if __name__ == "__main__":

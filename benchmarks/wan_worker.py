@@ -36,9 +36,7 @@ Rank 0 prints ``WANBENCH step i/N ...`` after each iteration (the harness turns 
 from __future__ import annotations
 
 import functools
-import json
 import os
-import runpy
 import sys
 import time
 from pathlib import Path
@@ -49,6 +47,8 @@ sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from instrumented import plain_ddp  # noqa: E402  (drops --use-distributed-optimizer: plain DDP)
+
+from megatron_diloco.harness import run_script  # noqa: E402
 
 rec: dict = {"iters": [], "params_on_rank": 0, "train_iters": None, "tokens_per_iter": None,
              "drain_s": None}
@@ -178,9 +178,7 @@ def instrument() -> None:
 
 
 def main() -> None:
-    script = str(REPO / "examples" / "pretrain_gpt_diloco.py")
     argv = sys.argv[1:]
-    sys.argv = [script] + [x for x in argv if x != "--wan-plain-ddp"]
     from megatron_diloco import compat
 
     compat.apply_all()
@@ -188,13 +186,11 @@ def main() -> None:
     if "--wan-plain-ddp" in argv:
         plain_ddp()
     rec["counters_at_start"] = {"tx_bytes": _read_counter("tx_bytes"), "rx_bytes": _read_counter("rx_bytes")}
-    try:
-        runpy.run_path(script, run_name="__main__")
-    finally:
+
+    def finalize(completed: bool) -> None:
         rec["counters_at_end"] = {"tx_bytes": _read_counter("tx_bytes"), "rx_bytes": _read_counter("rx_bytes")}
-        out = os.environ.get("WAN_OUT")
-        if out:
-            Path(out, f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(rec))
+
+    run_script([x for x in argv if x != "--wan-plain-ddp"], rec, os.environ.get("WAN_OUT"), finalize)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,7 @@ rank, into ``$DILOCO_TEST_OUT/rank{R}.json``:
 from __future__ import annotations
 
 import functools
-import json
 import os
-import runpy
 import sys
 from pathlib import Path
 
@@ -26,6 +24,8 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
+
+from megatron_diloco.harness import run_script, wrap  # noqa: E402
 
 record = {"losses": [], "boundary_identical": [], "cross_replica": []}
 ctx = {"in_train_step": False, "in_boundary": False, "iteration": 0}
@@ -81,39 +81,33 @@ def instrument() -> None:
             setattr(dist, name, _monitor(name, getattr(dist, name)))
     import megatron.training.training as training
 
-    orig_train_step = training.train_step
+    from megatron_diloco import sync as sync_mod
+    from megatron_diloco.optimizer import DiLoCoXOptimizer
+    from megatron_diloco.outer import fingerprint
+    from megatron_diloco.sync import MATRIX_CODECS
 
-    def train_step(*a, **k):
+    @wrap(training, "train_step")  # install() wraps it again: DiLoCoX's runs inside ours
+    def train_step(orig, *a, **k):
         ctx["iteration"] += 1
         ctx["in_train_step"] = True
         try:
-            out = orig_train_step(*a, **k)
+            return orig(*a, **k)
         finally:
             ctx["in_train_step"] = False
-        return out
 
-    training.train_step = train_step  # install() wraps it again: DiLoCoX's runs inside ours
-
-    from megatron_diloco import sync as sync_mod
-    from megatron_diloco.optimizer import DiLoCoXOptimizer
-    from megatron_diloco.sync import MATRIX_CODECS
-
-    orig_boundary = sync_mod.OuterSync.boundary
-
-    def boundary(self):
+    @wrap(sync_mod.OuterSync, "boundary")
+    def boundary(orig, self):
         ctx["in_boundary"] = True
         try:
-            return orig_boundary(self)
+            return orig(self)
         finally:
             ctx["in_boundary"] = False
 
-    sync_mod.OuterSync.boundary = boundary
-    orig_round_metrics = DiLoCoXOptimizer.round_metrics
-
-    def round_metrics(self, report):
+    @wrap(DiLoCoXOptimizer, "round_metrics")
+    def round_metrics(orig, self, report):
         ctx["in_boundary"] = True
         try:
-            out = orig_round_metrics(self, report)
+            out = orig(self, report)
             if self.diloco_config.compression in MATRIX_CODECS and self.sync.pending is not None:
                 # The low-rank exchange runs on a worker thread that owns the outer group until it
                 # completes, and the check all-gathers on that group: skip it (None) rather than
@@ -125,14 +119,9 @@ def instrument() -> None:
             ctx["in_boundary"] = False
         return out
 
-    DiLoCoXOptimizer.round_metrics = round_metrics
-
-    from megatron_diloco.outer import fingerprint
-
-    orig_opt_step, orig_load = DiLoCoXOptimizer.step, DiLoCoXOptimizer.load_state_dict
-
-    def opt_step(self):
-        out = orig_opt_step(self)
+    @wrap(DiLoCoXOptimizer, "step")
+    def opt_step(orig, self):
+        out = orig(self)
         if "outer" not in record:
             theta = self.sync.theta
             record["outer"] = {
@@ -146,22 +135,17 @@ def instrument() -> None:
         record.setdefault("main_fp", []).append([self.step_calls, [int(fingerprint([t])[0]) for t in self.view.shards]])
         return out
 
-    def load_state_dict(self, state_dict):
-        orig_load(self, state_dict)
+    @wrap(DiLoCoXOptimizer, "load_state_dict")
+    def load_state_dict(orig, self, state_dict):
+        orig(self, state_dict)
         record["loaded_fp"] = [self.step_calls, [int(fingerprint([t])[0]) for t in self.view.shards]]
 
-    DiLoCoXOptimizer.step, DiLoCoXOptimizer.load_state_dict = opt_step, load_state_dict
-
-    import megatron.training.training as training2
-    orig_log = training2.training_log
-
-    def training_log(loss_dict, *a, **k):
+    @wrap(training, "training_log")
+    def training_log(orig, loss_dict, *a, **k):
         if loss_dict:
             iteration = k["iteration"] if "iteration" in k else a[2]
             record["losses"].append([iteration, {key: float(v) for key, v in loss_dict.items()}])
-        return orig_log(loss_dict, *a, **k)
-
-    training2.training_log = training_log
+        return orig(loss_dict, *a, **k)
 
 
 def allow_sgd_with_distributed_optimizer() -> None:
@@ -170,20 +154,14 @@ def allow_sgd_with_distributed_optimizer() -> None:
     no state at all: give it a no-op ``init_state_fn``. Test harness only."""
     from megatron.core.optimizer import distrib_optimizer
 
-    cls = distrib_optimizer.DistributedOptimizer
-    orig = cls.__init__
-
-    def __init__(self, optimizer, config, grad_scaler, init_state_fn, *a, **k):
+    @wrap(distrib_optimizer.DistributedOptimizer, "__init__")
+    def __init__(orig, self, optimizer, config, grad_scaler, init_state_fn, *a, **k):
         if isinstance(optimizer, distrib_optimizer.torch.optim.SGD) and init_state_fn is None:
             init_state_fn = lambda opt, config=None: None  # noqa: E731
         orig(self, optimizer, config, grad_scaler, init_state_fn, *a, **k)
 
-    cls.__init__ = __init__
-
 
 def main() -> None:
-    script = str(REPO / "examples" / "pretrain_gpt_diloco.py")
-    sys.argv = [script] + sys.argv[1:]
     # The example applies the CPU shim on import; instrument after Megatron is importable.
     from megatron_diloco.compat import cpu as cpu_compat
 
@@ -192,12 +170,7 @@ def main() -> None:
     instrument()
     if "sgd" in sys.argv:
         allow_sgd_with_distributed_optimizer()
-    try:
-        runpy.run_path(script, run_name="__main__")
-    finally:
-        out = os.environ.get("DILOCO_TEST_OUT")
-        if out and dist.is_initialized():
-            Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
+    run_script(sys.argv[1:], record, os.environ.get("DILOCO_TEST_OUT"))
 
 
 if __name__ == "__main__":
