@@ -48,8 +48,9 @@ from the end of iteration ``w`` to the end of the last iteration; ``w`` = 2 for 
 * ``other_cpu_cores``: CPU time that other processes used during the window (whole machine's busy
   time from ``/proc/stat`` minus the ranks' own CPU time) / window wall time: how much the run was
   disturbed on a shared machine. With ``--repeats N`` every (link, method) runs N times (in N passes
-  over the sweep) and the repeat with the least ``other_cpu_cores`` is reported; all repeats stay
-  in the JSON (``repeats``).
+  over the sweep); per link the runs of one pass are reported (the least disturbed pass in which
+  every method succeeded), so that ratios compare runs measured side by side; all repeats stay in
+  the JSON (``repeats``) and ``by_pass`` gives each pass's own speedup, bound and fraction.
 * ``exchange_fits_in_H``: the exchange's launch-to-completion time <= H x inner-step time.
   Target (issue 4): DiLoCoX >= 90% of the bound and >= 90% compute utilization when it fits.
 
@@ -205,19 +206,63 @@ def ring_allreduce_bytes_per_token(params: int, replicas: int, tokens_per_iter: 
     return 2 * (replicas - 1) / replicas * 4 * params / tokens_per_iter
 
 
-def select_repeat(runs: list[dict]) -> dict:
-    """The least disturbed successful repeat (lowest ``other_cpu_cores``), with a short record of
-    every repeat under ``repeats``; the first failure when every repeat failed."""
-    ok = [r for r in runs if r.get("tokens_per_s")]
-    if not ok:
-        return runs[0]
-    def disturbance(run: dict) -> float:
-        return run["other_cpu_cores"] if run.get("other_cpu_cores") is not None else float("inf")
+_REPEAT_KEYS = ("pass", "tokens_per_s", "compute_utilization", "inner_step_s", "step_s", "other_cpu_cores",
+                "error")
 
-    best = dict(min(ok, key=disturbance))
-    keys = ("pass", "tokens_per_s", "compute_utilization", "inner_step_s", "step_s", "other_cpu_cores", "error")
-    best["repeats"] = [{k: r[k] for k in keys if k in r} for r in runs]
-    return best
+
+def select_pass(repeats: dict[tuple[float, str], list[dict]]) -> list[dict]:
+    """Per link, the runs of ONE pass, so that speedups and bounds compare runs measured side by
+    side (one pass over a link's methods takes minutes; the machine's speed drifts between passes
+    by several percent). The pass chosen is, among those where every method at the link succeeded
+    (else those with the most successes), the least disturbed: smallest largest ``other_cpu_cores``
+    of its runs. Every returned run keeps a short record of all its repeats under ``repeats``.
+
+    Args:
+        repeats: ``(link_mbps, method) -> [run of pass 1, run of pass 2, ...]``."""
+    out = []
+    for link in dict.fromkeys(link for link, _ in repeats):
+        methods = [m for (lk, m) in repeats if lk == link]
+        passes = sorted({r["pass"] for m in methods for r in repeats[(link, m)]})
+
+        def runs_of(p: int) -> list[dict]:
+            return [next((r for r in repeats[(link, m)] if r["pass"] == p), {"error": "missing"})
+                    for m in methods]
+
+        def rank(p: int) -> tuple[int, float]:
+            ok = [r for r in runs_of(p) if r.get("tokens_per_s")]
+            worst = max((r["other_cpu_cores"] if r.get("other_cpu_cores") is not None else float("inf")
+                         for r in ok), default=float("inf"))
+            return (-len(ok), worst)
+
+        chosen = min(passes, key=rank)
+        for m in methods:
+            run = dict(next((r for r in repeats[(link, m)] if r["pass"] == chosen), repeats[(link, m)][0]))
+            run["repeats"] = [{k: r[k] for k in _REPEAT_KEYS if k in r} for r in repeats[(link, m)]]
+            out.append(run)
+    return out
+
+
+def fractions_by_pass(runs: list[dict]) -> None:
+    """Add ``by_pass`` to every non-allreduce run, in place: per pass, its speedup over that same
+    pass's allreduce run at the link, that allreduce's bound (step / inner step) and the fraction of
+    it, from the ``repeats`` records (so a reader sees the spread between passes)."""
+    for link in {r["link_mbps"] for r in runs}:
+        ar = next((r for r in runs if r["link_mbps"] == link and r["method"] == "allreduce"), None)
+        if ar is None:
+            continue
+        ar_by_pass = {x["pass"]: x for x in ar.get("repeats", []) if x.get("tokens_per_s")}
+        for r in runs:
+            if r["link_mbps"] != link or r["method"].startswith("allreduce"):
+                continue
+            rows = []
+            for x in r.get("repeats", []):
+                a = ar_by_pass.get(x.get("pass"))
+                if a is None or not x.get("tokens_per_s"):
+                    continue
+                speedup, bound = x["tokens_per_s"] / a["tokens_per_s"], a["step_s"] / a["inner_step_s"]
+                rows.append({"pass": x["pass"], "speedup_vs_allreduce": speedup, "speedup_bound": bound,
+                             "fraction_of_bound": speedup / bound})
+            r["by_pass"] = rows
 
 
 def compare_to_allreduce(runs: list[dict], local_steps: int, target: float = 0.9) -> None:
@@ -546,8 +591,9 @@ def main() -> None:
                 print(f"bench-wan: {label}: {run['tokens_per_s']:,.0f} tokens/s, other processes used "
                       f"{run['other_cpu_cores']:.2f} CPU cores meanwhile")
             repeats.setdefault((link, m), []).append(run)
-    result["runs"] = [select_repeat(runs) for runs in repeats.values()]
+    result["runs"] = select_pass(repeats)
     compare_to_allreduce(result["runs"], a.local_steps)
+    fractions_by_pass(result["runs"])
     result["sweep_s"] = time.monotonic() - started
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2))

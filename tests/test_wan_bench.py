@@ -157,14 +157,34 @@ def test_compare_to_allreduce_speedup_bound_and_target():
     assert "| 10 Mbit | dilocox | 380 | 95.0% |" in table and "failed: failed" in table
 
 
-def test_select_least_disturbed_repeat():
-    runs = [{"pass": 1, "tokens_per_s": 10.0, "other_cpu_cores": 0.75, "compute_utilization": 0.5},
-            {"pass": 2, "error": "rank 1 exited 1"},
-            {"pass": 3, "tokens_per_s": 8.0, "other_cpu_cores": 0.25, "compute_utilization": 0.5}]
-    best = wan_bench.select_repeat(runs)
-    assert best["pass"] == 3 and best["tokens_per_s"] == 8.0
-    assert [r["pass"] for r in best["repeats"]] == [1, 2, 3] and best["repeats"][1]["error"]
-    assert wan_bench.select_repeat([runs[1]]) == runs[1]
+def test_one_pass_per_link_and_fractions_by_pass():
+    """Ratios come from one pass per link: the least disturbed pass where every method ran, even if
+    a single method was quieter in another pass (the old per-method choice mixed passes)."""
+    def run(link, m, p, tps, other, step=None, inner=None):
+        return {"link_mbps": link, "method": m, "pass": p, "tokens_per_s": tps, "other_cpu_cores": other,
+                "compute_utilization": 0.9, "step_s": step, "inner_step_s": inner}
+    repeats = {
+        (100.0, "allreduce"): [run(100.0, "allreduce", 1, 10.0, 0.10, 1.0, 0.2),
+                               run(100.0, "allreduce", 2, 11.0, 0.30, 1.0, 0.25)],
+        (100.0, "dilocox"): [run(100.0, "dilocox", 1, 48.0, 0.20), run(100.0, "dilocox", 2, 40.0, 0.05)],
+        (10.0, "allreduce"): [run(10.0, "allreduce", 1, 1.0, 0.0, 10.0, 0.2),
+                              {"pass": 2, "error": "rank 1 exited 1", "link_mbps": 10.0, "method": "allreduce"}],
+        (10.0, "dilocox"): [run(10.0, "dilocox", 1, 45.0, 0.9), run(10.0, "dilocox", 2, 49.0, 0.0)],
+    }
+    runs = wan_bench.select_pass(repeats)
+    chosen = {(r["link_mbps"], r["method"]): r["pass"] for r in runs}
+    # 100 Mbit: pass 1's worst disturbance 0.20 < pass 2's 0.30 -> pass 1 for both methods
+    assert chosen[(100.0, "allreduce")] == chosen[(100.0, "dilocox")] == 1
+    # 10 Mbit: pass 2 lacks allreduce -> pass 1 although dilocox was quieter in pass 2
+    assert chosen[(10.0, "allreduce")] == chosen[(10.0, "dilocox")] == 1
+    dx = next(r for r in runs if r["link_mbps"] == 100.0 and r["method"] == "dilocox")
+    assert [x["pass"] for x in dx["repeats"]] == [1, 2]
+    wan_bench.fractions_by_pass(runs)
+    by = {x["pass"]: x for x in dx["by_pass"]}
+    assert by[1]["speedup_vs_allreduce"] == pytest.approx(4.8) and by[1]["speedup_bound"] == pytest.approx(5.0)
+    assert by[2]["fraction_of_bound"] == pytest.approx((40.0 / 11.0) / 4.0)
+    lone = next(r for r in runs if r["link_mbps"] == 10.0 and r["method"] == "dilocox")
+    assert [x["pass"] for x in lone["by_pass"]] == [1]  # pass 2 has no allreduce to compare with
 
 
 def test_ring_bytes_and_run_plan():
