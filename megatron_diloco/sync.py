@@ -261,20 +261,20 @@ class OuterSync:
             self.view.gather(self.buffer)
             if self._any_replica_nonfinite(sq):
                 return self._skip(sq, completed)
-            self.pending = self._launch()
-            if self.anchor is not None:
+            if self.anchor is not None:  # before the launch: the exchange owns the buffer after it
                 self._eager_start()
+            self.pending = self._launch()
             self.view.scatter_(self.start_point)
         return RoundReport(self.rounds, completed is not None, self.pending.stats, completed, sq)
 
     def _eager_start(self) -> None:
-        """a_r <- theta_t - c w * delta_{r,t}, with delta_{r,t} still in x (see the module doc)."""
+        """a_r <- theta_t - c w * delta_{r,t}, with delta_{r,t} in ``buffer`` (gathered, not yet
+        launched; see the module doc)."""
         c = self.config.outer_lr * ((1.0 + self.config.outer_momentum) if self.config.nesterov else 1.0)
         w = self.config.eager_weight
         if w is None:
             w = 1.0 / (dist.get_world_size(self.group) if self.group is not None else 1)
-        self.view.gather(self.anchor)
-        self.anchor.mul_(-c * w).add_(self.theta)
+        torch.mul(self.buffer, -c * w, out=self.anchor).add_(self.theta)
 
     def _skip(self, sq: float, completed: ExchangeStats | None) -> RoundReport:
         """Drop this round's pseudo-gradient everywhere: x <- theta, residual untouched."""
