@@ -82,7 +82,8 @@ def main() -> None:
         "card": vanilla[0].get("device"),
         "gpus": a.nproc,
         "layout": f"2 replicas x TP {a.tp} x PP {a.pp} (each replica {a.nproc // 2} contiguous GPUs) vs vanilla "
-                  f"DP 2 x TP {a.tp} x PP {a.pp}; bf16, distributed optimizer, codec {a.codec}, H={H}",
+                  f"DP 2 x TP {a.tp} x PP {a.pp}; {'fp32 (tiny CPU smoke model)' if a.small else 'bf16'}, "
+                  f"distributed optimizer, codec {a.codec}, H={H}",
         # one replica's ranks hold the model once (TP/PP shards; layernorms replicated over TP)
         "params_per_replica": sum(r["params_on_rank"] for r in dilocox if r["rank"] < a.nproc // 2),
         "iterations": a.iters,

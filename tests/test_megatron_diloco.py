@@ -108,3 +108,24 @@ def test_outer_state_is_sharded_like_the_distributed_optimizer(tmp_path):
         assert sum(recs[r]["outer"]["theta_numel"] for r in replica) == total
     assert recs[0]["outer"]["theta_numel"] == recs[2]["outer"]["theta_numel"]  # outer-group peers
     assert summary(log)["replicas_identical"]
+
+
+def test_three_d_layout_tp2_pp2_two_replicas(tmp_path):
+    """The layout of issue 5 on 8 gloo ranks: 2 replicas x TP 2 x PP 2, int8 exchange. Replicas are
+    contiguous blocks of 4 ranks, bit-identical after every boundary, nothing crosses them between
+    boundaries, and each rank's outer state covers exactly its own distributed-optimizer shard."""
+    recs, log = run_megatron(tmp_path, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                        "--train-iters", "8", "--diloco-x-local-steps", "4",
+                                        "--diloco-x-compression", "int8", "--diloco-x-outer-momentum", "0.9"],
+                             nproc=8, timeout=600)
+    for rank, rec in enumerate(recs):
+        assert rec["boundary_identical"] == [[4, True], [8, True]], (rank, rec["boundary_identical"])
+        assert [c for c in rec["cross_replica"] if not c["in_boundary"]] == [], rank
+        o = rec["outer"]
+        assert o["theta_numel"] == o["main_shard_numel"] == o["momentum_numel"] > 0, (rank, o)
+    # replica 1 (ranks 4-7) mirrors replica 0 (ranks 0-3) rank for rank (same shard sizes)
+    for r in range(4):
+        assert recs[r]["outer"] == recs[r + 4]["outer"], r
+    assert sorted(losses(recs)) == [2, 3, 6, 7]  # the last pipeline stage of each replica (both TP ranks)
+    s = summary(log)
+    assert s["replicas_identical"] and s["rounds"] == 2 and s["compression"] == "int8"
