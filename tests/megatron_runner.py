@@ -162,6 +162,9 @@ def allow_sgd_with_distributed_optimizer() -> None:
 
 
 def main() -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a crash in native code (gloo, torch) prints every thread's Python stack
     # The example applies the CPU shim on import; instrument after Megatron is importable.
     from megatron_diloco.compat import cpu as cpu_compat
 
