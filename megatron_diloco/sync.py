@@ -122,9 +122,9 @@ class OuterSync:
         self.view = view
         self.config = config
         self.group = group
-        # low-rank / adaptive on a GPU: the worker thread's collectives go over this gloo mirror of
-        # ``group`` on host copies (see megatron_diloco.topology.host_mirror_of_outer_groups)
-        self.host_group = host_group
+        # the worker thread's group (low-rank / adaptive): the gloo mirror of ``group`` when given
+        # (GPU tensors travel as host copies; megatron_diloco.topology.host_mirror_of_outer_groups)
+        self.worker_group = host_group if host_group is not None else group
         self.codec = None  # None: exact fp32 all-reduce
         self._executor = None  # worker thread of the multi-collective (low-rank) exchanges
         if config.compression != "none":
@@ -197,8 +197,7 @@ class OuterSync:
         input_sq = float(torch.dot(b, b) + 2 * torch.dot(b, e) + torch.dot(e, e))
         if self._executor is not None:
             # (start_threaded_exchange refuses a non-gloo group for GPU tensors)
-            handle = start_threaded_exchange(self.buffer, self.residual, self.codec,
-                                             self.host_group if self.host_group is not None else self.group,
+            handle = start_threaded_exchange(self.buffer, self.residual, self.codec, self.worker_group,
                                              self._executor)
         else:
             handle = start_compressed_exchange(self.buffer, self.residual, self.codec, self.group)

@@ -113,27 +113,21 @@ def split_payload(payload: torch.Tensor, layout: PayloadLayout) -> tuple[torch.T
 def error_feedback_input(residual: torch.Tensor, anchor: torch.Tensor | None = None,
                          x: torch.Tensor | None = None,
                          pseudo_grad: torch.Tensor | None = None) -> torch.Tensor:
-    """``v = (anchor - float(x)) + e``, or ``v = pseudo_grad + e``: fp32 ``[N]``, a new tensor.
+    """``v = (anchor - float(x)) + e``, or ``v = pseudo_grad + e``: fp32 ``[N]``, a new tensor
+    (``residual`` is not modified; :func:`error_feedback_input_` is the in-place form, same bits).
 
     Args:
         residual: e, fp32 ``[N]``. anchor: theta, fp32 ``[N]``. x: local params, bf16 or fp32 ``[N]``.
         pseudo_grad: fp32 ``[N]``, instead of ``anchor`` and ``x``.
     """
-    # read 4N (e) + 4N (anchor) + 2-4N (x), write 4N (v)
-    if pseudo_grad is not None:
-        if anchor is not None or x is not None:
-            raise ValueError("pass either pseudo_grad or (anchor, x), not both")
-        return pseudo_grad.float() + residual
-    if anchor is None or x is None:
-        raise ValueError("pass pseudo_grad or both anchor and x")
-    return (anchor - x.float()) + residual
+    return error_feedback_input_(residual.clone(), anchor, x, pseudo_grad)
 
 
 def error_feedback_input_(residual: torch.Tensor, anchor: torch.Tensor | None = None,
                           x: torch.Tensor | None = None,
                           pseudo_grad: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`error_feedback_input` written into ``residual`` (fp32 ``[N]``, modified in place and
-    returned): the same bits (fp32 addition commutes), without a second ``[N]`` buffer."""
+    returned), without a second ``[N]`` buffer. (fp32 addition commutes: the same bits either way.)"""
     # read 4N (e) + 4N (pseudo_grad) | 4N (anchor) + 2-4N (x), write 4N (v, in place)
     if pseudo_grad is not None:
         if anchor is not None or x is not None:
