@@ -105,10 +105,14 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
         "use_layer_wise_distributed_optimizer": "DiLoCoX needs the distributed optimizer's fp32 shards",
         "check_weight_hash_across_dp_replicas_interval": "replicas differ between outer boundaries by "
                                                          "design; DiLoCoX checks its own replicas",
-        "calculate_per_token_loss": "per-token loss all-reduces the token count over the global "
-                                    "data-parallel group every step (not yet made per replica)",
         "num_experts": "MoE expert parameters use separate expert-data-parallel groups that DiLoCoX "
                        "does not handle yet",
+        "use_precision_aware_optimizer": "it keeps the fp32 master weights inside Transformer Engine's "
+                                         "FusedAdam, where the outer step cannot read or write them; drop "
+                                         "the flag (DiLoCoX works on the distributed optimizer's fp32 shards)",
+        "data_parallel_random_init": "every data-parallel rank would start from different weights, while "
+                                     "the replicas of an outer loop must start from the same ones; drop "
+                                     "the flag",
     }
     for name, why in incompatible.items():
         if getattr(args, name, None):

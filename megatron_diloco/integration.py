@@ -15,7 +15,6 @@ wrapping them from outside is enough:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import logging
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_diloco.arguments import config_from_args, validate_megatron_args
 from megatron_diloco.config import DiLoCoXConfig
+from megatron_diloco.replica_local import install_replica_local_collectives, replica_local_loss_reduction
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +88,17 @@ class _Installation:
 
         def diloco_train_step(*a, **k):
             model = a[2] if len(a) > 2 else k["model"]
-            with _replica_local_loss_reduction(model):
+            with replica_local_loss_reduction(model):
                 out = train_step(*a, **k)
             self.record_loss(out[0])
             return out
 
         def diloco_train(*a, **k):
+            from megatron_diloco.replica_local import replica_local_finalize
+
+            config = a[7] if len(a) > 7 else k["config"]  # the model's TransformerConfig
+            config.finalize_model_grads_func = replica_local_finalize(
+                config.finalize_model_grads_func or training.finalize_model_grads)
             start = time.perf_counter()
             out = train(*a, **k)
             self.finish(iteration=out[0], wall_s=time.perf_counter() - start)
@@ -117,7 +122,9 @@ class _Installation:
         # outer groups, never over a group the training loop uses
         host_mirror = self.config.compression in MATRIX_CODECS
         topology = from_parallel_state(self.config.replicas, host_mirror=host_mirror)
-        self.optimizer = DiLoCoXOptimizer(inner, self.config, topology, on_round=self.log_round)
+        self.optimizer = opt = DiLoCoXOptimizer(inner, self.config, topology, on_round=self.log_round)
+        install_replica_local_collectives(
+            self.args, at_boundary=lambda: opt.step_calls % self.config.local_steps == 0)
         return self.optimizer
 
     def log_round(self, m: dict) -> None:
@@ -204,7 +211,10 @@ def make_gradient_reduction_replica_local(ddp_chunk: torch.nn.Module, replicas: 
     With R optimizer instances Megatron reduce-scatters gradients inside the instance and then
     all-reduces each shard across instances every step, scaling by 1/(full DP size). DiLoCoX keeps the
     first and drops the second: bucket groups get a private DDP config copy with one instance, and
-    gradients are rescaled by R so the mean is over the replica's own data-parallel ranks.
+    gradients are rescaled by R so the mean is over the replica's own data-parallel ranks. With
+    ``--calculate-per-token-loss`` Megatron does not scale in the reduction (factor 1) but divides by
+    the token count in ``finalize_model_grads``, which DiLoCoX sums over the replica
+    (:func:`megatron_diloco.replica_local.replica_local_finalize`): no rescale then.
     Idempotent per chunk.
     """
     if getattr(ddp_chunk, "_diloco_x_local_grads", False):
@@ -212,45 +222,10 @@ def make_gradient_reduction_replica_local(ddp_chunk: torch.nn.Module, replicas: 
     for group in list(ddp_chunk.bucket_groups) + list(ddp_chunk.expert_parallel_bucket_groups):
         group.ddp_config = copy.copy(group.ddp_config)
         group.ddp_config.num_distributed_optimizer_instances = 1
-    if not ddp_chunk.ddp_config.average_in_collective:
+    per_token = getattr(getattr(ddp_chunk, "config", None), "calculate_per_token_loss", False)
+    if not ddp_chunk.ddp_config.average_in_collective and not per_token:
         for buffer in list(ddp_chunk.buffers) + list(ddp_chunk.expert_parallel_buffers):
             buffer.gradient_scaling_factor *= replicas
             for bucket in buffer.buckets:
                 bucket.gradient_scaling_factor *= replicas
     ddp_chunk._diloco_x_local_grads = True
-
-
-@contextlib.contextmanager
-def _replica_local_loss_reduction(model):
-    """During ``train_step``, let the model's process-group collection name the replica's own
-    data-parallel group as ``dp_cp``: Megatron then reduces the logged loss inside the replica
-    instead of across the slow link every step.
-
-    ``train_step`` reads ``pg_collection`` from the outermost wrapper that has one
-    (``get_attr_wrapped_model``): with ``--bf16``/``--fp16`` that is ``Float16Module``, which keeps
-    its own reference, so every level of the wrapper chain is switched, not only the bare model."""
-    from megatron.core import parallel_state as ps
-
-    saved = []
-    for chunk in model:
-        level = chunk
-        while level is not None:
-            pgc = level.__dict__.get("pg_collection")
-            if pgc is not None:
-                cached = level.__dict__.get("_diloco_x_local_pgc")
-                if cached is None or cached[0] is not pgc:  # built once per collection, not every step
-                    intra = ps.get_data_parallel_group(with_context_parallel=True,
-                                                       partial_data_parallel=True)
-                    local = copy.copy(pgc)
-                    local.dp_cp = intra
-                    if getattr(local, "dp_cp_gtp_remat", None) is not None:
-                        local.dp_cp_gtp_remat = intra
-                    cached = level._diloco_x_local_pgc = (pgc, local)
-                saved.append((level, pgc))
-                level.pg_collection = cached[1]
-            level = getattr(level, "module", None)
-    try:
-        yield
-    finally:
-        for level, pgc in saved:
-            level.pg_collection = pgc

@@ -6,17 +6,20 @@ rank, into ``$DILOCO_TEST_OUT/rank{R}.json``:
 * ``losses``: the loss of every iteration at full precision (last pipeline stage only);
 * ``boundary_identical``: after each DiLoCoX boundary, whether the replicas are bit-identical
   (None with a low-rank codec while its exchange runs on the worker thread);
-* ``cross_replica``: every collective launched inside ``train_step`` on a group that spans more than
-  one replica, tagged with whether it ran inside the outer boundary (``OuterSync``);
+* ``cross_replica``: every collective or P2P op issued during the training loop (``train``, setup
+  and the final summary excluded) on a process group spanning more than one replica, counted by a
+  process-group pre-hook (below every Python alias), with its iteration, whether it ran inside
+  ``train_step`` / the outer boundary (``OuterSync``), and the issuing thread;
 * ``main_fp``: after every optimizer step, a bitwise fingerprint of each fp32 main-parameter shard;
   ``loaded_fp``: the same right after a checkpoint was loaded.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
+import threading
+import traceback
 from pathlib import Path
 
 import torch.distributed as dist
@@ -28,13 +31,8 @@ sys.path.insert(0, str(REPO / "examples"))
 from megatron_diloco.harness import run_script, wrap  # noqa: E402
 
 record = {"losses": [], "boundary_identical": [], "cross_replica": []}
-ctx = {"in_train_step": False, "in_boundary": False, "iteration": 0}
-
-# isend/irecv are not wrapped: P2POp checks their identity. Pipeline P2P goes through
-# batch_isend_irecv, whose ops name their peers.
-COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "broadcast",
-               "reduce_scatter", "_reduce_scatter_base", "_all_gather_base", "all_to_all_single",
-               "barrier", "reduce", "gather", "scatter", "batch_isend_irecv")
+ctx = {"in_train": False, "in_train_step": False, "in_boundary": False, "iteration": 0, "instrumenting": False}
+_HOOK_ID = 7211  # our pre-hook's id on every process group
 
 
 def _replica_blocks() -> int:
@@ -48,43 +46,50 @@ def _replica_blocks() -> int:
     return r
 
 
-def _spans_replicas(group) -> bool:
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+def _count_cross_replica_traffic() -> None:
+    """Register a pre-hook on every process group of this process: each collective or P2P op
+    issued on a group spanning several replicas (for send/recv: to a peer in another replica) while
+    the training loop runs is recorded with the iteration, whether it ran inside ``train_step`` and
+    inside the outer boundary, and the issuing thread. Hooks sit below every Python alias
+    (``dist_all_gather_func``, coalescing managers, ...), so nothing issued through torch escapes."""
     per = dist.get_world_size() // _replica_blocks()
-    return len({r // per for r in ranks}) > 1
+    for group in list(dist.distributed_c10d._world.pg_map):
+        ranks = dist.get_process_group_ranks(group)
+        spans = len({r // per for r in ranks}) > 1
 
+        def hook(args, ranks=ranks, spans=spans) -> None:
+            if not ctx["in_train"] or ctx["instrumenting"] or not spans:
+                return
+            op = str(args.name).rsplit(".", 1)[-1].lower()
+            if op in ("send", "recv"):
+                if args.root < 0 or ranks[args.root] // per == dist.get_rank() // per:
+                    return
+            record["cross_replica"].append({
+                "op": op, "iteration": ctx["iteration"], "in_train_step": ctx["in_train_step"],
+                "in_boundary": ctx["in_boundary"], "thread": threading.current_thread().name,
+                "group_size": len(ranks)})
+            if os.environ.get("DILOCO_TEST_STACKS"):  # where each op came from (debugging aid)
+                record["cross_replica"][-1]["stack"] = traceback.format_stack(limit=8)[:-1]
 
-def _monitor(name, fn):
-    @functools.wraps(fn)
-    def wrapped(*a, **k):
-        if ctx["in_train_step"]:
-            group = k.get("group")
-            if group is None:
-                # positional group argument: the first ProcessGroup among the arguments
-                group = next((x for x in a if isinstance(x, dist.ProcessGroup)), None)
-            if name == "batch_isend_irecv":
-                ranks = [dist.get_rank()] + [op.peer for op in a[0]]
-                per = dist.get_world_size() // _replica_blocks()
-                crosses = len({r // per for r in ranks}) > 1
-            else:
-                crosses = _spans_replicas(group)
-            if crosses:
-                record["cross_replica"].append({"op": name, "iteration": ctx["iteration"],
-                                                "in_boundary": ctx["in_boundary"]})
-        return fn(*a, **k)
-    return wrapped
+        group.register_pre_hook(_HOOK_ID, hook)
 
 
 def instrument() -> None:
-    for name in COLLECTIVES:
-        if hasattr(dist, name):
-            setattr(dist, name, _monitor(name, getattr(dist, name)))
     import megatron.training.training as training
 
     from megatron_diloco import sync as sync_mod
     from megatron_diloco.optimizer import DiLoCoXOptimizer
     from megatron_diloco.outer import fingerprint
     from megatron_diloco.sync import MATRIX_CODECS
+
+    @wrap(training, "train")  # the whole training loop, setup and the final summary excluded
+    def train(orig, *a, **k):
+        _count_cross_replica_traffic()
+        ctx["in_train"] = True
+        try:
+            return orig(*a, **k)
+        finally:
+            ctx["in_train"] = False
 
     @wrap(training, "train_step")  # install() wraps it again: DiLoCoX's runs inside ours
     def train_step(orig, *a, **k):
@@ -114,7 +119,11 @@ def instrument() -> None:
                 # wait, so that a checkpoint can still catch the exchange in flight.
                 record["boundary_identical"].append([self.step_calls, None])
             else:
-                record["boundary_identical"].append([self.step_calls, self.replicas_identical()])
+                ctx["instrumenting"] = True  # the check's own collectives are not training traffic
+                try:
+                    record["boundary_identical"].append([self.step_calls, self.replicas_identical()])
+                finally:
+                    ctx["instrumenting"] = False
         finally:
             ctx["in_boundary"] = False
         return out
