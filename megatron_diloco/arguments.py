@@ -50,6 +50,14 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--diloco-x-bandwidth-mbps", type=float, default=None,
                        help="adaptive: slow-link bandwidth (Mbit/s) for the per-round byte cap; "
                             "default: measured over the outer group at the first boundary.")
+    group.add_argument("--diloco-x-outer-timeout-minutes", type=float, default=None,
+                       help="T: an exchange over the outer groups (and the boundary's skip decision, the "
+                            "link measurement) must complete within T minutes of its launch, else the run "
+                            "ends with an error naming the round and the group; the groups' own timeouts "
+                            "are set to 1.25 T + 1 min as a backstop. Default: derived at each launch as "
+                            "max(--distributed-timeout-minutes, 4 x H x inner-step time of the last round, "
+                            "4 x the longest exchange so far); give it when one exchange may take longer "
+                            "than that (e.g. a first blocking exchange over a very slow link).")
     return parser
 
 
@@ -67,6 +75,9 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
         rank=args.diloco_x_rank,
         energy=args.diloco_x_energy,
         bandwidth_mbps=args.diloco_x_bandwidth_mbps,
+        outer_timeout_minutes=getattr(args, "diloco_x_outer_timeout_minutes", None),
+        # Megatron's own collective timeout: the floor of the derived outer timeout
+        distributed_timeout_minutes=float(getattr(args, "distributed_timeout_minutes", None) or 10.0),
     )
 
 

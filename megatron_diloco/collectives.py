@@ -7,8 +7,12 @@ identically), so every replica receives the same bits.
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
 import contextlib
 import dataclasses
+import queue
+import threading
 import time
 import weakref
 
@@ -46,8 +50,38 @@ def ring_allreduce_bytes(payload_bytes: int, group_size: int) -> int:
     return 2 * (group_size - 1) * payload_bytes // group_size
 
 
+def wait_within(work, deadline: float | None) -> None:
+    """Wait for ``work`` (a ``dist.Work``, or anything with ``is_completed()`` and ``wait()``), but
+    not past ``deadline`` (a ``time.perf_counter()`` value; None: unbounded).
+
+    Polls ``is_completed()`` (sleeping 0.1 ms, doubling up to 10 ms) and raises ``TimeoutError`` once
+    the deadline passes; then ``wait()``, which re-raises the backend's own error (a gloo timeout, a
+    closed connection) and, for NCCL, makes the current stream wait for the collective. Polling
+    works the same on every backend: ``Work.wait(timeout)`` blocks the host and, on NCCL, may abort
+    the communicator on expiry instead of returning to the caller.
+    """
+    if deadline is not None:
+        pause = 1e-4
+        while not work.is_completed():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise TimeoutError("did not complete before its deadline")
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 1e-2)
+    work.wait()
+
+
+def bounded_all_reduce(tensor: torch.Tensor, op, group: dist.ProcessGroup | None,
+                       timeout_s: float | None) -> None:
+    """``dist.all_reduce`` of ``tensor`` in place over ``group``, raising ``TimeoutError`` when it has
+    not completed ``timeout_s`` seconds after its start (None: unbounded). Collective over ``group``."""
+    deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+    wait_within(dist.all_reduce(tensor, op=op, group=group, async_op=True), deadline)
+
+
 def measure_link_bandwidth(group: dist.ProcessGroup | None, device: torch.device,
-                           sizes: tuple[int, int] = (128 << 10, 2 << 20), repeats: int = 2) -> float | None:
+                           sizes: tuple[int, int] = (128 << 10, 2 << 20), repeats: int = 2,
+                           timeout_s: float | None = None) -> float | None:
     """Measure the outer group's link: bytes/s one rank sends in an all-gather, latency removed.
 
     Times blocking ``all_gather_into_tensor`` of a small and a large uint8 payload per rank (best of
@@ -55,28 +89,34 @@ def measure_link_bandwidth(group: dist.ProcessGroup | None, device: torch.device
     group so every replica agrees on it. Collective over ``group``; nothing else may use the group
     meanwhile. Cost: about ``2 * repeats`` transfers of ``sizes[1]`` bytes per rank (at 10 Mbit/s
     ~3.5 s, once). Returns None for a group of one rank (no link).
+
+    ``timeout_s``: the whole measurement must complete within it (``TimeoutError`` otherwise: a peer
+    that never joins, a link that stopped answering); None: unbounded.
     """
     size = dist.get_world_size(group) if group is not None else 1
     if size <= 1:
         return None
+    deadline = None if timeout_s is None else time.perf_counter() + timeout_s
     best = []
     for n in sizes:
         payload = torch.zeros(n, dtype=torch.uint8, device=device)
         out = torch.empty(size * n, dtype=torch.uint8, device=device)  # (R*n,)
         times = []
         for _ in range(repeats):
-            dist.barrier(group=group, **({"device_ids": [device.index]} if device.type == "cuda" else {}))
+            wait_within(dist.barrier(group=group, async_op=True,
+                                     **({"device_ids": [device.index]} if device.type == "cuda" else {})),
+                        deadline)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            dist.all_gather_into_tensor(out, payload, group=group)
+            wait_within(dist.all_gather_into_tensor(out, payload, group=group, async_op=True), deadline)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
         best.append(min(times))
     dt = max(best[1] - best[0], 1e-9)
     bw = torch.tensor([(size - 1) * (sizes[1] - sizes[0]) / dt], dtype=torch.float64, device=device)
-    dist.all_reduce(bw, op=dist.ReduceOp.MIN, group=group)
+    wait_within(dist.all_reduce(bw, op=dist.ReduceOp.MIN, group=group, async_op=True), deadline)
     return float(bw.item())
 
 
@@ -98,6 +138,11 @@ class ExchangeHandle:
         self._launched = time.perf_counter()
         self._done_at: float | None = None
         self._finished = False
+        #: seconds after its launch by which the exchange must have completed (None: unbounded); set
+        #: by the launcher (:class:`megatron_diloco.sync.OuterSync`: --diloco-x-outer-timeout-minutes)
+        self.timeout_s: float | None = None
+        #: 1-based round whose pseudo-gradient this exchange carries (set by the launcher; 0: unknown)
+        self.round = 0
         if work is not None:
             # Completion time from the collective's own future (fires on the comm thread/stream).
             try:
@@ -120,16 +165,24 @@ class ExchangeHandle:
     def finished(self) -> bool:
         return self._finished
 
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds since the launch."""
+        return time.perf_counter() - self._launched
+
     def wait(self) -> torch.Tensor:
         """Block until the exchange completed; return ``buffer`` holding the replicas' mean (fp32).
 
-        Idempotent: a second call returns the same buffer without communicating.
+        With :attr:`timeout_s` set, raises ``TimeoutError`` once ``timeout_s`` seconds have passed
+        since the launch without completion (the handle stays unfinished); the backend's own error
+        (e.g. a peer's closed connection) propagates as raised. Idempotent: a second call returns the
+        same buffer without communicating.
         """
         if self._finished:
             return self.buffer
         t0 = time.perf_counter()
         if self._work is not None:
-            self._work.wait()
+            wait_within(self._work, None if self.timeout_s is None else self._launched + self.timeout_s)
             if self.buffer.is_cuda:
                 # Exposed time must include the device-side wait for the collective.
                 torch.cuda.current_stream(self.buffer.device).synchronize()
@@ -205,14 +258,82 @@ def start_compressed_exchange(buffer: torch.Tensor, residual: torch.Tensor | Non
 class _ThreadWork:
     """A ``dist.Work``-like view of an exchange running on a worker thread."""
 
-    def __init__(self, future) -> None:
+    def __init__(self, future: concurrent.futures.Future) -> None:
         self._future = future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
 
     def wait(self) -> None:
         self._future.result()  # re-raises the worker's exception, if any
 
     def get_future(self):
         raise NotImplementedError  # completion time is recorded by the worker itself
+
+
+def _run_jobs(jobs: "queue.SimpleQueue") -> None:
+    """The loop of a :class:`DaemonWorker` thread (holds the queue only, not the worker)."""
+    while (job := jobs.get()) is not None:
+        future, fn = job
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(fn())
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits for the future
+            future.set_exception(err)
+
+
+#: the live :class:`DaemonWorker` threads and their job queues, stopped at interpreter exit
+_LIVE_WORKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # {Thread: SimpleQueue}
+#: how long interpreter exit waits for the workers to stop (s, all together)
+EXIT_JOIN_S = 2.0
+
+
+@atexit.register
+def _stop_workers_at_exit() -> None:
+    """At interpreter exit (atexit runs before finalization starts), stop every idle worker the way
+    ``ThreadPoolExecutor`` does, so that none is left for the finalizing interpreter (seen on a GPU:
+    processes whose idle daemon worker had run CUDA work ended with SIGABRT, "terminate called
+    without an active exception", after a successful run). A worker still busy after
+    :data:`EXIT_JOIN_S` (stuck: the run is failing) is left behind, a daemon, and does not hold the
+    process."""
+    workers = list(_LIVE_WORKERS.items())
+    for _, jobs in workers:
+        jobs.put(None)
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for thread, _ in workers:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class DaemonWorker:
+    """One **daemon** thread running submitted callables in order: the ``submit`` of
+    ``ThreadPoolExecutor(max_workers=1)``, without waiting for a stuck job at interpreter exit.
+
+    Why: the executor's threads are joined at interpreter exit, so a worker stuck in a collective
+    whose peer stopped answering kept a failed run alive until the backend's own timeout (gloo: 30
+    min by default). At exit an idle worker is stopped and joined (as the executor does); a busy one
+    is waited for :data:`EXIT_JOIN_S` at most, then left (a daemon thread does not hold the process).
+    The thread also stops once the worker is garbage-collected (or :meth:`shutdown`).
+    """
+
+    def __init__(self, name: str = "diloco_x") -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=_run_jobs, args=(self._jobs,), name=name, daemon=True)
+        self._thread.start()
+        _LIVE_WORKERS[self._thread] = self._jobs
+        # stop the thread when the worker is dropped; at exit _stop_workers_at_exit does it (waking it
+        # any later would make it take the GIL during finalization: pthread_exit before Python 3.14)
+        weakref.finalize(self, self._jobs.put, None).atexit = False
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        """Queue ``fn(*args, **kwargs)``; its result (or exception) arrives in the returned future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, (lambda: fn(*args, **kwargs)) if args or kwargs else fn))
+        return future
+
+    def shutdown(self) -> None:
+        """Stop the thread after the jobs already queued (does not wait for it)."""
+        self._jobs.put(None)
 
 
 #: executor -> {device: the CUDA stream its worker runs exchanges on}
@@ -230,7 +351,8 @@ def _worker_stream(executor, device: torch.device) -> "torch.cuda.Stream":
 
 
 def start_threaded_exchange(buffer: torch.Tensor, residual: torch.Tensor, codec,
-                            group: dist.ProcessGroup | None, executor) -> ExchangeHandle:
+                            group: dist.ProcessGroup | None, executor,
+                            timeout_s: float | None = None) -> ExchangeHandle:
     """Run a multi-collective codec exchange (low-rank, adaptive) on ``executor``'s one worker thread.
 
     The low-rank exchange needs two dependent all-gathers (P, then Q, with compute in between), so
@@ -249,7 +371,14 @@ def start_threaded_exchange(buffer: torch.Tensor, residual: torch.Tensor, codec,
             payload to the host, all-gathers it there and copies the result back, so it never
             enqueues a GPU kernel that waits for another rank (a worker-thread NCCL collective can
             deadlock against the training loop's own NCCL kernels; seen on 2 x H200).
-        executor: a ``ThreadPoolExecutor(max_workers=1)`` owned by the caller (exchanges in order).
+        executor: a :class:`DaemonWorker` (or ``ThreadPoolExecutor(max_workers=1)``) owned by the
+            caller: one thread, exchanges in order.
+        timeout_s: the exchange must complete within it from now (None: unbounded). Bounds both the
+            caller's :meth:`ExchangeHandle.wait` and the worker itself: its collectives are issued
+            asynchronously and polled from Python (:func:`wait_within`) up to the same deadline, so
+            a worker whose peer stopped answering gives up (``TimeoutError`` in the handle) instead
+            of blocking inside the backend, where a wake-up during interpreter exit (a peer's closed
+            connection) could abort the process (Python < 3.14 ends such threads with pthread_exit).
 
     While it is in flight no other thread may issue collectives on ``group`` (the boundary logic of
     :class:`megatron_diloco.sync.OuterSync` only does so after waiting for it).
@@ -262,6 +391,8 @@ def start_threaded_exchange(buffer: torch.Tensor, residual: torch.Tensor, codec,
                          f"{dist.get_backend(group)!r}")
     stats = ExchangeStats(raw_bytes=4 * buffer.numel())
     handle = ExchangeHandle(buffer, None, size, stats, finish=lambda: None)
+    handle.timeout_s = timeout_s
+    deadline = None if timeout_s is None else handle._launched + timeout_s
 
     def allgather(t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
@@ -269,12 +400,12 @@ def start_threaded_exchange(buffer: torch.Tensor, residual: torch.Tensor, codec,
             return t.unsqueeze(0)
         src = t.cpu() if via_host else t  # waits for the worker stream's producer of t only
         out = torch.empty(size * src.numel(), dtype=src.dtype, device=src.device)  # (R*k,)
-        dist.all_gather_into_tensor(out, src, group=group)
+        wait_within(dist.all_gather_into_tensor(out, src, group=group, async_op=True), deadline)
         return out.to(t.device).view(size, -1)
 
     def agree(t: torch.Tensor) -> torch.Tensor:  # the policy's small CPU tensors, over the gloo group
         if size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            wait_within(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), deadline)
         return t
 
     stream = _worker_stream(executor, buffer.device) if buffer.is_cuda else None

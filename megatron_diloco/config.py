@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 OverlapMode = Literal["none", "delayed", "eager"]
@@ -11,6 +12,9 @@ OverlapMode = Literal["none", "delayed", "eager"]
 OVERLAP_MODES: tuple[str, ...] = ("none", "delayed", "eager")
 #: Codecs accepted by ``--diloco-x-compression`` (see :mod:`megatron_diloco.compression`).
 COMPRESSION_CODECS: tuple[str, ...] = ("none", "int8", "int4", "fp8", "lowrank", "lowrank-int8", "adaptive")
+#: k of the derived outer timeout: an exchange may take k times a round's compute (or k times the
+#: longest exchange seen) before the link counts as hung (see :meth:`DiLoCoXConfig.outer_timeout_s`).
+OUTER_TIMEOUT_HEADROOM: float = 4.0
 
 
 @dataclasses.dataclass
@@ -75,6 +79,30 @@ class DiLoCoXConfig:
     inner steps) so the exchange hides under compute. None: measured over the outer group at the
     first boundary (``--diloco-x-bandwidth-mbps``)."""
 
+    # ---------------- fault handling ----------------
+    outer_timeout_minutes: float | None = None
+    """T: bound on every operation over the outer groups and on the boundary's skip decision, in
+    minutes (``--diloco-x-outer-timeout-minutes``): an exchange must complete within T of its launch
+    (a one-step-delayed exchange is waited for at the next boundary), the skip decision and the link
+    measurement within T of their start; past it the run ends with an error naming the round and the
+    group. The groups' own (backend) timeouts are set to ``1.25 T + 1 min``, a backstop behind it.
+
+    None (default): derived at every launch as ``max(distributed_timeout_minutes, k x H x step
+    time, k x longest exchange so far)`` with k = :data:`OUTER_TIMEOUT_HEADROOM` = 4 and the step
+    time the mean inner-step time of the last round. Why: with overlap an exchange is sized to hide
+    under one round's compute (H x step time), so 4x leaves room for a link at a quarter of the
+    speed the run was planned for, while a dead link still ends the run within a few rounds' time;
+    the longest exchange seen covers exchanges that do not hide (``--diloco-x-overlap none``, an
+    undersized H); and never less than the timeout the user gave Megatron's own collectives. At the
+    paper's scale (107B, 1 Gbit/s, ~15 min per exchange hidden under a round) that is >= 60 min,
+    where Megatron's 10 min would abort. The first exchange is launched after one round, whose step
+    time is then known. Give the flag when one exchange may take longer than the rule allows, e.g. a
+    first blocking exchange over a very slow link (no exchange measured yet)."""
+
+    distributed_timeout_minutes: float = 10.0
+    """Megatron's ``--distributed-timeout-minutes`` (read from its arguments): the floor of the
+    derived outer timeout."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -124,8 +152,30 @@ class DiLoCoXConfig:
             raise ValueError(f"--diloco-x-energy must be in (0, 1], got {self.energy!r}")
         if self.bandwidth_mbps is not None and not (0.0 < self.bandwidth_mbps < float("inf")):
             raise ValueError(f"--diloco-x-bandwidth-mbps must be a finite number > 0, got {self.bandwidth_mbps!r}")
+        if self.outer_timeout_minutes is not None and not (0.0 < self.outer_timeout_minutes < float("inf")):
+            raise ValueError(
+                f"--diloco-x-outer-timeout-minutes must be a finite number > 0, got "
+                f"{self.outer_timeout_minutes!r}; give the minutes one exchange may take (at least "
+                "the time of H inner steps), or drop the flag for the derived default"
+            )
+        if not (0.0 < self.distributed_timeout_minutes < float("inf")):
+            raise ValueError(
+                f"--distributed-timeout-minutes must be a finite number > 0 with --diloco-x, got "
+                f"{self.distributed_timeout_minutes!r}"
+            )
         if self.compression not in COMPRESSION_CODECS:
             raise ValueError(
                 f"--diloco-x-compression must be one of {', '.join(COMPRESSION_CODECS)}, "
                 f"got {self.compression!r}"
             )
+
+    def outer_timeout_s(self, step_time_s: float | None = None, longest_exchange_s: float = 0.0) -> float:
+        """T in seconds: ``--diloco-x-outer-timeout-minutes`` when given, else the derived rule of
+        :attr:`outer_timeout_minutes` (``step_time_s``: mean inner-step time, None while unknown;
+        ``longest_exchange_s``: the longest completed exchange so far, launch to completion)."""
+        if self.outer_timeout_minutes is not None:
+            return 60.0 * self.outer_timeout_minutes
+        bound = 60.0 * self.distributed_timeout_minutes
+        if step_time_s is not None and math.isfinite(step_time_s):
+            bound = max(bound, OUTER_TIMEOUT_HEADROOM * self.local_steps * step_time_s)
+        return max(bound, OUTER_TIMEOUT_HEADROOM * longest_exchange_s)

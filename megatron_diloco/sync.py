@@ -48,24 +48,46 @@ end of training sets x <- theta on every replica. Cost: the per-replica start po
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import math
+import time
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
 from megatron_diloco.collectives import (
-    ExchangeHandle, ExchangeStats, measure_link_bandwidth, start_compressed_exchange, start_exchange,
-    start_threaded_exchange,
+    DaemonWorker, ExchangeHandle, ExchangeStats, bounded_all_reduce, measure_link_bandwidth,
+    start_compressed_exchange, start_exchange, start_threaded_exchange,
 )
-from megatron_diloco.config import DiLoCoXConfig
+from megatron_diloco.config import OUTER_TIMEOUT_HEADROOM, DiLoCoXConfig
 from megatron_diloco.outer import OuterNesterov, ShardView
 
 logger = logging.getLogger(__name__)
 
 #: Codecs that need tensor (matrix) shapes and several dependent collectives per round.
 MATRIX_CODECS = ("lowrank", "lowrank-int8", "adaptive")
+
+#: ``dist.set_timeout`` (recent torch), else the private form it replaced (torch >= 2.6 as setup.py allows)
+_set_group_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+
+
+class OuterGroupError(RuntimeError):
+    """An operation over an outer group (or the skip-decision group) did not complete within
+    ``--diloco-x-outer-timeout-minutes`` of its start, or the backend reported it failed: a peer
+    replica or the slow link stopped answering. Raised on the training loop's thread, before any
+    state of the round is written, so the last completed checkpoint stays the one to resume from.
+    The raising rank's :class:`OuterSync` is left mid-boundary: end the run, do not save it."""
+
+
+def backstop_timeout_s(bound_s: float) -> float:
+    """The process groups' own (backend) timeout for an outer bound ``bound_s``: ``1.25 x bound +
+    60 s``. Larger than the bound, so the bounded wait of :class:`OuterSync` raises its named error
+    first; it fires only when the training loop is not waiting when the bound passes (an explicit
+    bound shorter than a round's compute), then with the backend's message (NCCL: its watchdog ends
+    the process)."""
+    return 1.25 * bound_s + 60.0
 
 
 def _build_codec(config: DiLoCoXConfig, view: ShardView, shapes: list[tuple[int, ...]] | None):
@@ -111,28 +133,42 @@ class OuterSync:
 
     Args:
         view: the rank's fp32 main-parameter shards (``x``), modified in place at each boundary.
-        config: DiLoCoX hyperparameters (eta, mu, nesterov, overlap).
+        config: DiLoCoX hyperparameters (eta, mu, nesterov, overlap, outer timeout).
         group: the outer process group (one rank per replica, same shard). Every boundary, drain
             and checkpoint call is collective over it: all its ranks must call them in the same order.
+        host_group: the gloo mirror of ``group`` for the low-rank / adaptive worker thread (GPU).
+        decision_group: the group that agrees on skipping a round (a NaN/Inf pseudo-gradient
+            anywhere): it must span **every rank of the model** (all replicas, stages and shards), so
+            that no stage applies a round that another skips; every boundary is collective over it.
+            None: the default (world) group when ``torch.distributed`` is initialized, else local.
+            :func:`megatron_diloco.topology.decision_group_of_world` makes a gloo one.
+
+    Every wait on these groups is bounded by :meth:`timeout_s` (``--diloco-x-outer-timeout-minutes``,
+    or derived): past it :class:`OuterGroupError` names the round and the group. The groups' own
+    timeouts are set to :func:`backstop_timeout_s` of it.
     """
 
     def __init__(self, view: ShardView, config: DiLoCoXConfig, group: dist.ProcessGroup | None,
                  shapes: list[tuple[int, ...]] | None = None,
-                 host_group: dist.ProcessGroup | None = None) -> None:
+                 host_group: dist.ProcessGroup | None = None,
+                 decision_group: dist.ProcessGroup | None = None) -> None:
         self.view = view
         self.config = config
         self.group = group
         # the worker thread's group (low-rank / adaptive): the gloo mirror of ``group`` when given
         # (GPU tensors travel as host copies; megatron_diloco.topology.host_mirror_of_outer_groups)
         self.worker_group = host_group if host_group is not None else group
+        if decision_group is None and dist.is_available() and dist.is_initialized():
+            decision_group = dist.group.WORLD
+        self.decision_group = decision_group
         self.codec = None  # None: exact fp32 all-reduce
-        self._executor = None  # worker thread of the multi-collective (low-rank) exchanges
+        # worker thread of the multi-collective (low-rank) exchanges: a daemon, so that one stuck in
+        # a collective with a peer that stopped answering never keeps the process from exiting
+        self._executor: DaemonWorker | None = None
         if config.compression != "none":
             self.codec = _build_codec(config, view, shapes)
             if config.compression in MATRIX_CODECS:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco_x")
+                self._executor = DaemonWorker("diloco_x")
         theta = torch.empty(view.numel, dtype=torch.float32, device=view.device)  # (N,) fp32
         view.gather(theta)
         self.outer = OuterNesterov(theta, config.outer_lr, config.outer_momentum, config.nesterov)
@@ -150,6 +186,67 @@ class OuterSync:
         self.link_bytes_per_s: float | None = (config.bandwidth_mbps * 1e6 / 8
                                                if config.bandwidth_mbps is not None else None)
         self._link_measured = False
+        #: mean inner-step time of the last round (:meth:`set_step_time`; None until known)
+        self.step_time_s: float | None = None
+        #: the longest completed exchange so far, launch to completion (s); enters the derived timeout
+        self.longest_exchange_s = 0.0
+        self._backstop_s: float | None = None  # the groups' own timeout as last set
+        self._arm_timeouts()
+
+    # ---------------- timeouts ----------------
+    def timeout_s(self) -> float:
+        """The bound (s) on the next outer operation: ``--diloco-x-outer-timeout-minutes``, or derived
+        from H x the step time and the longest exchange (:meth:`DiLoCoXConfig.outer_timeout_s`)."""
+        return self.config.outer_timeout_s(self.step_time_s, self.longest_exchange_s)
+
+    def _groups(self) -> list[dist.ProcessGroup]:
+        """The distinct multi-rank groups this rank waits on (outer, its gloo mirror, decision)."""
+        out: list[dist.ProcessGroup] = []
+        for g in (self.group, self.worker_group, self.decision_group):
+            if g is not None and dist.get_world_size(g) > 1 and not any(g is h for h in out):
+                out.append(g)
+        return out
+
+    def _arm_timeouts(self) -> None:
+        """Set the groups' own timeout to the backstop of the current bound (when it grew, or shrank
+        by more than 10%: the derived bound follows the step time). Only operations issued
+        afterwards get it (NCCL reads it when a collective is enqueued)."""
+        backstop = backstop_timeout_s(self.timeout_s())
+        if self._backstop_s is not None and 0.9 * self._backstop_s <= backstop <= self._backstop_s:
+            return
+        for g in self._groups():
+            _set_group_timeout(datetime.timedelta(seconds=backstop), g)
+        self._backstop_s = backstop
+
+    def _describe(self, group: dist.ProcessGroup | None) -> str:
+        """``group`` in words, with its global ranks (for the errors)."""
+        if group is not None and group is self.decision_group and group is not self.group:
+            return f"the skip-decision group (all {dist.get_world_size(group)} ranks)"
+        ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
+        mirror = (" (its gloo mirror, worker thread)"
+                  if group is self.worker_group and group is not self.group else "")
+        return f"outer group [ranks {', '.join(map(str, ranks))}]{mirror}"
+
+    def _failure(self, what: str, group: dist.ProcessGroup | None, bound_s: float | None,
+                 elapsed_s: float, err: BaseException, round_: int | None = None) -> OuterGroupError:
+        """The error naming the round (default: the current boundary's), the operation, the group,
+        the bound and the way out."""
+        given = self.config.outer_timeout_minutes
+        k = f"{OUTER_TIMEOUT_HEADROOM:g}"
+        flag = (f"--diloco-x-outer-timeout-minutes {given:g}" if given is not None else
+                f"--diloco-x-outer-timeout-minutes, derived: max(--distributed-timeout-minutes, {k} x H x "
+                f"step time, {k} x longest exchange)")
+        if isinstance(err, TimeoutError):
+            how = (f"did not complete within {bound_s:.0f} s ({flag}); the slow link or a peer replica "
+                   "stopped answering")
+        else:
+            how = (f"failed after {elapsed_s:.1f} s: {type(err).__name__}: {err}; a peer replica stopped "
+                   "or the link broke")
+        return OuterGroupError(
+            f"DiLoCoX round {self.rounds if round_ is None else round_}: {what} over "
+            f"{self._describe(group)} {how}. Nothing of this round was written: the last completed "
+            "checkpoint (--save) is intact; resume from it with --load once the link is back, or raise "
+            "--diloco-x-outer-timeout-minutes if the exchange is only slower than that bound.")
 
     @property
     def theta(self) -> torch.Tensor:
@@ -169,27 +266,50 @@ class OuterSync:
         torch._foreach_add_(xs, self.view.split(self.start_point))
         return float(torch.stack(torch._foreach_norm(xs, 2)).double().square().sum())
 
-    def _any_replica_nonfinite(self, sq: float) -> bool:
-        """Whether any replica's pseudo-gradient shard holds a NaN/Inf.
+    def _any_rank_nonfinite(self, sq: float) -> bool:
+        """Whether any rank's pseudo-gradient shard, in any replica, stage or shard, holds a NaN/Inf.
 
         ``sq`` is this rank's squared norm of it (already on the host, no extra pass over the shard):
         non-finite when the shard holds a NaN/Inf, or when its fp32 norm overflows (entries near
-        1e19: a diverged round, skipped as well). A 1-element MAX all-reduce over the outer group
-        (blocking) makes every replica take the same decision before anything is sent."""
-        flag = torch.tensor([0.0 if math.isfinite(sq) else 1.0], dtype=torch.float32, device=self.view.device)
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        1e19: a diverged round, skipped as well). A 1-element MAX all-reduce over the decision group
+        (every rank of the model; blocking, bounded by :meth:`timeout_s`) makes every rank take the
+        same decision before anything is sent: a NaN in one stage skips the round of all stages."""
+        group = self.decision_group
+        on_host = group is None or dist.get_world_size(group) == 1 or dist.get_backend(group) == "gloo"
+        flag = torch.tensor([0.0 if math.isfinite(sq) else 1.0], dtype=torch.float32,
+                            device="cpu" if on_host else self.view.device)
+        if group is not None and dist.get_world_size(group) > 1:
+            bound = self.timeout_s()
+            started = time.perf_counter()
+            try:
+                bounded_all_reduce(flag, dist.ReduceOp.MAX, group, bound)
+            except (RuntimeError, TimeoutError) as err:
+                raise self._failure("the skip decision (non-finite check)", group, bound,
+                                    time.perf_counter() - started, err) from err
         return bool(flag.item())
 
     def _complete(self, handle: ExchangeHandle) -> torch.Tensor:
-        """Wait for ``handle`` and, with a lossy codec, record the squared norm of the residual it
-        left (what was not sent): relative compression error = sqrt(residual_sq / input_sq)."""
-        delta = handle.wait()
+        """Wait for ``handle`` (not past its bound: :class:`OuterGroupError` then) and, with a lossy
+        codec, record the squared norm of the residual it left (what was not sent): relative
+        compression error = sqrt(residual_sq / input_sq)."""
+        try:
+            delta = handle.wait()
+        except (RuntimeError, TimeoutError) as err:
+            what = f"the exchange of round {handle.round}" if handle.round != self.rounds else "the exchange"
+            group = self.worker_group if self._executor is not None else self.group
+            raise self._failure(what, group, handle.timeout_s, handle.elapsed_s, err) from err
+        self.longest_exchange_s = max(self.longest_exchange_s, handle.stats.exchange_s)
         if self.residual is not None and handle.stats.input_sq:
             handle.stats.residual_sq = float(torch.dot(self.residual, self.residual))
         return delta
 
     def _launch(self) -> ExchangeHandle:
+        handle = self._start()
+        handle.timeout_s = self.timeout_s()  # must complete within T of its launch
+        handle.round = self.rounds
+        return handle
+
+    def _start(self) -> ExchangeHandle:
         if self.codec is None:
             return start_exchange(self.buffer, self.group)
         # ||pseudo-gradient + residual||^2: the codec's input, without materializing it
@@ -198,7 +318,7 @@ class OuterSync:
         if self._executor is not None:
             # (start_threaded_exchange refuses a non-gloo group for GPU tensors)
             handle = start_threaded_exchange(self.buffer, self.residual, self.codec, self.worker_group,
-                                             self._executor)
+                                             self._executor, timeout_s=self.timeout_s())
         else:
             handle = start_compressed_exchange(self.buffer, self.residual, self.codec, self.group)
         handle.stats.input_sq = input_sq
@@ -208,17 +328,30 @@ class OuterSync:
         """Inner-step time measured by the caller, before each boundary: sets the adaptive codec's
         byte budget to link bandwidth x H x step time (no-op unless adaptive).
 
+        Also the step time of the derived outer timeout (:meth:`timeout_s`), for every codec.
+
         Without ``--diloco-x-bandwidth-mbps`` the first call measures the link
         (:func:`megatron_diloco.collectives.measure_link_bandwidth`: collective over the outer group,
-        run at the first boundary, when no exchange is in flight)."""
+        run at the first boundary with no exchange in flight: the first of a run, or the first after
+        a resume, whose pending exchange was completed before the checkpoint). The measured value is
+        checkpointed (:meth:`state_dict`), so a resumed run keeps the same budget."""
+        self.step_time_s = step_time_s
         policy = getattr(self.codec, "policy", None)
         if policy is None:
             return
         if self.link_bytes_per_s is None and not self._link_measured:
-            if self.pending is not None:  # the worker thread owns the group; measure next time
-                return
+            if self.pending is not None and not self.pending.finished:
+                return  # the worker thread owns the group (and the link); measure next time
             self._link_measured = True
-            self.link_bytes_per_s = measure_link_bandwidth(self.group, self.view.device)
+            self._arm_timeouts()
+            bound = self.timeout_s()
+            started = time.perf_counter()
+            try:
+                self.link_bytes_per_s = measure_link_bandwidth(self.group, self.view.device,
+                                                               timeout_s=bound)
+            except (RuntimeError, TimeoutError) as err:
+                raise self._failure("the link measurement", self.group, bound,
+                                    time.perf_counter() - started, err, round_=self.rounds + 1) from err
             if self.link_bytes_per_s is not None:
                 logger.info("DiLoCoX: measured outer link %.1f Mbit/s (all-gather, per rank); adaptive "
                             "byte budget = that x H x step time (set --diloco-x-bandwidth-mbps to fix it)",
@@ -231,13 +364,15 @@ class OuterSync:
 
     @torch.no_grad()
     def boundary(self) -> RoundReport:
-        """Run the boundary ending the current round (collective over the outer group)."""
+        """Run the boundary ending the current round (collective over the outer group and the
+        decision group). Raises :class:`OuterGroupError` when a wait passes :meth:`timeout_s`."""
         self.rounds += 1
+        self._arm_timeouts()
         if self.config.overlap == "none":
             with record_function("megatron_diloco::prepare"):
                 sq = self._pseudo_gradient_into_x()
                 self.view.gather(self.buffer)
-                if self._any_replica_nonfinite(sq):
+                if self._any_rank_nonfinite(sq):
                     return self._skip(sq, completed=None)
                 handle = self._launch()
             with record_function("megatron_diloco::perform"):
@@ -258,7 +393,7 @@ class OuterSync:
                 self.pending = None
         with record_function("megatron_diloco::launch"):
             self.view.gather(self.buffer)
-            if self._any_replica_nonfinite(sq):
+            if self._any_rank_nonfinite(sq):
                 return self._skip(sq, completed)
             if self.anchor is not None:  # before the launch: the exchange owns the buffer after it
                 self._eager_start()
@@ -278,9 +413,9 @@ class OuterSync:
     def _skip(self, sq: float, completed: ExchangeStats | None) -> RoundReport:
         """Drop this round's pseudo-gradient everywhere: x <- theta, residual untouched."""
         self.skipped_rounds += 1
-        logger.warning("DiLoCoX round %d: non-finite pseudo-gradient on some replica; round skipped on "
-                       "every replica (local progress of this round dropped, outer state unchanged)",
-                       self.rounds)
+        logger.warning("DiLoCoX round %d: non-finite pseudo-gradient on some rank (%s); round skipped on "
+                       "every rank of every replica (local progress of this round dropped, outer state "
+                       "unchanged)", self.rounds, "this one" if not math.isfinite(sq) else "another one")
         if self.anchor is not None:  # eager: no fresh pseudo-gradient to look ahead with
             self.anchor.copy_(self.theta)
         self.view.scatter_(self.theta)
@@ -313,7 +448,7 @@ class OuterSync:
         """
         has_pending = self.pending is not None
         if has_pending:
-            self._complete(self.pending)
+            self._complete(self.pending)  # bounded: a hung link raises before anything is written
         return {
             "rounds": self.rounds,
             "skipped_rounds": self.skipped_rounds,
@@ -322,6 +457,10 @@ class OuterSync:
             "pending_delta": self.buffer if has_pending else None,
             # low-rank bases / adaptive plan: identical on every replica
             "codec": self.codec.state_dict() if hasattr(self.codec, "state_dict") else None,
+            # the measured outer link (adaptive byte budget; MIN over the group, so identical on every
+            # replica); a given --diloco-x-bandwidth-mbps is not stored: the flag of the resumed run wins
+            "link_measured": self._link_measured,
+            "link_bytes_per_s": self.link_bytes_per_s if self._link_measured else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -332,6 +471,12 @@ class OuterSync:
             )
         self.rounds = int(state["rounds"])
         self.skipped_rounds = int(state.get("skipped_rounds", 0))
+        # the measured link, unless this run gives --diloco-x-bandwidth-mbps; checkpoints without it
+        # (older ones) measure again at the next boundary (the restored exchange is complete)
+        if self.config.bandwidth_mbps is None and state.get("link_measured", False):
+            self._link_measured = True
+            value = state.get("link_bytes_per_s")
+            self.link_bytes_per_s = float(value) if value is not None else None
         self.outer.load_state_dict(state)
         if hasattr(self.codec, "load_state_dict"):
             if state.get("codec") is None:

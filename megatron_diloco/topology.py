@@ -33,11 +33,16 @@ class Topology:
     outer_host_group: dist.ProcessGroup | None = None
     """A gloo group over the outer group's ranks (CPU tensors), for exchanges that run off the main
     thread on a GPU (low-rank / adaptive): see :func:`host_mirror_of_outer_groups`. None otherwise."""
+    decision_group: dist.ProcessGroup | None = None
+    """A gloo group over every rank of the world (all replicas, all stages and shards): carries the
+    one 1-element MAX all-reduce per boundary that decides, for the whole model, whether the round is
+    skipped (a NaN/Inf pseudo-gradient anywhere); see :func:`decision_group_of_world`."""
 
 
 def host_mirror_of_outer_groups(replicas: int) -> dist.ProcessGroup | None:
     """Create a gloo group for every outer group (collective over the world: every rank must call
-    this, once, at the same point) and return this rank's.
+    this, once, at the same point) and return this rank's. Its timeout is set by
+    :class:`megatron_diloco.sync.OuterSync` (``--diloco-x-outer-timeout-minutes``).
 
     Why: an exchange run on a worker thread that issued NCCL collectives would enqueue kernels that
     wait for the peer replicas on the same GPU as the training loop's own NCCL kernels (intra-replica
@@ -57,8 +62,22 @@ def host_mirror_of_outer_groups(replicas: int) -> dist.ProcessGroup | None:
     return mine
 
 
+def decision_group_of_world() -> dist.ProcessGroup:
+    """A gloo group over every rank of the world, for the boundary's skip decision (collective over
+    the world: every rank must call this, once, at the same point).
+
+    Why a group of its own: the decision must be one for the whole model (a NaN in one pipeline
+    stage's or shard's pseudo-gradient skips the round on every rank, else stages of one model would
+    diverge), so it crosses replicas and stages; on gloo it reads a host float (no device sync, no
+    NCCL communicator, no kernel queued behind the training loop's), and it has its own timeout
+    (``--diloco-x-outer-timeout-minutes``, set by :class:`megatron_diloco.sync.OuterSync`) instead
+    of Megatron's default group's."""
+    return dist.new_group(backend="gloo")
+
+
 def from_parallel_state(replicas: int, host_mirror: bool = False) -> Topology:
     """Read the topology from Megatron's ``parallel_state`` (after ``initialize_model_parallel``).
+    Collective over the world (creates the skip-decision group, :func:`decision_group_of_world`).
 
     ``host_mirror``: also create the gloo mirrors of the outer groups (collective over the world)."""
     from megatron.core import parallel_state as ps
@@ -82,4 +101,5 @@ def from_parallel_state(replicas: int, host_mirror: bool = False) -> Topology:
     intra_dp = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
     groups = tuple(g for g in (intra_dp, ps.get_model_parallel_group()) if dist.get_world_size(g) > 1)
     host = host_mirror_of_outer_groups(replicas) if host_mirror and replicas > 1 else None
-    return Topology(replicas, rank // per, per, rank % per, outer, groups, host)
+    decision = decision_group_of_world()
+    return Topology(replicas, rank // per, per, rank % per, outer, groups, host, decision)
