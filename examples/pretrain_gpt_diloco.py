@@ -34,7 +34,11 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank  # noqa: E402
+from megatron.core.utils import (  # noqa: E402
+    get_attr_wrapped_model,
+    get_batch_on_this_cp_rank,
+    get_batch_on_this_tp_rank,
+)
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0  # noqa: E402
 from megatron.training.argument_utils import (  # noqa: E402
     core_transformer_config_from_args,
@@ -61,7 +65,7 @@ TRAINING_ARGS = """
     --optimizer adam --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 30
     --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 --seed 1234
     --log-interval 10 --eval-interval 100000 --eval-iters 8
-    --rerun-mode disabled --no-gradient-accumulation-fusion --no-bias-swiglu-fusion
+    --no-gradient-accumulation-fusion --no-bias-swiglu-fusion
     --no-masked-softmax-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm
     --num-workers 0
 """.split()
@@ -196,7 +200,7 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model):
-    vp_stage = getattr(model, "vp_stage", None)
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")  # under the DDP / Float16Module wrappers
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)

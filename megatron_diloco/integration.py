@@ -52,17 +52,40 @@ def install(args: argparse.Namespace) -> DiLoCoXConfig | None:
                              "--ckpt-format torch_dist (per-replica state is saved as sharded objects)")
     except ValueError as err:
         raise SystemExit(f"megatron-diloco: error: {err}") from None
-    from megatron_diloco.compat import distopt_resume, wheel
+    from megatron_diloco.compat import distopt_resume, distopt_sgd, wheel
 
     distopt_resume.apply()  # exact resume of the inner distributed optimizer (Megatron fixes)
     wheel.apply()
+    if args.optimizer == "sgd":  # Megatron's distributed optimizer lacks SGD's state initializer
+        distopt_sgd.apply()
     _Installation(config, args).patch()
+    _show_package_logs(args)
     args._diloco_x_config = config
     if os.environ.get("RANK", "0") == "0":
         print(f"megatron-diloco: DiLoCoX on: {config}; set --use-distributed-optimizer, "
               f"--num-distributed-optimizer-instances {config.replicas}, --use-tp-pp-dp-mapping "
               "(Megatron's argument table above predates these)", flush=True)
     return config
+
+
+def _show_package_logs(args: argparse.Namespace) -> None:
+    """Let megatron_diloco's INFO lines (measured link speed, adaptive plans) and warnings (skipped
+    rounds) reach the user at Megatron's default log level: without ``--logging-level`` /
+    ``MEGATRON_LOGGING_LEVEL`` Megatron leaves Python's root logger at WARNING with no handler, which
+    would drop them. An explicit level is respected (the package then logs through the root logger)."""
+    if getattr(args, "logging_level", None) is not None or os.environ.get("MEGATRON_LOGGING_LEVEL"):
+        return
+    pkg = logging.getLogger("megatron_diloco")
+    if pkg.handlers:
+        return
+    import sys
+
+    handler = logging.StreamHandler(sys.stdout)
+    rank = os.environ.get("RANK", "0")
+    handler.setFormatter(logging.Formatter(f"[megatron-diloco rank {rank}] %(levelname)s %(message)s"))
+    pkg.addHandler(handler)
+    pkg.setLevel(logging.INFO)
+    pkg.propagate = False
 
 
 class _Installation:
@@ -104,7 +127,25 @@ class _Installation:
             self.finish(iteration=out[0], wall_s=time.perf_counter() - start)
             return out
 
+        load_checkpoint = training.load_checkpoint
+        get_scheduler = training.get_optimizer_param_scheduler
+
+        def get_optimizer_param_scheduler(optimizer, *a, **k):
+            # Megatron advances the LR schedule on successful steps only: with fp16 each replica's
+            # position differs, and the optimizer checkpoints it per replica
+            scheduler = get_scheduler(optimizer, *a, **k)
+            if hasattr(optimizer, "attach_lr_scheduler"):
+                optimizer.attach_lr_scheduler(scheduler)
+            return scheduler
+
+        def diloco_load_checkpoint(*a, **k):
+            out = load_checkpoint(*a, **k)
+            self.after_load()
+            return out
+
         get_megatron_optimizer._diloco_x = True
+        training.load_checkpoint = diloco_load_checkpoint
+        training.get_optimizer_param_scheduler = get_optimizer_param_scheduler
         training.get_megatron_optimizer = get_megatron_optimizer
         training.train_step = diloco_train_step
         training.train = diloco_train
@@ -126,6 +167,17 @@ class _Installation:
         install_replica_local_collectives(
             self.args, at_boundary=lambda: opt.step_calls % self.config.local_steps == 0)
         return self.optimizer
+
+    def after_load(self) -> None:
+        """Weights loaded without optimizer state (``--no-load-optim``, ``--finetune``, a
+        ``--pretrained-checkpoint`` fallback): restart the outer loop from them. With fp16/bf16
+        Megatron calls ``reload_model_params``, which does it; fp32 main shards are the model params
+        themselves and get no call, hence this hook."""
+        args, opt = self.args, self.optimizer
+        if opt is None or args.fp16 or args.bf16:
+            return
+        if (args.load or args.pretrained_checkpoint) and (args.finetune or args.no_load_optim):
+            opt.restart_outer_loop_from_params("model weights loaded without optimizer state")
 
     def log_round(self, m: dict) -> None:
         self.rounds.append(m)

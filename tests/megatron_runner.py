@@ -91,6 +91,17 @@ def instrument() -> None:
         finally:
             ctx["in_train"] = False
 
+    @wrap(training, "setup_model_and_optimizer")
+    def setup_model_and_optimizer(orig, *a, **k):
+        out = orig(*a, **k)
+        replica = os.environ.get("DILOCO_TEST_PERTURB_REPLICA")  # simulate a replica that loaded
+        opt = out[1]                                             # other weights than the rest
+        if replica is not None and isinstance(opt, DiLoCoXOptimizer) and \
+                opt.topology.replica_index == int(replica):
+            opt.view.shards[0].data.add_(1e-3)
+            opt.restart_outer_loop_from_params("test: replica perturbed")
+        return out
+
     @wrap(training, "train_step")  # install() wraps it again: DiLoCoX's runs inside ours
     def train_step(orig, *a, **k):
         ctx["iteration"] += 1
@@ -157,19 +168,6 @@ def instrument() -> None:
         return orig(loss_dict, *a, **k)
 
 
-def allow_sgd_with_distributed_optimizer() -> None:
-    """Megatron 0.19's DistributedOptimizer refuses SGD only because SGD has no ``init_state_fn``
-    (needed for checkpointing). The degenerate-case test needs inner SGD without momentum, which has
-    no state at all: give it a no-op ``init_state_fn``. Test harness only."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    @wrap(distrib_optimizer.DistributedOptimizer, "__init__")
-    def __init__(orig, self, optimizer, config, grad_scaler, init_state_fn, *a, **k):
-        if isinstance(optimizer, distrib_optimizer.torch.optim.SGD) and init_state_fn is None:
-            init_state_fn = lambda opt, config=None: None  # noqa: E731
-        orig(self, optimizer, config, grad_scaler, init_state_fn, *a, **k)
-
-
 def main() -> None:
     import faulthandler
 
@@ -180,8 +178,6 @@ def main() -> None:
     if cpu_compat.cpu_mode():
         cpu_compat.apply()
     instrument()
-    if "sgd" in sys.argv:
-        allow_sgd_with_distributed_optimizer()
     run_script(sys.argv[1:], record, os.environ.get("DILOCO_TEST_OUT"))
 
 

@@ -22,12 +22,13 @@ TINY = """
 
 
 def run_megatron(tmp: Path, args: list[str], nproc: int = 4, expect_fail: bool = False,
-                 timeout: int = 400) -> tuple[list[dict], str]:
-    """Run the instrumented example; return (per-rank records, combined output)."""
+                 timeout: int = 400, env: dict[str, str] | None = None) -> tuple[list[dict], str]:
+    """Run the instrumented example; return (per-rank records, combined output). ``env``: extra
+    environment variables (e.g. the runner's fault injections)."""
     out = tmp / f"out{len(list(tmp.glob('out*')))}"
     out.mkdir(parents=True)
     env = dict(os.environ, DILOCO_TEST_OUT=str(out), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               CUDA_VISIBLE_DEVICES="")
+               CUDA_VISIBLE_DEVICES="", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", str(RUNNER), *TINY, *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -16,7 +16,8 @@ Rules:
 
 What still differs from a GPU run: the tensor-parallel RNG tracker is a no-op (dropout inside
 TP regions draws from the default CPU generator), so resume with ``--no-load-rng``; use
-``--rerun-mode disabled`` and ``--transformer-impl local``.
+``--transformer-impl local``. Megatron's default ``--rerun-mode validate_results`` works (its RNG
+snapshots read the CPU generator).
 """
 
 from __future__ import annotations
