@@ -36,20 +36,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from jobs import free_port  # beside this script
+
 HERE = Path(__file__).resolve().parent.parent
 #: glibc: blocks of at least this many bytes are mmap'd and unmapped when freed. Fixing it (glibc
 #: otherwise raises it to the largest block freed so far) keeps memory freed before the save (e.g.
 #: the last iteration's activations) from being silently reused by the save's allocations: the RSS
 #: peak then counts what the save allocates rather than only what exceeds the allocator's free pool.
 MMAP_THRESHOLD = 1 << 16
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_model() -> str:
@@ -77,7 +71,7 @@ def measure(repo: Path, hidden: int, layers: int, iters: int, work: Path, plain:
             "--diloco-x-outer-momentum", "0.9"] + (["--no-diloco-x"] if plain else [])
     env = dict(os.environ, DILOCO_TEST_OUT=str(out), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                CUDA_VISIBLE_DEVICES="", DILOCO_CKPT_OBJECT_SIZES="0", MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={free_port()}",
            str(runner), *args]
     start = time.time()
     proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)

@@ -5,8 +5,10 @@ boundary on the rank's fp32 main-parameter shard (:class:`megatron_diloco.sync.O
 the result into the model parameters and re-gathers them inside the replica.
 
 Process groups: the outer group (one rank per replica, same shard) carries the pseudo-gradient
-exchange; ``replica_groups`` (intra-replica groups: intra-DP and model-parallel) carry only the
-pseudo-gradient norm for logging. Nothing else crosses replicas.
+exchange and, once, at the first boundary, the start-weights fingerprint; the decision group (gloo,
+the whole world) carries the one-element skip decision per boundary; ``replica_groups``
+(intra-replica groups: intra-DP and model-parallel) carry the pseudo-gradient norm for logging and
+the param gathers. Nothing else crosses replicas between boundaries.
 """
 
 from __future__ import annotations

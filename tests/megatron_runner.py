@@ -119,6 +119,14 @@ def instrument() -> None:
         finally:
             ctx["in_boundary"] = False
 
+    @wrap(DiLoCoXOptimizer, "_check_replicas_started_alike")  # part of the first boundary
+    def check_start(orig, self):
+        ctx["in_boundary"] = True
+        try:
+            return orig(self)
+        finally:
+            ctx["in_boundary"] = False
+
     @wrap(DiLoCoXOptimizer, "round_metrics")
     def round_metrics(orig, self, report):
         ctx["in_boundary"] = True

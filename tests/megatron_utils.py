@@ -50,3 +50,10 @@ def summary(log: str) -> dict:
     lines = [l for l in log.splitlines() if l.startswith("DILOCOX SUMMARY ")]
     assert len(lines) == 1, f"expected one summary line, got {len(lines)}"
     return json.loads(lines[0][len("DILOCOX SUMMARY "):])
+
+
+def traffic_between_boundaries(rec: dict) -> list[dict]:
+    """The cross-replica ops a rank's training loop issued outside the outer boundaries, once
+    started: none may exist (the one world barrier Megatron's ``print_datetime`` issues before the
+    first step, iteration 0, is not training traffic; ``test_megatron_diloco`` pins it)."""
+    return [c for c in rec["cross_replica"] if not c["in_boundary"] and c["iteration"] > 0]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.megatron_utils import losses, run_megatron, summary
+from tests.megatron_utils import losses, run_megatron, summary, traffic_between_boundaries
 
 pytestmark = pytest.mark.megatron
 
@@ -129,7 +129,7 @@ def test_outer_state_is_sharded_like_the_distributed_optimizer(tmp_path):
         assert o["theta_numel"] == o["momentum_numel"] == o["main_shard_numel"], (rank, o)
         assert o["model_params_on_rank"] == total
         assert all(ok for _, ok in rec["boundary_identical"]), rank
-        assert [c for c in rec["cross_replica"] if not c["in_boundary"]] == [], rank
+        assert traffic_between_boundaries(rec) == [], rank
     # ranks {0,1} form replica 0, {2,3} replica 1; inside a replica the shards partition the model
     for replica in ((0, 1), (2, 3)):
         assert sum(recs[r]["outer"]["theta_numel"] for r in replica) == total
@@ -147,7 +147,7 @@ def test_three_d_layout_tp2_pp2_two_replicas(tmp_path):
                              nproc=8, timeout=600)
     for rank, rec in enumerate(recs):
         assert rec["boundary_identical"] == [[4, True], [8, True]], (rank, rec["boundary_identical"])
-        assert [c for c in rec["cross_replica"] if not c["in_boundary"]] == [], rank
+        assert traffic_between_boundaries(rec) == [], rank
         o = rec["outer"]
         assert o["theta_numel"] == o["main_shard_numel"] == o["momentum_numel"] > 0, (rank, o)
     # replica 1 (ranks 4-7) mirrors replica 0 (ranks 0-3) rank for rank (same shard sizes)
