@@ -111,21 +111,16 @@ def instrument() -> None:
         finally:
             ctx["in_train_step"] = False
 
-    @wrap(sync_mod.OuterSync, "boundary")
-    def boundary(orig, self):
+    def mark_boundary(orig, self):
         ctx["in_boundary"] = True
         try:
             return orig(self)
         finally:
             ctx["in_boundary"] = False
 
-    @wrap(DiLoCoXOptimizer, "_check_replicas_started_alike")  # part of the first boundary
-    def check_start(orig, self):
-        ctx["in_boundary"] = True
-        try:
-            return orig(self)
-        finally:
-            ctx["in_boundary"] = False
+    # the boundary itself, and the start-weights check that opens the first one
+    for owner, name in ((sync_mod.OuterSync, "boundary"), (DiLoCoXOptimizer, "_check_replicas_started_alike")):
+        wrap(owner, name)(mark_boundary)
 
     @wrap(DiLoCoXOptimizer, "round_metrics")
     def round_metrics(orig, self, report):
