@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_diloco.config import COMPRESSION_CODECS, OVERLAP_MODES, DiLoCoXConfig
+from megatron_diloco.config import CODECS, OVERLAP_MODES, DiLoCoXConfig
 
 
 def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -40,7 +40,7 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--diloco-x-eager-weight", type=float, default=None,
                        help="eager only: weight of the replica's own fresh pseudo-gradient in its "
                             "look-ahead, in (0, 1]; default 1/R (Kale et al.); 1: the full look-ahead.")
-    group.add_argument("--diloco-x-compression", choices=COMPRESSION_CODECS,
+    group.add_argument("--diloco-x-compression", choices=list(CODECS),
                        default=defaults["compression"].default,
                        help="Pseudo-gradient codec (see the README).")
     group.add_argument("--diloco-x-rank", type=int, default=defaults["rank"].default,

@@ -1,8 +1,20 @@
 """The pseudo-gradient exchange over the outer group, with byte and time accounting.
 
-The outer group holds R ranks, one per replica, that own the same parameter shard. With no
-compression the exchange is one fp32 all-reduce (SUM, then a division by R that every rank does
-identically), so every replica receives the same bits.
+The outer group holds R ranks, one per replica, that own the same parameter shard. One entry point,
+:func:`start_exchange`, launches a round's exchange for every codec of
+:data:`megatron_diloco.config.CODECS`; how the payload crosses the group follows the codec's entry
+there:
+
+* ``all-reduce`` (``none``): one asynchronous fp32 all-reduce (SUM, then a division by R that every
+  rank does identically), so every replica receives the same bits;
+* ``all-gather`` (blockwise ``int8``/``int4``/``fp8``): encode with error feedback, one asynchronous
+  all-gather of the payloads, every rank decodes the R payloads in replica order;
+* ``matrix`` codecs (low-rank, adaptive: several dependent collectives per round) run the codec's
+  own ``exchange`` on a worker thread (:class:`DaemonWorker`).
+
+The returned :class:`ExchangeHandle` is completed with :meth:`~ExchangeHandle.wait` (the mean in the
+buffer) or :meth:`~ExchangeHandle.apply` (straight into the outer step, fused with the decode where
+the codec has a fused kernel).
 """
 
 from __future__ import annotations
@@ -16,8 +28,15 @@ import threading
 import time
 import weakref
 
+from typing import TYPE_CHECKING, Callable
+
 import torch
 import torch.distributed as dist
+
+from megatron_diloco.config import CODECS
+
+if TYPE_CHECKING:
+    from megatron_diloco.outer import OuterNesterov
 
 
 @dataclasses.dataclass
@@ -121,19 +140,20 @@ def measure_link_bandwidth(group: dist.ProcessGroup | None, device: torch.device
 
 
 class ExchangeHandle:
-    """An exchange in flight. :meth:`wait` blocks until the averaged result is in ``buffer``.
+    """An exchange in flight. :meth:`wait` blocks until the averaged result is in ``buffer``;
+    :meth:`apply` until it entered the outer step.
 
     Args:
-        finish: turns what the collective delivered into the replicas' mean in ``buffer`` (divide
-            an all-reduce sum by R, or decode gathered payloads); runs once, inside :meth:`wait`.
+        finish: ``finish(outer)`` turns what the collective delivered into the replicas' mean (divide
+            an all-reduce sum by R, or decode gathered payloads): into ``buffer`` when ``outer`` is
+            None, else straight into ``outer.step`` (``buffer`` is then scratch). Runs once.
     """
 
-    def __init__(self, buffer: torch.Tensor, work: dist.Work | None, group_size: int,
-                 stats: ExchangeStats, finish=None) -> None:
+    def __init__(self, buffer: torch.Tensor, work, stats: ExchangeStats,
+                 finish: Callable[[OuterNesterov | None], None]) -> None:
         self.buffer = buffer
         self.stats = stats
         self._work = work
-        self._group_size = group_size
         self._finish = finish
         self._launched = time.perf_counter()
         self._done_at: float | None = None
@@ -153,7 +173,7 @@ class ExchangeHandle:
     @classmethod
     def completed(cls, buffer: torch.Tensor) -> "ExchangeHandle":
         """A handle whose averaged result is already in ``buffer`` (restored from a checkpoint)."""
-        handle = cls(buffer, None, 1, ExchangeStats())
+        handle = cls(buffer, None, ExchangeStats(), lambda outer: None)
         handle._finished = True
         return handle
 
@@ -170,6 +190,19 @@ class ExchangeHandle:
         """Seconds since the launch."""
         return time.perf_counter() - self._launched
 
+    def _wait_collective(self) -> None:
+        """Block until the collective completed (bounded by :attr:`timeout_s`); record the times."""
+        t0 = time.perf_counter()
+        if self._work is not None:
+            wait_within(self._work, None if self.timeout_s is None else self._launched + self.timeout_s)
+            if self.buffer.is_cuda:
+                # Exposed time must include the device-side wait for the collective.
+                torch.cuda.current_stream(self.buffer.device).synchronize()
+        t1 = time.perf_counter()
+        self.stats.exposed_s = t1 - t0
+        self.stats.exchange_s = (self._done_at if self._done_at is not None else t1) - self._launched
+        self._work = None
+
     def wait(self) -> torch.Tensor:
         """Block until the exchange completed; return ``buffer`` holding the replicas' mean (fp32).
 
@@ -178,65 +211,83 @@ class ExchangeHandle:
         (e.g. a peer's closed connection) propagates as raised. Idempotent: a second call returns the
         same buffer without communicating.
         """
-        if self._finished:
-            return self.buffer
-        t0 = time.perf_counter()
-        if self._work is not None:
-            wait_within(self._work, None if self.timeout_s is None else self._launched + self.timeout_s)
-            if self.buffer.is_cuda:
-                # Exposed time must include the device-side wait for the collective.
-                torch.cuda.current_stream(self.buffer.device).synchronize()
-        t1 = time.perf_counter()
-        if self._finish is not None:
-            self._finish()
-        elif self._group_size > 1:
-            self.buffer.div_(self._group_size)
-        self.stats.exposed_s = t1 - t0
-        self.stats.exchange_s = (self._done_at if self._done_at is not None else t1) - self._launched
-        self._finished = True
-        self._work = None
+        if not self._finished:
+            self._wait_collective()
+            self._finish(None)
+            self._finished = True
         return self.buffer
 
+    def apply(self, outer: OuterNesterov) -> None:
+        """Wait as :meth:`wait` does, then take the outer step with the mean: ``outer.step(mean)``,
+        fused with the decode where the codec has a fused kernel (blockwise codecs on a GPU: one pass
+        over the payloads, theta and momentum; the mean is never written, ``buffer`` is left as
+        scratch). Bit-identical to ``outer.step(self.wait())``. Once per handle."""
+        if self._finished:  # the mean is already in the buffer (waited for, or restored)
+            outer.step(self.buffer)
+        else:
+            self._wait_collective()
+            self._finish(outer)
+        self._finished = True
 
-def start_exchange(buffer: torch.Tensor, group: dist.ProcessGroup | None) -> ExchangeHandle:
-    """Launch the asynchronous average of ``buffer`` over ``group`` (the outer group).
+
+def start_exchange(buffer: torch.Tensor, residual: torch.Tensor | None, codec, group: dist.ProcessGroup | None,
+                   *, worker: "DaemonWorker | None" = None, timeout_s: float | None = None) -> ExchangeHandle:
+    """Launch one round's exchange of ``buffer`` with ``codec`` over ``group`` (the outer group).
 
     Args:
-        buffer: fp32 ``[numel]`` pseudo-gradient shard; overwritten in place with the mean over the
-            group once :meth:`ExchangeHandle.wait` returns. Must not be touched until then.
-        group: the outer process group (R ranks, one per replica). Collective: every rank of the group
-            must call this, in the same order, with a buffer of the same size. ``None`` or a group of
-            size 1 makes it a no-op (one replica).
-
-    Returns:
-        A handle; the all-reduce runs asynchronously on the group's backend (gloo thread / NCCL stream).
-    """
-    size = dist.get_world_size(group) if group is not None else 1
-    payload = buffer.numel() * buffer.element_size()
-    wire = ring_allreduce_bytes(payload, size)
-    stats = ExchangeStats(bytes_sent=wire, bytes_received=wire, raw_bytes=payload, payload_bytes=payload)
-    work = None
-    if size > 1:
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return ExchangeHandle(buffer, work, size, stats)
-
-
-def start_compressed_exchange(buffer: torch.Tensor, residual: torch.Tensor | None, codec,
-                              group: dist.ProcessGroup | None) -> ExchangeHandle:
-    """Encode ``buffer`` with error feedback and launch the all-gather of the payloads.
+        buffer: fp32 ``[N]`` pseudo-gradient shard; holds the replicas' mean once
+            :meth:`ExchangeHandle.wait` returns (or feeds the outer step: :meth:`ExchangeHandle.apply`).
+            Nothing else may touch it until then.
+        residual: fp32 ``[N]`` error-feedback residual of this replica (lossy codecs), updated in place
+            by the encode (``e <- v - dequant(payload)``); ``None`` for ``none``.
+        codec: the object :func:`megatron_diloco.compression.get_codec` built; its registry entry
+            (:data:`megatron_diloco.config.CODECS`) decides the collective (see the module doc).
+        group: the outer group (R ranks, one per replica); collective over it: every rank of the
+            group calls this, in the same order, with a buffer of the same size. ``None`` or a group of
+            one rank: no communication (one replica). For a matrix codec on GPU tensors it must be a
+            **gloo** group (the host mirror of the outer group, made by ``megatron_diloco.install()``).
+        worker: the :class:`DaemonWorker` that runs matrix codecs' exchanges (required for them;
+            one thread, exchanges in order); unused by the others.
+        timeout_s: the exchange must complete within it from now (None: unbounded); bounds
+            :meth:`ExchangeHandle.wait` and, for matrix codecs, the worker's own collectives.
 
     No payload is ever re-quantized: each replica's payload is gathered as encoded and every rank
     decodes the R payloads in replica order, so all ranks compute the same bits.
-
-    Args:
-        buffer: fp32 ``[N]`` pseudo-gradient shard; after :meth:`ExchangeHandle.wait` it holds the
-            decoded mean over the group (written by the codec's ordered decode).
-        residual: fp32 ``[N]`` error-feedback residual of this replica, updated in place by the
-            encode (``e <- v - dequant(payload)``); ``None`` for lossless codecs.
-        codec: a blockwise codec of :mod:`megatron_diloco.compression` (``encode``/``decode``).
-        group: the outer group; collective over it (async ``all_gather_into_tensor``).
     """
+    spec = CODECS[codec.name]
     size = dist.get_world_size(group) if group is not None else 1
+    if spec.matrix:
+        if worker is None:
+            raise ValueError(f"--diloco-x-compression {codec.name}: its exchange runs on a worker thread; "
+                             "pass worker=DaemonWorker()")
+        handle = _start_on_worker(buffer, residual, codec, group, size, worker, timeout_s)
+    elif spec.collective == "all-reduce":
+        handle = _start_all_reduce(buffer, group, size)
+    else:
+        handle = _start_all_gather(buffer, residual, codec, group, size)
+    handle.timeout_s = timeout_s
+    return handle
+
+
+def _start_all_reduce(buffer: torch.Tensor, group, size: int) -> ExchangeHandle:
+    """fp32 all-reduce (SUM) of ``buffer`` in place, asynchronous; the mean is the sum / R."""
+    payload = buffer.numel() * buffer.element_size()
+    wire = ring_allreduce_bytes(payload, size)
+    stats = ExchangeStats(bytes_sent=wire, bytes_received=wire, raw_bytes=payload, payload_bytes=payload)
+    work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True) if size > 1 else None
+
+    def finish(outer: OuterNesterov | None) -> None:
+        if size > 1:
+            buffer.div_(size)
+        if outer is not None:
+            outer.step(buffer)
+
+    return ExchangeHandle(buffer, work, stats, finish)
+
+
+def _start_all_gather(buffer: torch.Tensor, residual: torch.Tensor, codec, group, size: int) -> ExchangeHandle:
+    """Encode with error feedback, asynchronous all-gather of the payloads; the finish decodes the
+    R payloads in replica order (fused with the outer step when given one)."""
     numel = buffer.numel()
     payload = codec.encode(residual, pseudo_grad=buffer, residual_out=residual)  # (P,) uint8
     gathered = torch.empty(size * payload.numel(), dtype=torch.uint8, device=payload.device)  # (R*P,)
@@ -249,10 +300,10 @@ def start_compressed_exchange(buffer: torch.Tensor, residual: torch.Tensor | Non
     else:
         gathered.copy_(payload)
 
-    def finish() -> None:
-        codec.decode(gathered.view(size, -1), numel, out=buffer)
+    def finish(outer: OuterNesterov | None) -> None:
+        codec.decode(gathered.view(size, -1), numel, out=buffer, outer=outer)
 
-    return ExchangeHandle(buffer, work, size, stats, finish=finish)
+    return ExchangeHandle(buffer, work, stats, finish)
 
 
 class _ThreadWork:
@@ -350,48 +401,40 @@ def _worker_stream(executor, device: torch.device) -> "torch.cuda.Stream":
     return streams[device]
 
 
-def start_threaded_exchange(buffer: torch.Tensor, residual: torch.Tensor, codec,
-                            group: dist.ProcessGroup | None, executor,
-                            timeout_s: float | None = None) -> ExchangeHandle:
-    """Run a multi-collective codec exchange (low-rank, adaptive) on ``executor``'s one worker thread.
+def _start_on_worker(buffer: torch.Tensor, residual: torch.Tensor, codec, group, size: int,
+                     executor: "DaemonWorker", timeout_s: float | None) -> ExchangeHandle:
+    """Run a matrix codec's exchange (low-rank, adaptive) on ``executor``'s one worker thread.
 
     The low-rank exchange needs two dependent all-gathers (P, then Q, with compute in between), so
     it cannot be one asynchronous collective; the worker runs ``codec.exchange`` while the training
     loop computes (gloo and NCCL release the GIL; on a GPU the worker uses its own stream and
     finishes it before the handle completes). Only the worker touches ``buffer``, ``residual`` and
-    the outer group until :meth:`ExchangeHandle.wait` returns.
+    the group until the handle completes.
 
-    Args:
-        buffer: fp32 ``[N]`` pseudo-gradient shard in, decoded mean over the group out.
-        residual: fp32 ``[N]`` error-feedback residual (updated in place by the worker).
-        codec: ``LowRankCodec`` / ``AdaptiveCodec`` of :mod:`megatron_diloco.compression`.
-        group: a group over the outer group's ranks; every collective of the round runs on it, from
-            the worker thread. For tensors on a GPU it must be a **gloo** group (the host mirror of
-            :func:`megatron_diloco.topology.host_mirror_of_outer_groups`): the worker copies each
-            payload to the host, all-gathers it there and copies the result back, so it never
-            enqueues a GPU kernel that waits for another rank (a worker-thread NCCL collective can
-            deadlock against the training loop's own NCCL kernels; seen on 2 x H200).
-        executor: a :class:`DaemonWorker` (or ``ThreadPoolExecutor(max_workers=1)``) owned by the
-            caller: one thread, exchanges in order.
-        timeout_s: the exchange must complete within it from now (None: unbounded). Bounds both the
-            caller's :meth:`ExchangeHandle.wait` and the worker itself: its collectives are issued
-            asynchronously and polled from Python (:func:`wait_within`) up to the same deadline, so
-            a worker whose peer stopped answering gives up (``TimeoutError`` in the handle) instead
-            of blocking inside the backend, where a wake-up during interpreter exit (a peer's closed
-            connection) could abort the process (Python < 3.14 ends such threads with pthread_exit).
+    GPU tensors travel as host copies over ``group``, which must be gloo (the host mirror of
+    :func:`megatron_diloco.topology.host_mirror_of_outer_groups`): the worker copies each payload to
+    the host, all-gathers it there and copies the result back, so it never enqueues a GPU kernel that
+    waits for another rank (a worker-thread NCCL collective can deadlock against the training loop's
+    own NCCL kernels; seen on 2 x H200).
 
-    While it is in flight no other thread may issue collectives on ``group`` (the boundary logic of
-    :class:`megatron_diloco.sync.OuterSync` only does so after waiting for it).
+    ``timeout_s`` bounds the worker itself too: its collectives are issued asynchronously and polled
+    from Python (:func:`wait_within`) up to the same deadline, so a worker whose peer stopped
+    answering gives up (``TimeoutError`` in the handle) instead of blocking inside the backend, where
+    a wake-up during interpreter exit (a peer's closed connection) could abort the process (Python
+    < 3.14 ends such threads with pthread_exit).
     """
-    size = dist.get_world_size(group) if group is not None else 1
     via_host = buffer.is_cuda  # GPU tensors travel as host copies over the gloo group
     if via_host and size > 1 and dist.get_backend(group) != "gloo":
-        raise ValueError("start_threaded_exchange: tensors on a GPU need a gloo group (the host mirror of "
+        raise ValueError(f"--diloco-x-compression {codec.name}: tensors on a GPU need a gloo group (the host mirror of "
                          "the outer group that megatron_diloco.install() creates), got backend "
                          f"{dist.get_backend(group)!r}")
     stats = ExchangeStats(raw_bytes=4 * buffer.numel())
-    handle = ExchangeHandle(buffer, None, size, stats, finish=lambda: None)
-    handle.timeout_s = timeout_s
+
+    def finish(outer: OuterNesterov | None) -> None:  # the worker decoded into the buffer
+        if outer is not None:
+            outer.step(buffer)
+
+    handle = ExchangeHandle(buffer, None, stats, finish)
     deadline = None if timeout_s is None else handle._launched + timeout_s
 
     def allgather(t: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,34 @@ OverlapMode = Literal["none", "delayed", "eager"]
 
 #: Overlap modes accepted by ``--diloco-x-overlap``.
 OVERLAP_MODES: tuple[str, ...] = ("none", "delayed", "eager")
-#: Codecs accepted by ``--diloco-x-compression`` (see :mod:`megatron_diloco.compression`).
-COMPRESSION_CODECS: tuple[str, ...] = ("none", "int8", "int4", "fp8", "lowrank", "lowrank-int8", "adaptive")
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecSpec:
+    """What the rest of the package needs to know about one ``--diloco-x-compression`` value (the
+    codec objects themselves: :func:`megatron_diloco.compression.get_codec`)."""
+
+    name: str
+    lossy: bool
+    """Sends less than the exact pseudo-gradient: keeps an error-feedback residual (fp32, 4 B/elem)."""
+    collective: Literal["all-reduce", "all-gather"]
+    """How the payload crosses the outer group: an fp32 all-reduce (SUM, each rank sends and receives
+    2 (R-1)/R payloads) or an all-gather of encoded payloads (R-1 payloads each way)."""
+    matrix: bool = False
+    """Needs the shards' matrix shapes and several dependent collectives per round (low-rank: P, then
+    Q): runs on a worker thread instead of as one asynchronous collective."""
+
+
+#: The one registry of ``--diloco-x-compression`` values, in the order the help lists them.
+CODECS: dict[str, CodecSpec] = {spec.name: spec for spec in (
+    CodecSpec("none", lossy=False, collective="all-reduce"),
+    CodecSpec("int8", lossy=True, collective="all-gather"),
+    CodecSpec("int4", lossy=True, collective="all-gather"),
+    CodecSpec("fp8", lossy=True, collective="all-gather"),
+    CodecSpec("lowrank", lossy=True, collective="all-gather", matrix=True),
+    CodecSpec("lowrank-int8", lossy=True, collective="all-gather", matrix=True),
+    CodecSpec("adaptive", lossy=True, collective="all-gather", matrix=True),
+)}
 #: k of the derived outer timeout: an exchange may take k times a round's compute (or k times the
 #: longest exchange seen) before the link counts as hung (see :meth:`DiLoCoXConfig.outer_timeout_s`).
 OUTER_TIMEOUT_HEADROOM: float = 4.0
@@ -163,9 +189,9 @@ class DiLoCoXConfig:
                 f"--distributed-timeout-minutes must be a finite number > 0 with --diloco-x, got "
                 f"{self.distributed_timeout_minutes!r}"
             )
-        if self.compression not in COMPRESSION_CODECS:
+        if self.compression not in CODECS:
             raise ValueError(
-                f"--diloco-x-compression must be one of {', '.join(COMPRESSION_CODECS)}, "
+                f"--diloco-x-compression must be one of {', '.join(CODECS)}, "
                 f"got {self.compression!r}"
             )
 

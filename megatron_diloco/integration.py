@@ -157,11 +157,11 @@ class _Installation:
 
         for chunk in model_chunks:
             make_gradient_reduction_replica_local(chunk, self.config.replicas)
-        from megatron_diloco.sync import MATRIX_CODECS
+        from megatron_diloco.config import CODECS
 
         # low-rank / adaptive exchanges run on a worker thread: they talk over gloo mirrors of the
         # outer groups, never over a group the training loop uses
-        host_mirror = self.config.compression in MATRIX_CODECS
+        host_mirror = CODECS[self.config.compression].matrix
         topology = from_parallel_state(self.config.replicas, host_mirror=host_mirror)
         self.optimizer = opt = DiLoCoXOptimizer(inner, self.config, topology, on_round=self.log_round)
         install_replica_local_collectives(

@@ -28,7 +28,7 @@ from megatron.core.optimizer import ChainedOptimizer, DistributedOptimizer, Mega
 
 from megatron_diloco.collectives import ExchangeStats
 from megatron_diloco.config import DiLoCoXConfig
-from megatron_diloco.outer import ShardView, fingerprint
+from megatron_diloco.shard_view import ShardView, fingerprint
 from megatron_diloco.sync import OuterSync, RoundReport
 from megatron_diloco.topology import Topology
 
@@ -78,11 +78,11 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             the replica's parameters over the intra-replica DP group).
         config: DiLoCoX hyperparameters.
         topology: replica index and the process groups (outer, intra-replica).
-        on_round: optional callback receiving each boundary's :class:`RoundSummary`-like dict
+        on_round: optional callback receiving each boundary's :meth:`round_metrics` dict
             (called on every rank; used for logging).
 
     The wrapper forwards every ``MegatronOptimizer`` method to ``inner`` except ``step``,
-    ``state_dict``, ``load_state_dict`` and ``sharded_state_dict``. Boundaries are counted in
+    ``state_dict``, ``load_state_dict``, ``sharded_state_dict`` and ``reload_model_params``. Boundaries are counted in
     ``step()`` calls (a skipped fp16 step still counts), so all replicas agree on them.
     """
 
@@ -299,7 +299,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         ``--overlap-param-gather`` the model params are gathered by the next forward, not at the
         boundary: until then only the fp32 main shards are compared (the model's own shard is their
         copy; the rest is the previous round's local params by design)."""
-        if self.sync.anchor is not None and self.sync.pending is not None:
+        if self.sync.eager_anchor is not None and self.sync.pending is not None:
             tensors = [self.sync.theta]
             if self.sync.outer.momentum_buffer is not None:
                 tensors.append(self.sync.outer.momentum_buffer)
@@ -353,7 +353,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
 
         Kinds: ``param`` (fp32 main shards), ``opt.<key>`` (every optimizer state tensor of a shard's
         shape, e.g. ``opt.exp_avg`` / ``opt.exp_avg_sq`` (fp32) with Adam), ``residual`` (error feedback)
-        and ``anchor`` (eager start point), both flat ``(N,)`` fp32 at offset 0, when present. No copies.
+        and ``anchor`` (eager: the replica's anchor a_r), both flat ``(N,)`` fp32 at offset 0, when present. No copies.
         """
         kinds: dict[str, list[tuple[int, torch.Tensor]]] = {"param": []}
         offset, count = 0, 0
@@ -370,8 +370,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
                                "it per replica (is the inner optimizer initialized?)")
         if self.sync.residual is not None:
             kinds["residual"] = [(0, self.sync.residual)]
-        if self.sync.anchor is not None:
-            kinds["anchor"] = [(0, self.sync.anchor)]
+        if self.sync.eager_anchor is not None:
+            kinds["anchor"] = [(0, self.sync.eager_anchor)]
         return kinds
 
     def _inner_state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -529,7 +529,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
 
         if loading:
             live = {"theta": self.sync.theta, "momentum_buffer": self.sync.outer.momentum_buffer,
-                    "pending_delta": self.sync.buffer}
+                    "pending_delta": self.sync.delta}
             outer_tensors = {name: (live[name] if live.get(name) is not None else
                                     torch.empty(n, dtype=torch.float32, device=self.view.device))
                              for name in contents.outer}
@@ -634,7 +634,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
 
     def restart_outer_loop_from_params(self, reason: str) -> None:
         """Start a new outer loop from the current fp32 main params: theta <- x (this rank's shard),
-        outer momentum 0, error-feedback residual 0, eager start point = theta, nothing in flight, round
+        outer momentum 0, error-feedback residual 0, eager anchor = theta, nothing in flight, round
         and step counters 0 (the first boundary comes H ``step()`` calls from now). Logs one line (rank
         0) with ``reason``. An exchange in flight is waited for and dropped (then collective over the
         outer group: call it on every rank). Model params are left as they are (they hold x already).
@@ -646,13 +646,13 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         if sync.pending is not None:
             sync.pending.wait()
             sync.pending = None
-        self.view.gather(sync.theta)
+        self.view.copy_to(sync.theta)
         if sync.outer.momentum_buffer is not None:
             sync.outer.momentum_buffer.zero_()
         if sync.residual is not None:
             sync.residual.zero_()
-        if sync.anchor is not None:
-            sync.anchor.copy_(sync.theta)
+        if sync.eager_anchor is not None:
+            sync.eager_anchor.copy_(sync.theta)
         sync.rounds = 0
         sync.skipped_rounds = 0
         self.step_calls = 0
@@ -719,7 +719,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
                 for (_, p), src in zip(self._replica_tensors()["param"], loaded["param"]):
                     p.detach().copy_(src.view_as(p))
             else:
-                self.view.scatter_(fresh)
+                self.view.copy_from_(fresh)
         self._load_replica_meta(replica_meta)
         self._publish_params(gather_now=True)  # forward hooks may be off (first step after a load)
 
@@ -740,7 +740,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             raise RuntimeError(
                 f"checkpoint lacks this run's per-replica DiLoCoX state {missing[:3]}: it was written with "
                 "another --diloco-x-compression / --diloco-x-overlap (error-feedback residual, eager "
-                "start point); resume with the flags it was written with, or load it with "
+                "anchor); resume with the flags it was written with, or load it with "
                 "--no-load-optim to start a new outer loop from its weights")
         for name, t in (self._legacy_state_tensors() if legacy else self._inner_state_tensors()):
             t.detach().copy_(tensors[name])
@@ -758,8 +758,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
                     yield f"{i}.{k}", v
         if self.sync.residual is not None:
             yield "diloco_x.residual", self.sync.residual
-        if self.sync.anchor is not None:
-            yield "diloco_x.anchor", self.sync.anchor
+        if self.sync.eager_anchor is not None:
+            yield "diloco_x.anchor", self.sync.eager_anchor
 
 
 # ---------------------------------------------------------------------- checkpoint helpers

@@ -16,7 +16,7 @@ like the distributed optimizer's fp32 main shard.
 
 **Link model.** Only traffic *between replicas* crosses the slow link. The link is full duplex,
 ``link_mbps`` each way, carrying ``link_efficiency`` of that as payload (default 1448/1514: TCP/IP
-over Ethernet at MTU 1500, measured on the tc-shaped links, KNOWLEDGE.md), plus ``latency_ms`` per
+over Ethernet at MTU 1500, measured on tc-shaped links: benchmarks/RESULTS.md), plus ``latency_ms`` per
 sequential ring step. One link is shared by a *site* (``--link-scope``): ``cluster`` (one link per
 replica, the default: the clusters of the paper joined by one 1 Gbps line), ``node`` (one per
 ``gpus_per_node`` GPUs) or ``gpu`` (one per rank: the CPU WAN emulation, one shaped veth per rank).
@@ -60,17 +60,23 @@ import dataclasses
 import json
 import math
 import sys
-from pathlib import Path
 from typing import Any
+
+from megatron_diloco.config import CODECS
 
 #: Payload fraction of a TCP/IPv4 stream on Ethernet at MTU 1500 (1448 payload bytes per 1514 on the wire).
 TCP_EFFICIENCY = 1448 / 1514
-#: Codecs the planner knows (``--diloco-x-compression`` values).
-PLAN_CODECS: tuple[str, ...] = ("none", "int8", "int4", "fp8", "lowrank", "lowrank-int8", "adaptive")
 #: Elements per fp32 scale of the blockwise codecs (``reference.DEFAULT_BLOCK_SIZE``).
 BLOCK_SIZE = 256
-#: Where the measured codec ratios live (``benchmarks/codecs_bench.py``).
-CODECS_JSON = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "codecs.json"
+#: Calibration: compression ratios (4 N / payload bytes) of the low-rank and adaptive codecs, measured
+#: by ``benchmarks/codecs_bench.py`` on real pseudo-gradients of the 4-layer, hidden-192 demo model
+#: (benchmarks/results/codecs.json, 2026-11-26; ``tests/test_plan.py`` checks they agree). Low-rank
+#: ratios grow with matrix width (about ``h / (2 r)`` for a square matrix): they understate what a
+#: wide model gets; give ``--compression-ratio`` for a measured one.
+MEASURED_RATIOS: dict[str, float] = {
+    "lowrank-r4": 34.58, "lowrank-r16": 8.851, "lowrank-int8-r4": 135.8, "lowrank-int8-r16": 34.86,
+    "adaptive-e0.5": 251.3, "adaptive-e0.9": 49.34, "adaptive-e0.99": 7.769,
+}
 #: Boundary overhead per shard parameter: (boundary step - inner step) / shard params, measured on
 #: 4 x H200 (benchmarks/results/gpu_smoke.json: 179.0 - 173.2 ms over 42.77 M params).
 BOUNDARY_NS_PER_PARAM = 0.136
@@ -86,21 +92,16 @@ def blockwise_payload_bytes(numel: int, fmt: str, block_size: int = BLOCK_SIZE) 
     return payload_layout(numel, fmt, block_size).total_bytes
 
 
-def measured_ratio(codec: str, rank: int = 4, energy: float = 0.9, path: Path = CODECS_JSON) -> float:
-    """Compression ratio (4 N / payload) of a low-rank/adaptive codec from ``codecs.json``.
-
-    Measured on the 4-layer, hidden-192 demo model: low-rank ratios grow with the matrix width
-    (about ``h / (2 r)`` for a square matrix), so they understate what a wide model gets.
-    """
+def measured_ratio(codec: str, rank: int = 4, energy: float = 0.9) -> float:
+    """Compression ratio (4 N / payload) of a low-rank/adaptive codec from :data:`MEASURED_RATIOS`
+    (the demo model's; see there). Raises ``ValueError`` naming ``--compression-ratio`` when the
+    rank / energy was not measured."""
     key = {"lowrank": f"lowrank-r{rank}", "lowrank-int8": f"lowrank-int8-r{rank}",
            "adaptive": f"adaptive-e{energy:g}"}[codec]
-    if not path.exists():
-        raise ValueError(f"--compression-ratio is required for --codec {codec} ({path} not found)")
-    codecs = json.loads(path.read_text())["codecs"]
-    if key not in codecs:
-        raise ValueError(f"--compression-ratio is required for --codec {codec}: {path.name} has no "
-                         f"{key!r} (it has {', '.join(codecs)})")
-    return float(codecs[key]["compression_ratio"])
+    if key not in MEASURED_RATIOS:
+        raise ValueError(f"--compression-ratio is required for --codec {codec}: no measured ratio for "
+                         f"{key!r} (measured: {', '.join(MEASURED_RATIOS)})")
+    return MEASURED_RATIOS[key]
 
 
 @dataclasses.dataclass
@@ -174,12 +175,12 @@ class PlanConfig:
     codec: str = "int8"
     """Pseudo-gradient codec (``--diloco-x-compression``)."""
     compression_ratio: float | None = None
-    """4 N / payload bytes. None: the exact blockwise formula (none/int8/int4/fp8) or codecs.json
-    (lowrank, lowrank-int8 at ``rank``, adaptive at ``energy``)."""
+    """4 N / payload bytes. None: the exact blockwise formula (none/int8/int4/fp8) or the measured
+    :data:`MEASURED_RATIOS` (lowrank, lowrank-int8 at ``rank``, adaptive at ``energy``)."""
     rank: int = 4
-    """Low-rank rank (ratio lookup in codecs.json)."""
+    """Low-rank rank (ratio lookup in :data:`MEASURED_RATIOS`)."""
     energy: float = 0.9
-    """Adaptive energy target (ratio lookup in codecs.json)."""
+    """Adaptive energy target (ratio lookup in :data:`MEASURED_RATIOS`)."""
     overlap: str = "delayed"
     """``delayed`` / ``eager``: exchange hidden behind the next round; ``none``: blocking."""
     outer_momentum: float = 0.9
@@ -244,7 +245,7 @@ class PlanConfig:
         if not (0 < self.link_efficiency <= 1):
             raise ValueError(f"--link-efficiency must be in (0, 1], got {self.link_efficiency!r}")
         _choice("link_scope", self.link_scope, ("cluster", "node", "gpu"))
-        _choice("codec", self.codec, PLAN_CODECS)
+        _choice("codec", self.codec, tuple(CODECS))
         _choice("overlap", self.overlap, ("none", "delayed", "eager"))
         _choice("recompute", self.recompute, ("none", "selective", "full"))
         _choice("baseline_algo", self.baseline_algo, ("hierarchical", "ring"))
@@ -319,7 +320,7 @@ class Plan:
     compression_ratio: float
     """4 x shard / payload bytes."""
     ratio_source: str
-    """Where the ratio came from (formula, codecs.json, given)."""
+    """Where the ratio came from (formula, measured on the demo model, given)."""
     payload_bytes_per_rank: float
     """Bytes of one rank's encoded pseudo-gradient."""
     bytes_sent_per_rank_per_round: float
@@ -364,7 +365,7 @@ def _ratio(cfg: PlanConfig, shard: int) -> tuple[float, str]:
         return 1.0, "fp32"
     if cfg.codec in ("int8", "int4", "fp8"):
         return 4 * shard / blockwise_payload_bytes(shard, cfg.codec), "blockwise formula"
-    return measured_ratio(cfg.codec, cfg.rank, cfg.energy), "codecs.json (hidden-192 demo model)"
+    return measured_ratio(cfg.codec, cfg.rank, cfg.energy), "measured on the hidden-192 demo model"
 
 
 def activation_bytes(cfg: PlanConfig, stage: int = 0) -> float | None:
@@ -426,12 +427,13 @@ def plan(cfg: PlanConfig) -> Plan:
     rate = cfg.link_mbps * 1e6 / 8 * cfg.link_efficiency  # payload bytes/s per link, each way
     lat = cfg.latency_ms * 1e-3
     sites = _ranks_per_site(cfg)
-    if cfg.codec == "none":
+    spec = CODECS[cfg.codec]
+    if spec.collective == "all-reduce":
         sent = 2 * (R - 1) / R * payload  # ring all-reduce
         steps = 2 * (R - 1)
     else:
         sent = (R - 1) * payload  # all-gather of payloads
-        steps = (R - 1) * (2 if cfg.codec in ("lowrank", "lowrank-int8", "adaptive") else 1)  # P then Q
+        steps = (R - 1) * (2 if spec.matrix else 1)  # low-rank: P, then Q
     per_link = sites * sent
     exchange = per_link / rate + steps * lat if R > 1 else 0.0
     if cfg.overlap == "none":

@@ -1,6 +1,6 @@
 """Round-boundary logic of DiLoCoX on one rank's shard: blocking (``none``) or one-step delay.
 
-Notation (DESIGN.md section 1): ``theta`` outer params, ``x`` the replica's local params (the fp32
+Notation (docs/design.md, "Algorithm"): ``theta`` outer params, ``x`` the replica's local params (the fp32
 main-parameter shards of the inner optimizer), ``Delta`` the replicas' mean pseudo-gradient.
 
 ``overlap="none"`` (plain DiLoCo), at each boundary::
@@ -23,7 +23,7 @@ one outer step. :meth:`OuterSync.drain` applies the last exchange at the end of 
 computation in DiLoCo"): as ``delayed``, but each replica also takes its own fresh pseudo-gradient
 into account at once, instead of waiting a round for it::
 
-    delta_{r,t} = a_r - x           (a_r: the point replica r started round t from)
+    delta_{r,t} = a_r - x           (a_r: the anchor, the point replica r started round t from)
     wait for Delta_{t-1};  theta_t = OuterStep(theta_{t-1}, Delta_{t-1})     (shared, as delayed)
     launch the exchange of delta_{r,t}
     a_r <- theta_t - c w * delta_{r,t} ;  x <- a_r
@@ -41,7 +41,7 @@ the estimate of the mean: when all replicas' pseudo-gradients agree, a_r equals 
 theta after the same round exactly (mu = 0), i.e. the overlap then costs nothing in the parameters;
 with 1 / R the own progress of the round enters at 1 / R at once and the rest one round late.
 Replicas' local params differ by their look-ahead between boundaries (by design); the drain at the
-end of training sets x <- theta on every replica. Cost: the per-replica start point ``a_r``
+end of training sets x <- theta on every replica. Cost: the per-replica anchor ``a_r``
 (fp32, 4 B per shard element), checkpointed with the replica's own state.
 """
 
@@ -58,16 +58,13 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from megatron_diloco.collectives import (
-    DaemonWorker, ExchangeHandle, ExchangeStats, bounded_all_reduce, measure_link_bandwidth,
-    start_compressed_exchange, start_exchange, start_threaded_exchange,
+    DaemonWorker, ExchangeHandle, ExchangeStats, bounded_all_reduce, measure_link_bandwidth, start_exchange,
 )
-from megatron_diloco.config import OUTER_TIMEOUT_HEADROOM, DiLoCoXConfig
-from megatron_diloco.outer import OuterNesterov, ShardView
+from megatron_diloco.config import CODECS, OUTER_TIMEOUT_HEADROOM, DiLoCoXConfig
+from megatron_diloco.outer import OuterNesterov
+from megatron_diloco.shard_view import ShardView
 
 logger = logging.getLogger(__name__)
-
-#: Codecs that need tensor (matrix) shapes and several dependent collectives per round.
-MATRIX_CODECS = ("lowrank", "lowrank-int8", "adaptive")
 
 #: ``dist.set_timeout`` (recent torch), else the private form it replaced (torch >= 2.6 as setup.py allows)
 _set_group_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
@@ -155,29 +152,28 @@ class OuterSync:
         self.view = view
         self.config = config
         self.group = group
-        # the worker thread's group (low-rank / adaptive): the gloo mirror of ``group`` when given
-        # (GPU tensors travel as host copies; megatron_diloco.topology.host_mirror_of_outer_groups)
-        self.worker_group = host_group if host_group is not None else group
         if decision_group is None and dist.is_available() and dist.is_initialized():
             decision_group = dist.group.WORLD
         self.decision_group = decision_group
-        self.codec = None  # None: exact fp32 all-reduce
-        # worker thread of the multi-collective (low-rank) exchanges: a daemon, so that one stuck in
-        # a collective with a peer that stopped answering never keeps the process from exiting
-        self._executor: DaemonWorker | None = None
-        if config.compression != "none":
-            self.codec = _build_codec(config, view, shapes)
-            if config.compression in MATRIX_CODECS:
-                self._executor = DaemonWorker("diloco_x")
+        spec = CODECS[config.compression]
+        self.codec = _build_codec(config, view, shapes)
+        # worker thread of the matrix codecs' exchanges (several dependent collectives): a daemon, so
+        # that one stuck in a collective with a peer that stopped answering never keeps the process
+        # from exiting. It runs them on the gloo mirror of ``group`` when given (GPU tensors travel as
+        # host copies; megatron_diloco.topology.host_mirror_of_outer_groups); the other codecs' one
+        # collective runs on ``group`` itself.
+        self._executor = DaemonWorker("diloco_x") if spec.matrix else None
+        self.exchange_group = host_group if spec.matrix and host_group is not None else group
         theta = torch.empty(view.numel, dtype=torch.float32, device=view.device)  # (N,) fp32
-        view.gather(theta)
+        view.copy_to(theta)
         self.outer = OuterNesterov(theta, config.outer_lr, config.outer_momentum, config.nesterov)
-        # The one exchange buffer: pseudo-gradient out, averaged pseudo-gradient in.
-        self.buffer = torch.empty_like(theta)  # (N,) fp32
+        # delta: the pseudo-gradient in the exchange, one buffer for both directions: this replica's
+        # delta_r goes out, the replicas' mean Delta comes back in place (N,) fp32.
+        self.delta = torch.empty_like(theta)
         # e: what the lossy codec did not send yet (per replica; fp32, one per shard element).
-        self.residual = torch.zeros_like(theta) if self.codec is not None else None  # (N,) fp32
-        # a_r: the point this replica started the round from (eager only; per replica, fp32).
-        self.anchor = theta.clone() if config.overlap == "eager" else None  # (N,) fp32
+        self.residual = torch.zeros_like(theta) if spec.lossy else None  # (N,) fp32
+        # eager only: this replica's own anchor a_r (its look-ahead; per replica) (N,) fp32
+        self.eager_anchor = theta.clone() if config.overlap == "eager" else None
         self.pending: ExchangeHandle | None = None
         self.rounds = 0
         self.skipped_rounds = 0
@@ -202,7 +198,7 @@ class OuterSync:
     def _groups(self) -> list[dist.ProcessGroup]:
         """The distinct multi-rank groups this rank waits on (outer, its gloo mirror, decision)."""
         out: list[dist.ProcessGroup] = []
-        for g in (self.group, self.worker_group, self.decision_group):
+        for g in (self.group, self.exchange_group, self.decision_group):
             if g is not None and dist.get_world_size(g) > 1 and not any(g is h for h in out):
                 out.append(g)
         return out
@@ -224,7 +220,7 @@ class OuterSync:
             return f"the skip-decision group (all {dist.get_world_size(group)} ranks)"
         ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
         mirror = (" (its gloo mirror, worker thread)"
-                  if group is self.worker_group and group is not self.group else "")
+                  if group is self.exchange_group and group is not self.group else "")
         return f"outer group [ranks {', '.join(map(str, ranks))}]{mirror}"
 
     def _failure(self, what: str, group: dist.ProcessGroup | None, bound_s: float | None,
@@ -253,9 +249,10 @@ class OuterSync:
         return self.outer.theta
 
     @property
-    def start_point(self) -> torch.Tensor:
-        """The params every round starts from: ``theta`` (shared), or ``a_r`` (eager, per replica)."""
-        return self.anchor if self.anchor is not None else self.outer.theta
+    def anchor(self) -> torch.Tensor:
+        """a_r, the anchor: the params this replica's round starts from (pseudo-gradient = a_r - x):
+        ``theta`` (shared), or with eager the replica's own :attr:`eager_anchor`."""
+        return self.eager_anchor if self.eager_anchor is not None else self.outer.theta
 
     def _pseudo_gradient_into_x(self) -> float:
         """x <- start - x on the shards, in place; returns the squared norm (a host sync)."""
@@ -263,7 +260,7 @@ class OuterSync:
         if not xs:
             return 0.0
         torch._foreach_neg_(xs)
-        torch._foreach_add_(xs, self.view.split(self.start_point))
+        torch._foreach_add_(xs, self.view.split(self.anchor))
         return float(torch.stack(torch._foreach_norm(xs, 2)).double().square().sum())
 
     def _any_rank_nonfinite(self, sq: float) -> bool:
@@ -288,40 +285,34 @@ class OuterSync:
                                     time.perf_counter() - started, err) from err
         return bool(flag.item())
 
-    def _complete(self, handle: ExchangeHandle) -> torch.Tensor:
-        """Wait for ``handle`` (not past its bound: :class:`OuterGroupError` then) and, with a lossy
-        codec, record the squared norm of the residual it left (what was not sent): relative
-        compression error = sqrt(residual_sq / input_sq)."""
+    def _complete(self, handle: ExchangeHandle, outer: OuterNesterov | None = None) -> None:
+        """Complete ``handle`` (not past its bound: :class:`OuterGroupError` then): the mean into
+        ``delta`` (``outer`` None), or straight into ``outer``'s step
+        (:meth:`ExchangeHandle.apply`). With a lossy codec, record the squared norm of the residual
+        it left (what was not sent): relative compression error = sqrt(residual_sq / input_sq)."""
         try:
-            delta = handle.wait()
+            if outer is None:
+                handle.wait()
+            else:
+                handle.apply(outer)
         except (RuntimeError, TimeoutError) as err:
             what = f"the exchange of round {handle.round}" if handle.round != self.rounds else "the exchange"
-            group = self.worker_group if self._executor is not None else self.group
-            raise self._failure(what, group, handle.timeout_s, handle.elapsed_s, err) from err
+            raise self._failure(what, self.exchange_group, handle.timeout_s, handle.elapsed_s, err) from err
         self.longest_exchange_s = max(self.longest_exchange_s, handle.stats.exchange_s)
         if self.residual is not None and handle.stats.input_sq:
             handle.stats.residual_sq = float(torch.dot(self.residual, self.residual))
-        return delta
 
     def _launch(self) -> ExchangeHandle:
-        handle = self._start()
-        handle.timeout_s = self.timeout_s()  # must complete within T of its launch
-        handle.round = self.rounds
-        return handle
-
-    def _start(self) -> ExchangeHandle:
-        if self.codec is None:
-            return start_exchange(self.buffer, self.group)
-        # ||pseudo-gradient + residual||^2: the codec's input, without materializing it
-        b, e = self.buffer, self.residual
-        input_sq = float(torch.dot(b, b) + 2 * torch.dot(b, e) + torch.dot(e, e))
-        if self._executor is not None:
-            # (start_threaded_exchange refuses a non-gloo group for GPU tensors)
-            handle = start_threaded_exchange(self.buffer, self.residual, self.codec, self.worker_group,
-                                             self._executor, timeout_s=self.timeout_s())
-        else:
-            handle = start_compressed_exchange(self.buffer, self.residual, self.codec, self.group)
+        """Launch the exchange of ``delta`` (this round's pseudo-gradient); bounded by
+        :meth:`timeout_s` from now."""
+        input_sq = 0.0
+        if self.residual is not None:  # ||pseudo-gradient + residual||^2: the codec's input, not materialized
+            b, e = self.delta, self.residual
+            input_sq = float(torch.dot(b, b) + 2 * torch.dot(b, e) + torch.dot(e, e))
+        handle = start_exchange(self.delta, self.residual, self.codec, self.exchange_group,
+                                worker=self._executor, timeout_s=self.timeout_s())
         handle.stats.input_sq = input_sq
+        handle.round = self.rounds
         return handle
 
     def set_step_time(self, step_time_s: float) -> None:
@@ -371,75 +362,73 @@ class OuterSync:
         if self.config.overlap == "none":
             with record_function("megatron_diloco::prepare"):
                 sq = self._pseudo_gradient_into_x()
-                self.view.gather(self.buffer)
+                self.view.copy_to(self.delta)
                 if self._any_rank_nonfinite(sq):
                     return self._skip(sq, completed=None)
                 handle = self._launch()
             with record_function("megatron_diloco::perform"):
-                delta = self._complete(handle)
-                self.outer.step(delta)
-                self.view.scatter_(self.theta)
+                self._complete(handle, self.outer)
+                self.view.copy_from_(self.theta)
             return RoundReport(self.rounds, True, handle.stats, handle.stats, sq)
 
-        # delayed / eager: x holds delta_t after this; the buffer still holds Delta_{t-1} (in flight).
+        # delayed / eager: x holds delta_t after this; ``delta`` still holds Delta_{t-1} (in flight).
         with record_function("megatron_diloco::prepare"):
             sq = self._pseudo_gradient_into_x()
         completed = None
         with record_function("megatron_diloco::perform"):
             if self.pending is not None:
-                delta_prev = self._complete(self.pending)
+                self._complete(self.pending, self.outer)
                 completed = self.pending.stats
-                self.outer.step(delta_prev)
                 self.pending = None
         with record_function("megatron_diloco::launch"):
-            self.view.gather(self.buffer)
+            self.view.copy_to(self.delta)
             if self._any_rank_nonfinite(sq):
                 return self._skip(sq, completed)
-            if self.anchor is not None:  # before the launch: the exchange owns the buffer after it
+            if self.eager_anchor is not None:  # before the launch: the exchange owns ``delta`` after it
                 self._eager_start()
             self.pending = self._launch()
-            self.view.scatter_(self.start_point)
+            self.view.copy_from_(self.anchor)
         return RoundReport(self.rounds, completed is not None, self.pending.stats, completed, sq)
 
     def _eager_start(self) -> None:
-        """a_r <- theta_t - c w * delta_{r,t}, with delta_{r,t} in ``buffer`` (gathered, not yet
+        """a_r <- theta_t - c w * delta_{r,t}, with delta_{r,t} in ``delta`` (copied, not yet
         launched; see the module doc)."""
         c = self.config.outer_lr * ((1.0 + self.config.outer_momentum) if self.config.nesterov else 1.0)
         w = self.config.eager_weight
         if w is None:
             w = 1.0 / (dist.get_world_size(self.group) if self.group is not None else 1)
-        torch.mul(self.buffer, -c * w, out=self.anchor).add_(self.theta)
+        torch.mul(self.delta, -c * w, out=self.eager_anchor).add_(self.theta)
 
     def _skip(self, sq: float, completed: ExchangeStats | None) -> RoundReport:
         """Drop this round's pseudo-gradient everywhere: x <- theta, residual untouched."""
         self.skipped_rounds += 1
         logger.warning("DiLoCoX round %d: non-finite pseudo-gradient on some rank (%s); round skipped on "
-                       "every rank of every replica (local progress of this round dropped, outer state "
-                       "unchanged)", self.rounds, "this one" if not math.isfinite(sq) else "another one")
-        if self.anchor is not None:  # eager: no fresh pseudo-gradient to look ahead with
-            self.anchor.copy_(self.theta)
-        self.view.scatter_(self.theta)
+                       "every rank of every replica (local progress of this round dropped; nothing sent)", self.rounds, "this one" if not math.isfinite(sq) else "another one")
+        if self.eager_anchor is not None:  # eager: no fresh pseudo-gradient to look ahead with
+            self.eager_anchor.copy_(self.theta)
+        self.view.copy_from_(self.theta)
         return RoundReport(self.rounds, completed is not None, ExchangeStats(), completed, sq, skipped=True)
 
     @torch.no_grad()
     def drain(self) -> ExchangeStats | None:
-        """Wait for the exchange in flight (if any), apply it, and set x <- theta. Collective."""
+        """Wait for the exchange in flight (if any), apply it, and set x <- theta. Collective. With
+        nothing in flight (``none``, or no boundary yet) it does nothing: x keeps the local progress
+        since the last boundary."""
         if self.pending is None:
             return None
         with record_function("megatron_diloco::drain"):
-            delta = self._complete(self.pending)
+            self._complete(self.pending, self.outer)
             stats = self.pending.stats
-            self.outer.step(delta)
             self.pending = None
-            if self.anchor is not None:  # the look-ahead is now part of theta
-                self.anchor.copy_(self.theta)
-            self.view.scatter_(self.theta)
+            if self.eager_anchor is not None:  # the look-ahead is now part of theta
+                self.eager_anchor.copy_(self.theta)
+            self.view.copy_from_(self.theta)
         return stats
 
     # ---------------- checkpointing ----------------
     def state_dict(self) -> dict:
         """Outer state, identical on every replica (the in-flight exchange is completed, not applied).
-        The error-feedback ``residual`` and the eager start point ``anchor`` differ per replica and
+        The error-feedback ``residual`` and the ``eager_anchor`` differ per replica and
         are checkpointed by the owner of the per-replica state
         (:class:`megatron_diloco.optimizer.DiLoCoXOptimizer`).
 
@@ -454,7 +443,7 @@ class OuterSync:
             "skipped_rounds": self.skipped_rounds,
             "theta": self.outer.theta,
             "momentum_buffer": self.outer.momentum_buffer,
-            "pending_delta": self.buffer if has_pending else None,
+            "pending_delta": self.delta if has_pending else None,
             # low-rank bases / adaptive plan: identical on every replica
             "codec": self.codec.state_dict() if hasattr(self.codec, "state_dict") else None,
             # the measured outer link (adaptive byte budget; MIN over the group, so identical on every
@@ -485,5 +474,5 @@ class OuterSync:
             self.codec.load_state_dict(state["codec"])
         self.pending = None
         if state.get("pending_delta") is not None:
-            self.buffer.copy_(state["pending_delta"])
-            self.pending = ExchangeHandle.completed(self.buffer)
+            self.delta.copy_(state["pending_delta"])
+            self.pending = ExchangeHandle.completed(self.delta)

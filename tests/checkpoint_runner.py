@@ -12,7 +12,7 @@ On top of everything ``megatron_runner`` records, per rank into ``$DILOCO_TEST_O
   allocator's peak over the call when on GPU, else None). Linux only (None elsewhere);
 * ``main_shard_numel``: the rank's fp32 main-shard elements (DiLoCoX and plain runs);
 * ``model_fp``: after every iteration, ``[iteration, fingerprint]`` of all the rank's model parameters
-  (:func:`megatron_diloco.outer.fingerprint`); ``loaded_model_fp``: the same right after
+  (:func:`megatron_diloco.shard_view.fingerprint`); ``loaded_model_fp``: the same right after
   ``load_checkpoint`` returned; ``opt_fp`` / ``loaded_opt_fp``: the same for the shard-sized optimizer
   state (Adam moments) of the rank's main shards;
 * ``save_entries``: per save, what DiLoCoX adds to the sharded state dict: the number of
@@ -64,7 +64,7 @@ def instrument_checkpointing() -> None:
     from megatron.training import checkpointing, training
 
     from megatron_diloco.optimizer import DiLoCoXOptimizer, distributed_optimizers
-    from megatron_diloco.outer import fingerprint
+    from megatron_diloco.shard_view import fingerprint
 
     def opt_fp(opt) -> list[int]:
         """Bitwise fingerprint of the shard-sized optimizer state (e.g. Adam moments) of all main shards."""
@@ -145,8 +145,8 @@ def instrument_checkpointing() -> None:
 
             live = {t.data_ptr() for d in self.dist_opts for g in d.optimizer.param_groups for p in g["params"]
                     for t in [p, *[v for v in d.optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]]}
-            live |= {t.data_ptr() for t in (self.sync.theta, self.sync.outer.momentum_buffer, self.sync.buffer,
-                                           self.sync.residual, self.sync.anchor) if t is not None}
+            live |= {t.data_ptr() for t in (self.sync.theta, self.sync.outer.momentum_buffer, self.sync.delta,
+                                           self.sync.residual, self.sync.eager_anchor) if t is not None}
             ours = [v for key, v in sd.items() if str(key).startswith("diloco_x")]
             tensors = [v for v in nested_values(ours) if isinstance(v, ShardedTensor)]
             objects = [v for v in nested_values(ours) if isinstance(v, ShardedObject)]

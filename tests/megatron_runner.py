@@ -1,7 +1,7 @@
 """Run ``examples/pretrain_gpt_diloco.py`` under test instrumentation (one process per rank).
 
-Used by the Megatron-level tests through torchrun. On top of the unmodified example it records, per
-rank, into ``$DILOCO_TEST_OUT/rank{R}.json``:
+Used by the Megatron-level tests (ranks started by ``megatron_utils.launch``). On top of the
+unmodified example it records, per rank, into ``$DILOCO_TEST_OUT/rank{R}.json``:
 
 * ``losses``: the loss of every iteration at full precision (last pipeline stage only);
 * ``boundary_identical``: after each DiLoCoX boundary, whether the replicas are bit-identical
@@ -79,8 +79,8 @@ def instrument() -> None:
 
     from megatron_diloco import sync as sync_mod
     from megatron_diloco.optimizer import DiLoCoXOptimizer
-    from megatron_diloco.outer import fingerprint
-    from megatron_diloco.sync import MATRIX_CODECS
+    from megatron_diloco.shard_view import fingerprint
+    from megatron_diloco.config import CODECS
 
     @wrap(training, "train")  # the whole training loop, setup and the final summary excluded
     def train(orig, *a, **k):
@@ -127,7 +127,7 @@ def instrument() -> None:
         ctx["in_boundary"] = True
         try:
             out = orig(self, report)
-            if self.diloco_config.compression in MATRIX_CODECS and self.sync.pending is not None:
+            if CODECS[self.diloco_config.compression].matrix and self.sync.pending is not None:
                 # The low-rank exchange runs on a worker thread that owns the outer group until it
                 # completes, and the check all-gathers on that group: skip it (None) rather than
                 # wait, so that a checkpoint can still catch the exchange in flight.
@@ -171,6 +171,25 @@ def instrument() -> None:
         return orig(loss_dict, *a, **k)
 
 
+def _spawned_helpers_skip_the_example() -> None:
+    """Megatron's checkpoint writer starts a ``multiprocessing`` Manager (spawn context) in each rank
+    at its first save. A spawned process first re-runs the parent's ``__main__`` module, here the
+    example (torch + Megatron imports: ~8 s of CPU per rank, most of a tiny save on 2 cores), which
+    the Manager (a queue server) never uses. Test processes only: their spawned helpers start without
+    the main module."""
+    import multiprocessing.spawn as spawn
+
+    original = spawn.get_preparation_data
+
+    def get_preparation_data(name):
+        data = original(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    spawn.get_preparation_data = get_preparation_data
+
+
 def main() -> None:
     import faulthandler
 
@@ -181,6 +200,7 @@ def main() -> None:
     if cpu_compat.cpu_mode():
         cpu_compat.apply()
     instrument()
+    _spawned_helpers_skip_the_example()
     run_script(sys.argv[1:], record, os.environ.get("DILOCO_TEST_OUT"))
 
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from megatron_diloco.compression import (
-    CODECS, BlockwiseCodec, get_codec, has_nonfinite, has_nonfinite_scales, payload_layout,
+    BlockwiseCodec, get_codec, has_nonfinite, has_nonfinite_scales, payload_layout,
 )
 from megatron_diloco.compression import reference as ref
 from megatron_diloco.compression import triton_kernels as tk
+from megatron_diloco.config import CODECS
 
 
 def _twins(t):
@@ -18,9 +19,15 @@ def _twins(t):
 
 def test_registry_names_and_payload_bytes():
     layout = [(0, (64, 64)), (4096, (64,))]
-    for name in CODECS:
+    for name, spec in CODECS.items():
         codec = get_codec(name, layout)
         assert codec.name == name and callable(codec.exchange)
+        assert codec.lossy == spec.lossy, name
+        if spec.matrix:  # the matrix codecs need the layout; the others do not
+            with pytest.raises(ValueError, match="layout"):
+                get_codec(name)
+        else:
+            assert get_codec(name).name == name
     n = 1 << 16
     assert get_codec("none").payload_bytes(n) == 4 * n
     assert get_codec("int8").payload_bytes(n) == n + 4 * n // 256  # ratio ~3.94 vs fp32

@@ -164,9 +164,7 @@ def _exchanges(rank, world):
     ~0.6 s exchange cost ~0.6 s, not 1.2 s."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from megatron_diloco.collectives import (
-        start_compressed_exchange, start_exchange, start_threaded_exchange,
-    )
+    from megatron_diloco.collectives import start_exchange
     from megatron_diloco.compression import get_codec
 
     link = link_model.install(MBPS, 300.0, replicas=2)  # 300 ms per hop, 1 MB/s
@@ -185,15 +183,15 @@ def _exchanges(rank, world):
         return out
 
     fp32 = torch.full((16_000,), float(rank))  # 64 kB all-reduce: 2 hops + 64 ms
-    out = timed(lambda: start_exchange(fp32, group))
+    out = timed(lambda: start_exchange(fp32, None, get_codec("none"), group))
     assert torch.equal(out, torch.full_like(out, 0.5))
     q = torch.full((300_000,), float(rank))  # ~0.3 MB int8 payload: 1 hop + ~0.3 s
-    out = timed(lambda: start_compressed_exchange(q, torch.zeros_like(q), get_codec("int8"), group))
+    out = timed(lambda: start_exchange(q, torch.zeros_like(q), get_codec("int8"), group))
     assert torch.allclose(out, torch.full_like(out, 0.5), atol=1e-2)
     m = torch.randn(64 * 64)
     with ThreadPoolExecutor(max_workers=1) as pool:  # two dependent all-gathers (P, then Q)
-        timed(lambda: start_threaded_exchange(m, torch.zeros_like(m), get_codec("lowrank", [(0, (64, 64))], rank=2),
-                                              group, pool))
+        timed(lambda: start_exchange(m, torch.zeros_like(m), get_codec("lowrank", [(0, (64, 64))], rank=2),
+                                     group, worker=pool))
 
 
 def test_diloco_exchanges_overlap_under_the_model():

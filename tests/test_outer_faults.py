@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_diloco.config import DiLoCoXConfig
-from megatron_diloco.outer import ShardView, fingerprint
+from megatron_diloco.shard_view import ShardView, fingerprint
 from megatron_diloco.sync import OuterSync
 from tests.dist_utils import free_port, run_world
 
@@ -193,7 +193,7 @@ def _scenario_checkpoint(rank: int, world: int, event, out_dir: Path) -> None:
         if rnd == 2:
             sync.config.outer_timeout_minutes = BOUND_S / 60
             if rank == 1:
-                sync_mod.start_compressed_exchange = _freeze
+                sync_mod.start_exchange = _freeze
         x.sub_(0.01 * (rank + 1))
         event(kind="boundary", round=rnd)
         sync.boundary()

@@ -16,6 +16,7 @@ import torch
 
 from megatron_diloco.collectives import ring_allreduce_bytes
 from megatron_diloco.compression import get_codec
+import megatron_diloco.plan as plan_mod
 from megatron_diloco.plan import PlanConfig, blockwise_payload_bytes, main, plan
 
 REPO = Path(__file__).resolve().parent.parent
@@ -191,3 +192,16 @@ def test_validation_reader_on_a_wan_bench_shaped_result():
     assert ar["predicted"] == pytest.approx(ar["measured"])
     assert ("gpu 4x 1000 Mbit dilocox", "speedup vs AllReduce (tokens/s ratio)") in got
     assert len(notes) == 1 and "diloco" in notes[0]
+
+
+def test_calibration_travels_with_the_package_and_matches_the_benchmark():
+    """The planner needs no file outside the package (an installed package has no benchmarks/), and
+    its embedded low-rank/adaptive ratios are the ones benchmarks/codecs_bench.py measured (to the
+    4 digits kept): re-running the benchmark without updating the table fails here."""
+    measured = json.loads((REPO / "benchmarks" / "results" / "codecs.json").read_text())["codecs"]
+    assert set(plan_mod.MEASURED_RATIOS) == {k for k in measured if k.startswith(("lowrank", "adaptive"))}
+    for key, ratio in plan_mod.MEASURED_RATIOS.items():
+        assert ratio == pytest.approx(measured[key]["compression_ratio"], rel=5e-4), key
+    assert plan_mod.measured_ratio("lowrank-int8", rank=4) == plan_mod.MEASURED_RATIOS["lowrank-int8-r4"]
+    with pytest.raises(ValueError, match="--compression-ratio"):
+        plan_mod.measured_ratio("lowrank", rank=7)

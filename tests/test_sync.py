@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_diloco.config import DiLoCoXConfig
-from megatron_diloco.outer import OuterNesterov, ShardView, fingerprint
+from megatron_diloco.outer import OuterNesterov
+from megatron_diloco.shard_view import ShardView, fingerprint
 from megatron_diloco.sync import OuterSync
 from tests.dist_utils import run_world
 
@@ -21,7 +22,7 @@ def grad(r: int, step: int, x: torch.Tensor) -> torch.Tensor:
 
 def reference(R: int, overlap: str, x0: torch.Tensor, lr_in: float, cfg: DiLoCoXConfig,
               homogeneous: bool = False) -> list:
-    """Straight-line re-statement of DESIGN.md section 1 (and the eager rule of sync.py), one
+    """Straight-line re-statement of the overlap rules (docs/design.md, sync.py), one
     process. Returns, per boundary, the list of the R replicas' params after it. ``homogeneous``:
     every replica sees replica 0's gradients."""
     theta = x0.clone()
@@ -424,3 +425,46 @@ def _mirror_worker(rank, world):
 def test_host_mirror_of_outer_groups():
     """The gloo mirrors the GPU worker thread uses are exactly the outer groups."""
     run_world(_mirror_worker, 4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the fused Triton decode + outer kernel needs a CUDA GPU"))])
+@pytest.mark.parametrize("name", ["none", "int8", "int4", "lowrank-int8"])
+@pytest.mark.parametrize("nesterov,momentum", [(True, 0.9), (False, 0.9), (True, 0.0)])
+def test_apply_is_wait_then_outer_step_and_fuses_the_decode(name, nesterov, momentum, device):
+    """``ExchangeHandle.apply(outer)`` leaves theta and momentum bit-identical to
+    ``outer.step(handle.wait())`` for every kind of codec (all-reduce, all-gather, worker thread),
+    and for the all-gather codecs hands the outer step to the codec's decode (on a GPU the fused
+    Triton decode + outer kernel; on CPU the reference) instead of materializing the mean first."""
+    from megatron_diloco.collectives import DaemonWorker, start_exchange
+    from megatron_diloco.compression import get_codec
+
+    torch.manual_seed(0)
+    layout = [(0, (48, 40)), (48 * 40, (100,))]
+    n = 48 * 40 + 100
+    delta, theta0 = torch.randn(n, device=device), torch.randn(n, device=device)
+    results, fused_calls = [], []
+    for use_apply in (True, False):
+        codec = get_codec(name, layout, rank=3)
+        decode = getattr(codec, "decode", None)
+        if decode is not None:
+            def spy(*a, _decode=decode, **k):
+                fused_calls.append(k.get("outer") is not None)
+                return _decode(*a, **k)
+            codec.decode = spy
+        outer = OuterNesterov(theta0.clone(), 0.7, momentum, nesterov)
+        outer.step(torch.randn(n, generator=torch.Generator().manual_seed(1)).to(device))  # momentum != 0
+        buf, residual = delta.clone(), torch.zeros(n, device=device) if codec.lossy else None
+        worker = DaemonWorker("test") if name.startswith("lowrank") else None
+        handle = start_exchange(buf, residual, codec, None, worker=worker)
+        if use_apply:
+            handle.apply(outer)
+        else:
+            outer.step(handle.wait())
+        results.append((outer.theta, outer.momentum_buffer, residual))
+    (t1, m1, e1), (t2, m2, e2) = results
+    assert torch.equal(t1, t2)
+    assert (m1 is None and m2 is None) or torch.equal(m1, m2)
+    assert (e1 is None and e2 is None) or torch.equal(e1, e2)
+    if name in ("int8", "int4"):
+        assert fused_calls == [True, False], fused_calls

@@ -1,4 +1,4 @@
-"""Pseudo-gradient compression (DESIGN.md section 2).
+"""Pseudo-gradient compression (docs/design.md, "Compression").
 
 Modules, one concept each:
 
@@ -10,13 +10,13 @@ Modules, one concept each:
 """
 
 from megatron_diloco.compression.codecs import (
-    CODECS, AdaptiveCodec, BlockwiseCodec, RawCodec, get_codec, has_nonfinite,
+    AdaptiveCodec, BlockwiseCodec, RawCodec, get_codec, has_nonfinite,
 )
 from megatron_diloco.compression.lowrank import LowRankCodec
 from megatron_diloco.compression.policy import AdaptivePolicy, byte_budget
 from megatron_diloco.compression.reference import has_nonfinite_scales, payload_layout
 
 __all__ = [
-    "CODECS", "AdaptiveCodec", "AdaptivePolicy", "BlockwiseCodec", "LowRankCodec", "RawCodec",
+    "AdaptiveCodec", "AdaptivePolicy", "BlockwiseCodec", "LowRankCodec", "RawCodec",
     "byte_budget", "get_codec", "has_nonfinite", "has_nonfinite_scales", "payload_layout",
 ]

@@ -4,8 +4,11 @@ adaptive codecs, with byte accounting.
 Every codec has ``exchange(residual, allgather, *, anchor, x | pseudo_grad, out, ...) -> Delta``:
 encode with error feedback, all-gather the payloads over the outer group, decode in replica order
 (so every rank gets the same bits), and ``payload_bytes()`` (bytes one replica sends per round).
-The blockwise codecs (``none``, ``int8``, ``int4``, ``fp8``) also expose the two halves,
-``encode`` and ``decode``, so the exchange can overlap the collective with compute.
+The blockwise codecs (``int8``, ``int4``, ``fp8``) also expose the two halves, ``encode`` and
+``decode(..., outer=)``, which :func:`megatron_diloco.collectives.start_exchange` runs around one
+asynchronous all-gather (the decode fused with the outer step). Training sends ``none`` as an fp32
+all-reduce (:data:`megatron_diloco.config.CODECS`); :class:`RawCodec`'s own ``exchange`` is the
+all-gather form of the same mean, for the codec-level tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from megatron_diloco.compression import reference as ref
+from megatron_diloco.config import CODECS
 from megatron_diloco.compression import triton_kernels as tk
 from megatron_diloco.compression.lowrank import AllGather, Layout, LowRankCodec
 from megatron_diloco.compression.policy import AdaptivePolicy
@@ -138,10 +142,6 @@ class AdaptiveCodec:
         self.lowrank.load_state_dict(state["lowrank"])
 
 
-#: The values of ``--diloco-x-compression``.
-CODECS: tuple[str, ...] = ("none", "int8", "int4", "fp8", "lowrank", "lowrank-int8", "adaptive")
-
-
 def get_codec(name: str, layout: Layout | None = None, *, rank: int = 4, block_size: int = ref.DEFAULT_BLOCK_SIZE,
               policy: AdaptivePolicy | None = None):
     """The codec for ``--diloco-x-compression name``.
@@ -150,11 +150,14 @@ def get_codec(name: str, layout: Layout | None = None, *, rank: int = 4, block_s
         layout: (offset, shape) of the bucket's tensors; required by the low-rank codecs.
         rank: ``--diloco-x-rank`` for ``lowrank``/``lowrank-int8``. policy: for ``adaptive``.
     """
+    spec = CODECS.get(name)
+    if spec is None:
+        raise ValueError(f"--diloco-x-compression must be one of {', '.join(CODECS)}, got {name!r}")
     if name == "none":
         return RawCodec()
     if name in ref.FORMATS:
         return BlockwiseCodec(name, block_size)
-    if name in ("lowrank", "lowrank-int8", "adaptive"):
+    if spec.matrix:
         if layout is None:
             raise ValueError(f"--diloco-x-compression {name} needs the bucket's tensor layout")
         if name == "adaptive":
@@ -162,4 +165,4 @@ def get_codec(name: str, layout: Layout | None = None, *, rank: int = 4, block_s
         quant = "int8" if name == "lowrank-int8" else None
         return LowRankCodec(layout, rank=rank, factor_format=quant, fallback="int8" if quant else "none",
                             block_size=block_size)
-    raise ValueError(f"--diloco-x-compression must be one of {', '.join(CODECS)}, got {name!r}")
+    raise AssertionError(f"codec {name!r} is registered in config.CODECS but get_codec cannot build it")

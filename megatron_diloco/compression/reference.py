@@ -1,7 +1,7 @@
 """Pure-torch reference codecs: the specification every fused kernel must match bit for bit.
 
 Everything operates on a *flat bucket*: a 1-D fp32 tensor ``[N]`` that concatenates many parameter
-(shard) tensors in a fixed order (the layout of :class:`megatron_diloco.outer.ShardView`). Blocks
+(shard) tensors in a fixed order (the layout of :class:`megatron_diloco.shard_view.ShardView`). Blocks
 of ``block_size`` consecutive elements are quantized with one fp32 scale each; blocks run over the
 flat bucket and may straddle tensor boundaries (at most one block per boundary; error feedback
 carries what that costs into the next round).
