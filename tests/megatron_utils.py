@@ -1,9 +1,17 @@
-"""Launch the example under ``tests/megatron_runner.py`` with torchrun on CPU and read the records."""
+"""Launch the example under ``tests/megatron_runner.py`` on CPU gloo ranks and read the records.
+
+Ranks are forked from one pre-imported process per test session (``tests/zygote.py``) instead of
+being started by torchrun: the same environment, script and exit, without paying the torch +
+Megatron import per rank (most of a short run on 2 cores). ``test_example_smoke`` and
+``test_launch`` keep launching through torchrun itself.
+"""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +20,9 @@ from tests.dist_utils import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RUNNER = REPO / "tests" / "megatron_runner.py"
+ZYGOTE = REPO / "tests" / "zygote.py"
+_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+_zygote: subprocess.Popen | None = None
 
 # A model small enough for several runs per test on 2 cores; PP 2 x 2 replicas on 4 ranks.
 TINY = """
@@ -21,22 +32,52 @@ TINY = """
 """.split()
 
 
+def _get_zygote() -> subprocess.Popen:
+    global _zygote
+    if _zygote is None or _zygote.poll() is not None:
+        _zygote = subprocess.Popen([sys.executable, str(ZYGOTE)], cwd=REPO, env=dict(os.environ, **_ENV),
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        atexit.register(_zygote.kill)
+        ready = _zygote.stdout.readline()
+        assert ready.strip() == "zygote ready", f"the rank launcher did not start: {ready!r}"
+    return _zygote
+
+
+def launch(script: Path, args: list[str], out: Path, nproc: int = 4, timeout: float = 400,
+           env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``script args`` on ``nproc`` gloo ranks (as torchrun would, on one node); wait for all.
+
+    Returns (exit status, combined output): the status is 0 when every rank exited 0, else the
+    first non-zero one (a rank that failed gets the others terminated). Each rank's output is kept in
+    ``out/rank{R}.log``; the combined output is the ranks' logs in rank order. ``env``: extra
+    environment variables. Raises ``TimeoutError`` past ``timeout`` seconds (the ranks are killed)."""
+    logs = [str(out / f"rank{r}.log") for r in range(nproc)]
+    request = {"script": str(script), "args": [str(a) for a in args], "nproc": nproc, "port": free_port(),
+               "env": dict(os.environ, **_ENV, **(env or {})), "logs": logs, "timeout": timeout}
+    zygote = _get_zygote()
+    zygote.stdin.write(json.dumps(request) + "\n")
+    zygote.stdin.flush()
+    ready, _, _ = select.select([zygote.stdout], [], [], timeout + 90)  # past the zygote's own kill
+    assert ready, "the rank launcher stopped answering"
+    answer = json.loads(zygote.stdout.readline())
+    log = "".join(Path(p).read_text(errors="replace") if Path(p).exists() else "" for p in logs)
+    if answer["timed_out"]:
+        raise TimeoutError(f"{script.name} ran past {timeout} s:\n{log[-6000:]}")
+    code = next((c for c in answer["returncodes"] if c != 0), 0)
+    return code, log
+
+
 def run_megatron(tmp: Path, args: list[str], nproc: int = 4, expect_fail: bool = False,
                  timeout: int = 400, env: dict[str, str] | None = None) -> tuple[list[dict], str]:
     """Run the instrumented example; return (per-rank records, combined output). ``env``: extra
     environment variables (e.g. the runner's fault injections)."""
     out = tmp / f"out{len(list(tmp.glob('out*')))}"
     out.mkdir(parents=True)
-    env = dict(os.environ, DILOCO_TEST_OUT=str(out), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               CUDA_VISIBLE_DEVICES="", **(env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", str(RUNNER), *TINY, *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    log = proc.stdout + proc.stderr
+    code, log = launch(RUNNER, [*TINY, *args], out, nproc, timeout, dict(env or {}, DILOCO_TEST_OUT=str(out)))
     if expect_fail:
-        assert proc.returncode != 0, "expected the run to fail:\n" + log[-4000:]
+        assert code != 0, "expected the run to fail:\n" + log[-4000:]
         return [], log
-    assert proc.returncode == 0, log[-6000:]
+    assert code == 0, log[-6000:]
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
     return records, log
 

@@ -1,4 +1,4 @@
-"""DiLoCoX checkpoints inside real Megatron pretraining (torch_dist, CPU gloo ranks through torchrun).
+"""DiLoCoX checkpoints inside real Megatron pretraining (torch_dist, CPU gloo ranks).
 
 * the per-replica and outer state are ShardedTensors over the live buffers (no clone, no pickle);
 * fp16: each replica's grad scaler and step counts follow its own overflow history, and resume
@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port
-from tests.megatron_utils import REPO, TINY, losses, summary
+from tests.megatron_utils import REPO, TINY, launch, losses, summary
 
 pytestmark = pytest.mark.megatron
 
@@ -30,16 +26,11 @@ RUNNER = REPO / "tests" / "checkpoint_runner.py"
 
 
 def run_ckpt(tmp: Path, args: list[str], nproc: int = 4, timeout: int = 600) -> tuple[list[dict], str]:
-    """Run the example under ``checkpoint_runner`` with torchrun; return (per-rank records, output)."""
+    """Run the example under ``checkpoint_runner`` on ``nproc`` ranks; return (per-rank records, output)."""
     out = tmp / f"out{len(list(tmp.glob('out*')))}"
     out.mkdir(parents=True)
-    env = dict(os.environ, DILOCO_TEST_OUT=str(out), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", str(RUNNER), *TINY, *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
+    code, log = launch(RUNNER, [*TINY, *args], out, nproc, timeout, {"DILOCO_TEST_OUT": str(out)})
+    assert code == 0, log[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)], log
 
 

@@ -31,7 +31,7 @@ def test_eager_shared_state_traffic_and_exact_resume(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     leg1, _ = run_megatron(tmp_path, base + ["--save", ckpt, "--exit-interval", "6"])  # mid-round 2
     leg2, _ = run_megatron(tmp_path, base + ["--save", ckpt, "--load", ckpt, "--exit-interval", "8"])
-    leg3, log3 = run_megatron(tmp_path, base + ["--save", ckpt, "--load", ckpt])
+    leg3, log3 = run_megatron(tmp_path, base + ["--load", ckpt])
     for r in range(4):
         assert leg2[r]["loaded_fp"] == leg1[r]["main_fp"][-1], r
         assert leg3[r]["loaded_fp"] == leg2[r]["main_fp"][-1], r

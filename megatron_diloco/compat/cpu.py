@@ -209,6 +209,13 @@ def _patch_megatron() -> None:
 
     initialize._set_random_seed = _set_random_seed
 
+    # initialize.py:497 (_warmup_jit_function, called by set_jit_fusion_options from
+    # training.py:1117) compiles the fused bias-GeLU/SwiGLU and bias-dropout-add functions through
+    # torch.compile on "cuda" tensors, whatever the fusion flags say: on CPU an inductor C++ build,
+    # ~3-7 s of CPU per rank at every start (most of a short CPU run's start-up). Skip it: a fused
+    # function a CPU run does use still compiles at its first call.
+    initialize._warmup_jit_function = lambda tp_size=None: None
+
     # initialize.py:_compile_dependencies runs `make` for the dataset helpers and sys.exit(1)s
     # without a toolchain; the wheel ships them compiled (megatron/core/datasets/helpers_cpp*.so).
     dataset_utils.compile_helpers = lambda: None

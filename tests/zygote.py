@@ -1,0 +1,158 @@
+"""A pre-imported parent that forks the ranks of the Megatron-level tests (instead of torchrun).
+
+Importing torch and Megatron-Core costs each rank ~8 s of CPU (Megatron pulls in torch._inductor);
+with 4 ranks per run on 2 cores that is ~16 s per run, most of a short test run. This process
+imports them once, then forks a fresh child per rank for each run, exactly as torchrun would start
+it: its own environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``, ...),
+``sys.argv``, a script run as ``__main__``, and a normal interpreter exit (non-daemon threads
+joined, ``atexit`` run). Like torchrun, the first rank that fails gets the others terminated
+(SIGTERM, then SIGKILL after ``TERM_GRACE_S``).
+
+Protocol (one run at a time): the parent writes one JSON line on stdin,
+``{"script", "args", "nproc", "env", "logs", "timeout"}`` (``logs``: one file per rank that receives
+its stdout and stderr); the zygote answers one JSON line on stdout, ``{"returncodes": [...],
+"timed_out": bool}``. Only the imports happen here: nothing of Megatron is configured or built
+before the fork (the CPU shim is idempotent and applied again by each script).
+
+Used by :func:`tests.megatron_utils.launch`; never by training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TERM_GRACE_S = 30.0
+_ANSWER_FD = -1
+#: variables the preloaded imports added to the environment (the CPU shim's setdefault of
+#: CUDA_DEVICE_MAX_CONNECTIONS): given to each child the same way, unless the run sets them
+_PRELOAD_ENV: dict[str, str] = {}
+
+
+def _preload() -> None:
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "examples"))
+    from megatron_diloco import compat
+
+    compat.apply_all()  # the example's own first step, in its order (before Megatron imports)
+    import importlib
+
+    for name in ("megatron.core.models.gpt.gpt_layer_specs", "megatron.training.training",
+                 "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.core.datasets.gpt_dataset",
+                 "megatron_diloco.integration", "stdlib_corpus"):  # what the example and the runners import
+        importlib.import_module(name)
+
+
+def _child(script: str, args: list[str], env: dict[str, str], log: str) -> None:
+    """In the forked child: become the rank, run ``script``, exit like an interpreter would."""
+    os.setpgid(0, 0)  # its own process group: a kill reaches the rank's helper processes too
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.close(devnull)
+    os.close(_ANSWER_FD)
+    sys.stdout = sys.__stdout__
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(env)
+    for key, value in _PRELOAD_ENV.items():
+        os.environ.setdefault(key, value)
+    sys.argv = [script, *args]
+    # Megatron takes the job's start time at import (``--exit-duration-in-mins`` counts from it and
+    # the start-up log reports it): the import happened in the zygote, so set it as a fresh process
+    # would have, now.
+    training = sys.modules["megatron.training.training"]
+    for name in ("_TRAIN_START_TIME", "_LEGACY_TRAIN_START_TIME"):
+        if hasattr(training, name):
+            setattr(training, name, time.time())
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    # What interpreter shutdown does, in its order: join non-daemon threads, run atexit.
+    import atexit
+    import threading
+
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run(req: dict) -> dict:
+    nproc = req["nproc"]
+    pids = {}
+    for rank in range(nproc):
+        env = dict(req["env"], RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                   WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(req["port"]))
+        pid = os.fork()
+        if pid == 0:
+            _child(req["script"], req["args"], env, req["logs"][rank])
+        pids[pid] = rank
+    codes: list[int | None] = [None] * nproc
+    deadline = time.monotonic() + req["timeout"]
+    timed_out, stopping_since = False, None
+
+    def signal_all(sig: int) -> None:
+        for pid, rank in pids.items():
+            if codes[rank] is None:
+                try:
+                    os.killpg(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    while any(c is None for c in codes):
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            now = time.monotonic()
+            if stopping_since is None and now > deadline:
+                timed_out, stopping_since = True, now
+                signal_all(signal.SIGTERM)
+            elif stopping_since is not None and now - stopping_since > TERM_GRACE_S:
+                signal_all(signal.SIGKILL)
+            time.sleep(0.05)
+            continue
+        if pid not in pids:
+            continue
+        codes[pids[pid]] = os.waitstatus_to_exitcode(status)
+        if codes[pids[pid]] != 0 and stopping_since is None:  # torchrun: one failed, stop the rest
+            stopping_since = time.monotonic()
+            signal_all(signal.SIGTERM)
+    return {"returncodes": codes, "timed_out": timed_out}
+
+
+def main() -> None:
+    global _ANSWER_FD
+    _ANSWER_FD = os.dup(1)  # the answer channel; fd 1 becomes stderr (imports may print or log)
+    os.dup2(2, 1)
+    answer = os.fdopen(_ANSWER_FD, "w")
+    before = dict(os.environ)
+    _preload()
+    _PRELOAD_ENV.update({k: v for k, v in os.environ.items() if k not in before})
+    print("zygote ready", file=answer, flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps(_run(json.loads(line))), file=answer, flush=True)
+
+
+if __name__ == "__main__":
+    main()
