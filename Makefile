@@ -2,11 +2,13 @@
 # make demo   - the CPU demo: 4 ranks, PP 2 x DP 2, DiLoCoX with 2 replicas (ARGS=... to add flags)
 # make test   - the test suite
 # make bench-wan - throughput over an emulated slow network (root; ARGS=... to add flags)
+# make bench-venv - .venv plus the benchmarks' pinned plotting extra (requirements-bench.txt)
 
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 NPROC ?= 4
 ARGS ?=
 TEST_TIMEOUT ?= 1800
@@ -17,7 +19,7 @@ PYTHON312 ?= $(shell for p in python3.12 /root/.pyenv/versions/3.12.*/bin/python
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 \
 	&& { command -v $$p; break; }; done)
 
-.PHONY: venv demo test bench-wan clean-venv
+.PHONY: venv bench-venv demo test bench-wan clean-venv
 
 venv: $(STAMP)
 
@@ -32,6 +34,12 @@ $(STAMP): requirements.txt setup.py
 	$(VENV)/bin/uv pip install --python $(PY) --compile-bytecode -r requirements.txt -e .
 	touch $@
 
+bench-venv: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP) requirements-bench.txt
+	$(VENV)/bin/uv pip install --python $(PY) --compile-bytecode -r requirements.txt -r requirements-bench.txt
+	touch $@
+
 demo: venv
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
 		examples/pretrain_gpt_diloco.py $(ARGS)
@@ -40,8 +48,8 @@ test: venv
 	timeout $(TEST_TIMEOUT) $(PY) -m pytest -q tests
 
 # Needs root (network namespaces, tc); about 10 minutes on 2 CPU cores. Writes
-# benchmarks/results/wan.json and, with matplotlib installed, benchmarks/wan.png.
-bench-wan: venv
+# benchmarks/results/wan.json and benchmarks/wan.png.
+bench-wan: bench-venv
 	$(PY) benchmarks/wan_bench.py $(ARGS)
 
 clean-venv:

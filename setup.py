@@ -18,5 +18,6 @@ setup(
         "te": ["transformer-engine"],
         "apex": ["apex"],
         "test": ["pytest"],
+        "bench": ["matplotlib>=3.8"],  # the benchmarks' plots (pinned: requirements-bench.txt)
     },
 )
