@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled
+from megatron_diloco.summary import PREFIX as SUMMARY_PREFIX, parse_summaries  # noqa: E402
 WORKER_ENV = "CODEC_CAPTURE_WORKER"
 
 
@@ -155,18 +157,18 @@ def main() -> None:
     wall = time.perf_counter() - t0
     (a.out / "run.log").write_text(proc.stdout)
     for line in proc.stdout.splitlines():
-        if line.startswith(("[codec_capture]", "DILOCOX SUMMARY")) or "[DiLoCoX] round" in line:
+        if line.startswith("[codec_capture]") or SUMMARY_PREFIX in line or "[DiLoCoX] round" in line:
             print(line)
     if proc.returncode != 0:
         print(proc.stdout[-5000:])
         raise SystemExit(f"capture run failed ({proc.returncode}); log: {a.out / 'run.log'}")
     files = sorted(f.name for f in a.out.glob("round*_replica*_stage*.pt"))
-    summary = [l for l in proc.stdout.splitlines() if l.startswith("DILOCOX SUMMARY ")]
+    summary = parse_summaries(proc.stdout)
     meta = {"command": " ".join(["python", "benchmarks/codec_capture.py", "--rounds", a.rounds, "--",
                                  *extra]),
             "example_flags": extra, "rounds": [int(r) for r in a.rounds.split(",")], "nproc": a.nproc,
             "files": files, "wall_s": round(wall, 1),
-            "summary": json.loads(summary[-1][len("DILOCOX SUMMARY "):]) if summary else None}
+            "summary": summary[-1] if summary else None}
     (a.out / "meta.json").write_text(json.dumps(meta, indent=1))
     print(f"[codec_capture] {len(files)} files in {a.out} ({wall:.0f} s)")
 

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled
+from megatron_diloco.summary import parse_summaries  # noqa: E402
 
 MODEL = """
     --num-layers 12 --hidden-size 768 --ffn-hidden-size 3072 --num-attention-heads 12
@@ -47,8 +49,8 @@ def run(name: str, out: Path, args: list[str], nproc: int,
 
 
 def summary_of(log: str) -> dict:
-    lines = [l for l in log.splitlines() if l.startswith("DILOCOX SUMMARY ")]
-    return json.loads(lines[-1][len("DILOCOX SUMMARY "):]) if lines else {}
+    found = parse_summaries(log)
+    return found[-1] if found else {}
 
 
 def boundary_step_times(recs: list[dict], local_steps: int, boundary: bool | None, warm: int = 5) -> list[float]:

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled
+from megatron_diloco.summary import parse_summaries  # noqa: E402
 INSTRUMENTED = REPO / "benchmarks" / "instrumented.py"
 
 #: Environment of every job: one NCCL connection per device (Megatron's recommendation with
@@ -169,5 +171,5 @@ def load_ranks(out: Path, name: str) -> list[dict]:
 def summary_of(out: Path, name: str) -> dict:
     """The job's ``DILOCOX SUMMARY`` (empty without ``--diloco-x``)."""
     log = (out / name / "log.txt").read_text(errors="replace")
-    lines = [l for l in log.splitlines() if "DILOCOX SUMMARY " in l]
-    return json.loads(lines[-1].split("DILOCOX SUMMARY ", 1)[1]) if lines else {}
+    found = parse_summaries(log)
+    return found[-1] if found else {}

@@ -80,6 +80,9 @@ sys.path.insert(0, str(HERE))
 
 import netns  # noqa: E402  (beside this script)
 
+sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled
+from megatron_diloco.summary import parse_summaries  # noqa: E402
+
 METHODS = ("allreduce", "allreduce-distopt", "diloco", "dilocox", "dilocox-adaptive")
 DEFAULT_METHODS = ("allreduce", "allreduce-distopt", "diloco", "dilocox")
 #: Same model, data and global batch for every method: the example's demo GPT (4 layers, hidden
@@ -342,14 +345,13 @@ class Progress:
               file=self.out, flush=True)
 
 
-def _pump(stream, log_path: Path, progress: Progress | None, summary: list[str]) -> None:
+def _pump(stream, log_path: Path, progress: Progress | None, summary: list[dict]) -> None:
     with open(log_path, "w") as log:
         for line in stream:
             log.write(line)
             if progress is not None:
                 progress.feed(line)
-            if line.startswith("DILOCOX SUMMARY "):
-                summary.append(line[len("DILOCOX SUMMARY "):])
+            summary.extend(parse_summaries(line))
 
 
 def launch(topo: netns.WanTopology, run_dir: Path, argv: list[str], port: int, timeout: float,
@@ -397,7 +399,7 @@ def launch(topo: netns.WanTopology, run_dir: Path, argv: list[str], port: int, t
         tail = (run_dir / f"rank{bad[0]}.log").read_text()[-3000:]
         raise RuntimeError(f"rank {bad[0]} exited {procs[bad[0]].returncode}:\n{tail}")
     records = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(world)]
-    return records, (json.loads(summary[-1]) if summary else None)
+    return records, (summary[-1] if summary else None)
 
 
 def code_state() -> dict:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_diloco.summary import parse_summaries
 from tests.dist_utils import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,9 +89,9 @@ def losses(records: list[dict]) -> dict[int, dict[int, float]]:
 
 
 def summary(log: str) -> dict:
-    lines = [l for l in log.splitlines() if l.startswith("DILOCOX SUMMARY ")]
-    assert len(lines) == 1, f"expected one summary line, got {len(lines)}"
-    return json.loads(lines[0][len("DILOCOX SUMMARY "):])
+    found = parse_summaries(log)
+    assert len(found) == 1, f"expected one summary line, got {len(found)}"
+    return found[0]
 
 
 def traffic_between_boundaries(rec: dict) -> list[dict]:

@@ -77,3 +77,14 @@ def test_incompatible_megatron_settings_are_refused_untouched(kw, flag):
     with pytest.raises(ValueError, match=flag):
         validate_megatron_args(args, DiLoCoXConfig(replicas=2))
     assert vars(args) == before  # nothing was changed
+
+
+def test_summary_line_round_trips_with_launcher_prefixes():
+    """One format and one parser for the run summary (printed by integration, read by the tests and
+    every benchmark launcher), also behind a launcher's per-line prefix."""
+    from megatron_diloco.summary import format_summary, parse_summaries
+
+    a, b = {"rounds": 3, "final_loss": 2.5, "replicas_identical": True}, {"rounds": 4, "link_mbps": None}
+    log = f"noise\n{format_summary(a)}\n[rank0]: {format_summary(b)}\nDILOCOX SUMMARIES are not lines\n"
+    assert parse_summaries(log) == [a, b]
+    assert parse_summaries("no summary here") == []
