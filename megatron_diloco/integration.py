@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import math
 import os
@@ -28,6 +27,7 @@ import torch.distributed as dist
 
 from megatron_diloco.arguments import config_from_args, validate_megatron_args
 from megatron_diloco.config import DiLoCoXConfig
+from megatron_diloco.summary import format_summary
 from megatron_diloco.replica_local import install_replica_local_collectives, replica_local_loss_reduction
 
 logger = logging.getLogger(__name__)
@@ -169,15 +169,19 @@ class _Installation:
         return self.optimizer
 
     def after_load(self) -> None:
-        """Weights loaded without optimizer state (``--no-load-optim``, ``--finetune``, a
-        ``--pretrained-checkpoint`` fallback): restart the outer loop from them. With fp16/bf16
-        Megatron calls ``reload_model_params``, which does it; fp32 main shards are the model params
-        themselves and get no call, hence this hook."""
-        args, opt = self.args, self.optimizer
-        if opt is None or args.fp16 or args.bf16:
+        """Megatron's ``load_checkpoint`` returned: the optimizer restarts the outer loop if weights
+        were loaded without DiLoCoX state (:meth:`DiLoCoXOptimizer.after_checkpoint_load`: one rule
+        for fp32/fp16/bf16, a plain checkpoint, ``--no-load-optim``, ``--finetune``,
+        ``--pretrained-checkpoint``). Weights were loaded when ``--load`` or
+        ``--pretrained-checkpoint`` holds a checkpoint (Megatron's tracker file; the same answer on
+        every rank)."""
+        if self.optimizer is None:
             return
-        if (args.load or args.pretrained_checkpoint) and (args.finetune or args.no_load_optim):
-            opt.restart_outer_loop_from_params("model weights loaded without optimizer state")
+        from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+        dirs = [d for d in (self.args.load, self.args.pretrained_checkpoint) if d]
+        loaded = any(os.path.isfile(get_checkpoint_tracker_filename(d)) for d in dirs)
+        self.optimizer.after_checkpoint_load(weights_loaded=loaded)
 
     def log_round(self, m: dict) -> None:
         self.rounds.append(m)
@@ -254,7 +258,7 @@ class _Installation:
                 "final_loss": float(table[has_loss, 7].mean()) if has_loss.any() else None,
                 "replicas_identical": identical,
             }
-            print("DILOCOX SUMMARY " + json.dumps(summary), flush=True)
+            print(format_summary(summary), flush=True)
 
 
 def make_gradient_reduction_replica_local(ddp_chunk: torch.nn.Module, replicas: int) -> None:

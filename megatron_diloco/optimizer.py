@@ -102,6 +102,10 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self.totals = ExchangeStats()
         self.last_report: RoundReport | None = None
         self._start_checked = False  # whether the replicas' start weights were compared
+        # what the last load_state_dict restored, for after_checkpoint_load: DiLoCoX state, or (the
+        # restart reason) a checkpoint without it
+        self._loaded_diloco_state = False
+        self._loaded_without_diloco_state: str | None = None
         self._params_gathered = True  # model params hold the main shards everywhere (not deferred)
 
     # ------------------------------------------------------------------ interface
@@ -169,9 +173,9 @@ class DiLoCoXOptimizer(MegatronOptimizer):
     def reload_model_params(self, state_dict=None) -> None:
         """Megatron calls this after loading model weights without the optimizer state
         (``--no-load-optim``, ``--finetune``, ``--pretrained-checkpoint`` with fp16/bf16): the main
-        shards take the loaded weights, and the outer loop restarts from them."""
+        shards take the loaded weights; the outer loop restarts from them once the load is over
+        (:meth:`after_checkpoint_load`)."""
         self.inner.reload_model_params(state_dict)
-        self.restart_outer_loop_from_params("model parameters reloaded without optimizer state")
 
     def offload_to_cpu(self):
         return self.inner.offload_to_cpu()
@@ -661,14 +665,30 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             print(f"[DiLoCoX] outer loop restarted from the current params ({reason}): theta <- fp32 main "
                   "params, outer momentum 0, residual 0, nothing in flight, round 0", flush=True)
 
+    def after_checkpoint_load(self, weights_loaded: bool) -> None:
+        """The one place the outer loop restarts after a load (call it when Megatron's
+        ``load_checkpoint`` has returned, on every rank): when the load restored weights but no
+        DiLoCoX state, :meth:`restart_outer_loop_from_params` from them. That is a checkpoint
+        written without ``--diloco-x`` (its inner optimizer state loaded as Megatron loads it; noted
+        by :meth:`load_state_dict`), or weights loaded without any optimizer state
+        (``--no-load-optim``, ``--finetune``, ``--pretrained-checkpoint``: ``weights_loaded`` True and
+        :meth:`load_state_dict` not called). A load that restored DiLoCoX state changes nothing.
+        ``weights_loaded`` must be the same on every rank (it decides a collective restart)."""
+        plain, self._loaded_without_diloco_state = self._loaded_without_diloco_state, None
+        if plain is not None:
+            self.restart_outer_loop_from_params(plain)
+        elif weights_loaded and not self._loaded_diloco_state:
+            self.restart_outer_loop_from_params("model weights loaded without optimizer state")
+        self._loaded_diloco_state = False
+
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore from :meth:`state_dict` or from the loaded :meth:`sharded_state_dict`.
 
         Order: Megatron's inner load (param groups, step, grad scaler of replica 0; fp32 main params
         and moments only for a plain Megatron checkpoint), then this replica's own state over it, then
-        the main params are published into the model params. A checkpoint without DiLoCoX state restarts
-        the outer loop from the loaded params (:meth:`restart_outer_loop_from_params`)."""
+        the main params are published into the model params. A checkpoint without DiLoCoX state is
+        noted: :meth:`after_checkpoint_load` then restarts the outer loop from the loaded params."""
         state_dict = dict(state_dict)
         if "inner" in state_dict:  # plain state_dict() format
             self.inner.load_state_dict(state_dict["inner"])
@@ -680,9 +700,9 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         ours = state_dict.pop("diloco_x", None)
         self.inner.load_state_dict(state_dict)
         contents = self.__dict__.get("_loading_contents")
-        if ours is None:
+        if ours is None:  # the outer loop restarts from these params (after_checkpoint_load)
             where = f"checkpoint {contents.path}" if contents is not None else "the state dict"
-            self.restart_outer_loop_from_params(
+            self._loaded_without_diloco_state = (
                 f"{where} holds no DiLoCoX state (written without --diloco-x); inner optimizer state loaded "
                 "as Megatron loads it")
             return
@@ -722,6 +742,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
                 self.view.copy_from_(fresh)
         self._load_replica_meta(replica_meta)
         self._publish_params(gather_now=True)  # forward hooks may be off (first step after a load)
+        self._loaded_diloco_state = True
 
     def _load_outer_and_replica(self, outer: dict | None, per_replica: dict | None) -> None:
         """Restore from the pickled formats (non-sharded :meth:`state_dict`; torch_dist checkpoints
@@ -747,6 +768,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         if not legacy:
             self._load_replica_meta(per_replica["meta"])
         self._publish_params(gather_now=True)  # forward hooks may be off (first step after a load)
+        self._loaded_diloco_state = True
 
     def _legacy_state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The per-replica tensors under the names of checkpoint format 1 (``{i}.param``, ``{i}.<state

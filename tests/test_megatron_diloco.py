@@ -119,9 +119,15 @@ def test_checkpoint_resume_is_exact(tmp_path, codec):
 
 def test_outer_state_is_sharded_like_the_distributed_optimizer(tmp_path):
     """PP 1, 2 replicas x intra-replica DP 2 on 4 ranks: each rank's outer state (theta, momentum) is
-    fp32 and covers exactly its inner optimizer's main shard, half of the model."""
+    fp32 and covers exactly its inner optimizer's main shard, half of the model. The run gives
+    ``--load`` of an empty directory with ``--no-load-optim`` (a first start of an auto-resuming job):
+    nothing was loaded, so the outer loop does not restart."""
+    empty = tmp_path / "no-checkpoint-yet"
+    empty.mkdir()
     recs, log = run_megatron(tmp_path, ["--pipeline-model-parallel-size", "1", "--train-iters", "4",
-                                        "--diloco-x-local-steps", "2", "--diloco-x-outer-momentum", "0.9"])
+                                        "--diloco-x-local-steps", "2", "--diloco-x-outer-momentum", "0.9",
+                                        "--load", str(empty), "--no-load-optim"])
+    assert "outer loop restarted" not in log
     total = recs[0]["outer"]["model_params_on_rank"]
     for rank, rec in enumerate(recs):
         o = rec["outer"]
