@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_diloco.arguments import config_from_args, validate_megatron_args
-from megatron_diloco.config import DiLoCoXConfig
+from megatron_diloco.config import CODECS, DiLoCoXConfig
 from megatron_diloco.summary import format_summary
 from megatron_diloco.replica_local import install_replica_local_collectives, replica_local_loss_reduction
 
@@ -157,8 +157,6 @@ class _Installation:
 
         for chunk in model_chunks:
             make_gradient_reduction_replica_local(chunk, self.config.replicas)
-        from megatron_diloco.config import CODECS
-
         # low-rank / adaptive exchanges run on a worker thread: they talk over gloo mirrors of the
         # outer groups, never over a group the training loop uses
         host_mirror = CODECS[self.config.compression].matrix

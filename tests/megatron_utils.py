@@ -68,6 +68,18 @@ def launch(script: Path, args: list[str], out: Path, nproc: int = 4, timeout: fl
     return code, log
 
 
+def torchrun(target: list[str], nproc: int = 4, env: dict[str, str] | None = None, cwd: Path = REPO,
+             timeout: float = 400) -> tuple[int, str]:
+    """Run ``python -m torch.distributed.run --nproc-per-node nproc <target>`` on CPU gloo ranks
+    (``target``: a script and its flags, or ``-m module ...``); returns (exit status, combined output).
+    For the tests of launching itself; the Megatron-level tests use :func:`launch`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", *map(str, target)]
+    proc = subprocess.run(cmd, cwd=cwd, env=dict(os.environ, **_ENV, **(env or {})), capture_output=True,
+                          text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 def run_megatron(tmp: Path, args: list[str], nproc: int = 4, expect_fail: bool = False,
                  timeout: int = 400, env: dict[str, str] | None = None) -> tuple[list[dict], str]:
     """Run the instrumented example; return (per-rank records, combined output). ``env``: extra

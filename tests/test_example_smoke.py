@@ -10,14 +10,13 @@ iterations instead of trusting the exit code.
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.megatron_utils import torchrun
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "pretrain_gpt_diloco.py"
 TINY = """
@@ -39,12 +38,8 @@ class Run:
 
 def run_example(*flags: str, timeout: float = 240) -> Run:
     """Run the example on 4 ranks and parse its log. Fails on a non-zero exit."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(SCRIPT), *TINY, *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-6000:]
+    code, output = torchrun([SCRIPT, *TINY, *flags], timeout=timeout)
+    assert code == 0, output[-6000:]
     run = Run()
     for m in _ITERATION.finditer(output):
         run.loss[int(m[1])], run.grad_norm[int(m[1])] = float(m[2]), float(m[3])

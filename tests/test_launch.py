@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port
-from tests.megatron_utils import REPO, TINY, summary
+from tests.megatron_utils import REPO, TINY, summary, torchrun
 
 PLAIN_SCRIPT = f"""\
 import sys
@@ -39,20 +38,17 @@ if __name__ == "__main__":
 
 MEGATRON_FLAGS = TINY + """
     --transformer-impl local --mock-data --tokenizer-type NullTokenizer --vocab-size 256
-    --use-distributed-optimizer --rerun-mode disabled --lr 1e-3 --num-workers 0
+    --use-distributed-optimizer --lr 1e-3 --num-workers 0
     --attention-dropout 0 --hidden-dropout 0 --no-gradient-accumulation-fusion
     --no-persist-layer-norm --no-masked-softmax-fusion --no-bias-dropout-fusion
     --no-bias-swiglu-fusion --no-rope-fusion
 """.split()
 
 
-def launch(script: Path, *flags: str, nproc: int, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", "-m", "megatron_diloco.launch", str(script), *flags]
-    return subprocess.run(cmd, cwd=script.parent, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+def launch(script: Path, *flags: str, nproc: int, timeout: float = 300) -> tuple[int, str]:
+    """``torchrun -m megatron_diloco.launch script flags`` from the script's folder: (exit status, output)."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return torchrun(["-m", "megatron_diloco.launch", script, *flags], nproc, env, script.parent, timeout)
 
 
 @pytest.fixture
@@ -64,11 +60,10 @@ def plain_script(tmp_path: Path) -> Path:
 
 
 def test_unmodified_script_trains_with_diloco_x(plain_script):
-    proc = launch(plain_script, *MEGATRON_FLAGS, "--pipeline-model-parallel-size", "2",
-                  "--train-iters", "4", "--diloco-x", "--diloco-x-replicas", "2",
-                  "--diloco-x-local-steps", "2", nproc=4)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
+    code, log = launch(plain_script, *MEGATRON_FLAGS, "--pipeline-model-parallel-size", "2",
+                       "--train-iters", "4", "--diloco-x", "--diloco-x-replicas", "2",
+                       "--diloco-x-local-steps", "2", nproc=4)
+    assert code == 0, log[-6000:]
     rounds = [line for line in log.splitlines() if line.startswith("[DiLoCoX] round")]
     assert len(rounds) == 2, log[-4000:]
     s = summary(log)
@@ -84,10 +79,9 @@ def test_unmodified_script_trains_with_diloco_x(plain_script):
 ])
 def test_bad_flag_fails_before_training(plain_script, flags, named):
     # 2 ranks, no pipeline: data-parallel size 2.
-    proc = launch(plain_script, *MEGATRON_FLAGS, "--train-iters", "4", "--diloco-x", *flags,
-                  nproc=2, timeout=240)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode != 0, log[-4000:]
+    code, log = launch(plain_script, *MEGATRON_FLAGS, "--train-iters", "4", "--diloco-x", *flags,
+                       nproc=2, timeout=240)
+    assert code != 0, log[-4000:]
     errors = [line for line in log.splitlines() if "megatron-diloco: error:" in line]
     assert errors and all(named in line for line in errors), log[-4000:]
     assert not re.search(r"iteration\s+\d+/\s*\d+ \|", log), log[-4000:]  # no step was logged

@@ -245,22 +245,15 @@ def test_forked_ranks_run_as_torchrun_ranks(tmp_path):
     started by torchrun itself gives the same records, bit for bit (losses, main-shard fingerprints
     after every step, boundary checks, cross-replica traffic)."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    from tests.dist_utils import free_port
-    from tests.megatron_utils import REPO, RUNNER, TINY
+    from tests.megatron_utils import RUNNER, TINY, torchrun
 
     args = ["--train-iters", "6", "--diloco-x-local-steps", "2", "--diloco-x-compression", "int8"]
     forked, _ = run_megatron(tmp_path, args)
     out = tmp_path / "torchrun"
     out.mkdir()
-    env = dict(os.environ, DILOCO_TEST_OUT=str(out), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
-                           f"--master-port={free_port()}", str(RUNNER), *TINY, *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    code, log = torchrun([RUNNER, *TINY, *args], env={"DILOCO_TEST_OUT": str(out)})
+    assert code == 0, log[-6000:]
     started = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     for key in ("losses", "main_fp", "boundary_identical", "cross_replica"):
         assert [rec.get(key) for rec in forked] == [rec.get(key) for rec in started], key
