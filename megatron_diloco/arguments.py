@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_diloco.config import CODECS, OVERLAP_MODES, DiLoCoXConfig
+from megatron_diloco.config import CODECS, MERGE_RULES, OVERLAP_MODES, DiLoCoXConfig
 
 
 def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -36,7 +36,19 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--diloco-x-overlap", choices=OVERLAP_MODES, default=defaults["overlap"].default,
                        help="delayed: one-step-delay overlap (round t's exchange runs during round "
                             "t+1, applied one round late); eager: delayed plus each replica's own "
-                            "fresh pseudo-gradient applied at once; none: blocking exchange (plain DiLoCo).")
+                            "fresh pseudo-gradient applied at once; partial: the exchange launched at a "
+                            "boundary is applied tau inner steps later (--diloco-x-overlap-steps), the "
+                            "local progress of those steps merged in (--diloco-x-merge); none: blocking "
+                            "exchange (plain DiLoCo).")
+    group.add_argument("--diloco-x-overlap-steps", type=_overlap_steps, default=None,
+                       help="partial only: tau, inner steps from a boundary to the application of its "
+                            "exchange, 0..H; 'auto' (default): the fewest steps that hide the last "
+                            "measured exchange, re-chosen every boundary.")
+    group.add_argument("--diloco-x-merge", choices=MERGE_RULES, default=defaults["merge"].default,
+                       help="partial only: exact (default): x <- theta_new + (x - x_at_launch); mix: "
+                            "x <- alpha x + (1 - alpha) theta_new (Streaming DiLoCo).")
+    group.add_argument("--diloco-x-mix-alpha", type=float, default=defaults["mix_alpha"].default,
+                       help="partial with --diloco-x-merge mix: alpha (default 0.5).")
     group.add_argument("--diloco-x-eager-weight", type=float, default=None,
                        help="eager only: weight of the replica's own fresh pseudo-gradient in its "
                             "look-ahead, in (0, 1]; default 1/R (Kale et al.); 1: the full look-ahead.")
@@ -61,6 +73,16 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+def _overlap_steps(value: str) -> int | None:
+    """``--diloco-x-overlap-steps``: 'auto' (None) or an integer."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {value!r}") from None
+
+
 def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
     """Build the validated config from parsed ``--diloco-x*`` arguments (raises ``ValueError``)."""
     return DiLoCoXConfig(
@@ -70,6 +92,9 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
         outer_momentum=args.diloco_x_outer_momentum,
         nesterov=not args.diloco_x_no_nesterov,
         overlap=args.diloco_x_overlap,
+        overlap_steps=getattr(args, "diloco_x_overlap_steps", None),
+        merge=getattr(args, "diloco_x_merge", "exact"),
+        mix_alpha=getattr(args, "diloco_x_mix_alpha", 0.5),
         eager_weight=args.diloco_x_eager_weight,
         compression=args.diloco_x_compression,
         rank=args.diloco_x_rank,

@@ -6,10 +6,12 @@ import dataclasses
 import math
 from typing import Literal
 
-OverlapMode = Literal["none", "delayed", "eager"]
+OverlapMode = Literal["none", "delayed", "eager", "partial"]
 
 #: Overlap modes accepted by ``--diloco-x-overlap``.
-OVERLAP_MODES: tuple[str, ...] = ("none", "delayed", "eager")
+OVERLAP_MODES: tuple[str, ...] = ("none", "delayed", "eager", "partial")
+#: How ``partial`` merges the outer step into the local params (``--diloco-x-merge``).
+MERGE_RULES: tuple[str, ...] = ("exact", "mix")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,22 @@ class DiLoCoXConfig:
     one round late. ``none``: plain DiLoCo, the exchange blocks at every boundary. ``eager``:
     ``delayed`` plus each replica's own fresh pseudo-gradient applied at once as a look-ahead
     (Kale et al. 2025; see :mod:`megatron_diloco.sync`)."""
+
+    overlap_steps: int | None = None
+    """``partial`` only: tau, the inner steps between a boundary and the application of the exchange
+    it launched (0 <= tau <= H; 0 is blocking DiLoCo, H applies it at the next boundary). None
+    (``--diloco-x-overlap-steps auto``): the smallest tau that hides the last exchange (its measured
+    duration, or its wire bytes at ``--diloco-x-bandwidth-mbps``) behind the inner steps, re-chosen
+    at every boundary and agreed by all ranks (H before any exchange was measured)."""
+
+    merge: str = "exact"
+    """``partial`` only: how the outer step meets the tau steps of local progress made while the
+    exchange ran (``--diloco-x-merge``). ``exact``: x <- theta_new + (x - x_launch), the local
+    progress since the launch kept whole (delay-corrected; 4 B per element for x_launch). ``mix``:
+    x <- alpha x + (1 - alpha) theta_new (Streaming DiLoCo; ``--diloco-x-mix-alpha``)."""
+
+    mix_alpha: float = 0.5
+    """``partial`` with ``--diloco-x-merge mix``: weight of the local params in the merge."""
 
     eager_weight: float | None = None
     """``eager`` only: weight of the replica's own fresh pseudo-gradient in its look-ahead, as a
@@ -161,6 +179,21 @@ class DiLoCoXConfig:
             raise ValueError(
                 f"--diloco-x-overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}"
             )
+        if self.overlap_steps is not None:
+            if self.overlap != "partial":
+                raise ValueError(
+                    f"--diloco-x-overlap-steps applies to --diloco-x-overlap partial only (got overlap "
+                    f"{self.overlap!r}); drop the flag or use --diloco-x-overlap partial"
+                )
+            if not isinstance(self.overlap_steps, int) or not 0 <= self.overlap_steps <= self.local_steps:
+                raise ValueError(
+                    f"--diloco-x-overlap-steps must be 'auto' or an integer in [0, H = "
+                    f"{self.local_steps}] (--diloco-x-local-steps), got {self.overlap_steps!r}"
+                )
+        if self.merge not in MERGE_RULES:
+            raise ValueError(f"--diloco-x-merge must be one of {', '.join(MERGE_RULES)}, got {self.merge!r}")
+        if not (0.0 <= self.mix_alpha <= 1.0):
+            raise ValueError(f"--diloco-x-mix-alpha must be in [0, 1], got {self.mix_alpha!r}")
         if self.eager_weight is not None:
             if self.overlap != "eager":
                 raise ValueError(

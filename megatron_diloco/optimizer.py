@@ -192,7 +192,12 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             self._round_started = time.perf_counter()
         result = self.inner.step()
         self.step_calls += 1
-        if self.step_calls % self.diloco_config.local_steps == 0:
+        since_boundary = self.step_calls % self.diloco_config.local_steps
+        if self.sync.merge_due(since_boundary):  # partial: the exchange lands tau steps after its launch
+            stats = self.sync.merge()
+            self._publish_params()
+            self._account(stats)
+        elif since_boundary == 0:
             # mean inner-step time of this round (boundary work excluded): the adaptive byte budget
             now = time.perf_counter()
             self.sync.set_step_time((now - self._round_started) / self.diloco_config.local_steps)
@@ -297,13 +302,13 @@ class DiLoCoXOptimizer(MegatronOptimizer):
     def replicas_identical(self) -> bool:
         """Whether this rank's shard and model params are bit-identical across the outer group.
 
-        With ``--diloco-x-overlap eager`` the replicas' params differ between boundaries by design
-        (each one's own look-ahead) while an exchange is in flight; then the shared outer state
-        (theta, momentum) is compared instead. After :meth:`finish` the params are compared. With
+        With ``--diloco-x-overlap eager`` or ``partial`` the replicas' params differ by design (each
+        one's own look-ahead or progress) while x is not theta (:attr:`OuterSync.x_is_theta`); then
+        the shared outer state (theta, momentum) is compared instead. After :meth:`finish` the params are compared. With
         ``--overlap-param-gather`` the model params are gathered by the next forward, not at the
         boundary: until then only the fp32 main shards are compared (the model's own shard is their
         copy; the rest is the previous round's local params by design)."""
-        if self.sync.eager_anchor is not None and self.sync.pending is not None:
+        if not self.sync.x_is_theta:
             tensors = [self.sync.theta]
             if self.sync.outer.momentum_buffer is not None:
                 tensors.append(self.sync.outer.momentum_buffer)
@@ -357,7 +362,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
 
         Kinds: ``param`` (fp32 main shards), ``opt.<key>`` (every optimizer state tensor of a shard's
         shape, e.g. ``opt.exp_avg`` / ``opt.exp_avg_sq`` (fp32) with Adam), ``residual`` (error feedback)
-        and ``anchor`` (eager: the replica's anchor a_r), both flat ``(N,)`` fp32 at offset 0, when present. No copies.
+        ``anchor`` (eager: the replica's anchor a_r) and ``launch`` (partial with the exact merge: x_L),
+        flat ``(N,)`` fp32 at offset 0, when present. No copies.
         """
         kinds: dict[str, list[tuple[int, torch.Tensor]]] = {"param": []}
         offset, count = 0, 0
@@ -376,6 +382,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             kinds["residual"] = [(0, self.sync.residual)]
         if self.sync.eager_anchor is not None:
             kinds["anchor"] = [(0, self.sync.eager_anchor)]
+        if self.sync.launch_point is not None:
+            kinds["launch"] = [(0, self.sync.launch_point)]
         return kinds
 
     def _inner_state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -544,7 +552,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
                 raise RuntimeError(
                     f"checkpoint {contents.path} lacks this run's per-replica DiLoCoX state {missing}: it was "
                     "written with another optimizer, --diloco-x-compression (error-feedback 'residual') or "
-                    "--diloco-x-overlap ('anchor' of eager); resume with the flags it was written with, or "
+                    "--diloco-x-overlap ('anchor' of eager, 'launch' of partial); resume with the flags it was written with, or "
                     "load it with --no-load-optim to start a new outer loop from its weights")
             fresh = torch.empty(n, dtype=torch.float32, device=self.view.device)
             kinds["param"] = [(at, v.view_as(p)) for (at, p), v in zip(kinds["param"], self.view.split(fresh))]
@@ -657,6 +665,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             sync.residual.zero_()
         if sync.eager_anchor is not None:
             sync.eager_anchor.copy_(sync.theta)
+        sync.x_is_theta = True
         sync.rounds = 0
         sync.skipped_rounds = 0
         self.step_calls = 0

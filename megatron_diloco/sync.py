@@ -43,6 +43,22 @@ with 1 / R the own progress of the round enters at 1 / R at once and the rest on
 Replicas' local params differ by their look-ahead between boundaries (by design); the drain at the
 end of training sets x <- theta on every replica. Cost: the per-replica anchor ``a_r``
 (fp32, 4 B per shard element), checkpointed with the replica's own state.
+
+``overlap="partial"`` (Streaming DiLoCo's overlap, Douillard et al. 2025, with its alpha mix, or an
+exact delay-corrected merge): the exchange launched at a boundary is applied tau inner steps later,
+and the local progress made meanwhile is kept::
+
+    at the boundary:  delta_t = theta_{t-1} - x ;  launch ;  x_L <- x  (x is not reset)
+    tau steps later:  theta_t = OuterStep(theta_{t-1}, Delta_t)
+                      exact: x <- theta_t + (x - x_L)          (the tau steps' progress, whole)
+                      mix:   x <- alpha x + (1 - alpha) theta_t (Streaming DiLoCo's merge)
+
+The next pseudo-gradient is taken against the shared theta (``theta_t - x``): with ``exact`` it is
+exactly the H inner steps since x_L. tau = 0 is ``none`` (bit for bit); with ``exact`` tau = H is
+``eager`` with weight 1 at eta = 1, mu = 0. theta and m stay bit-identical across replicas; x keeps
+each replica's own progress. tau is ``--diloco-x-overlap-steps`` or, ``auto``, the fewest inner
+steps that hide the last exchange (:meth:`OuterSync._choose_overlap_steps`), agreed by every rank
+in the boundary's one decision all-reduce. Cost with ``exact``: x_L, 4 B per shard element.
 """
 
 from __future__ import annotations
@@ -174,6 +190,16 @@ class OuterSync:
         self.residual = torch.zeros_like(theta) if spec.lossy else None  # (N,) fp32
         # eager only: this replica's own anchor a_r (its look-ahead; per replica) (N,) fp32
         self.eager_anchor = theta.clone() if config.overlap == "eager" else None
+        # partial + exact merge only: x_L, the local params when the pending exchange was launched
+        # (per replica) (N,) fp32
+        self.launch_point = (torch.empty_like(theta)
+                             if config.overlap == "partial" and config.merge == "exact" else None)
+        #: partial: inner steps after the last boundary at which the pending exchange is applied
+        self.apply_at = config.local_steps if config.overlap_steps is None else config.overlap_steps
+        #: whether x equals theta on this rank now (False while partial/eager keep own progress)
+        self.x_is_theta = True
+        #: the last exchange completed on this rank (partial auto tau sizes the next one by it)
+        self.last_completed: ExchangeStats | None = None
         self.pending: ExchangeHandle | None = None
         self.rounds = 0
         self.skipped_rounds = 0
@@ -263,17 +289,20 @@ class OuterSync:
         torch._foreach_add_(xs, self.view.split(self.anchor))
         return float(torch.stack(torch._foreach_norm(xs, 2)).double().square().sum())
 
-    def _any_rank_nonfinite(self, sq: float) -> bool:
+    def _any_rank_nonfinite(self, sq: float, overlap_steps: int = 0) -> tuple[bool, int]:
         """Whether any rank's pseudo-gradient shard, in any replica, stage or shard, holds a NaN/Inf.
 
         ``sq`` is this rank's squared norm of it (already on the host, no extra pass over the shard):
         non-finite when the shard holds a NaN/Inf, or when its fp32 norm overflows (entries near
         1e19: a diverged round, skipped as well). A 1-element MAX all-reduce over the decision group
         (every rank of the model; blocking, bounded by :meth:`timeout_s`) makes every rank take the
-        same decision before anything is sent: a NaN in one stage skips the round of all stages."""
+        same decision before anything is sent: a NaN in one stage skips the round of all stages.
+
+        The same all-reduce agrees on ``overlap_steps`` (partial: this rank's tau; the largest wins,
+        so that the slowest rank's exchange is hidden). Returns ``(skip, agreed tau)``."""
         group = self.decision_group
         on_host = group is None or dist.get_world_size(group) == 1 or dist.get_backend(group) == "gloo"
-        flag = torch.tensor([0.0 if math.isfinite(sq) else 1.0], dtype=torch.float32,
+        flag = torch.tensor([0.0 if math.isfinite(sq) else 1.0, float(overlap_steps)], dtype=torch.float32,
                             device="cpu" if on_host else self.view.device)
         if group is not None and dist.get_world_size(group) > 1:
             bound = self.timeout_s()
@@ -283,7 +312,8 @@ class OuterSync:
             except (RuntimeError, TimeoutError) as err:
                 raise self._failure("the skip decision (non-finite check)", group, bound,
                                     time.perf_counter() - started, err) from err
-        return bool(flag.item())
+        skip, tau = flag.tolist()
+        return bool(skip), int(tau)
 
     def _complete(self, handle: ExchangeHandle, outer: OuterNesterov | None = None) -> None:
         """Complete ``handle`` (not past its bound: :class:`OuterGroupError` then): the mean into
@@ -299,6 +329,7 @@ class OuterSync:
             what = f"the exchange of round {handle.round}" if handle.round != self.rounds else "the exchange"
             raise self._failure(what, self.exchange_group, handle.timeout_s, handle.elapsed_s, err) from err
         self.longest_exchange_s = max(self.longest_exchange_s, handle.stats.exchange_s)
+        self.last_completed = handle.stats
         if self.residual is not None and handle.stats.input_sq:
             handle.stats.residual_sq = float(torch.dot(self.residual, self.residual))
 
@@ -359,11 +390,13 @@ class OuterSync:
         decision group). Raises :class:`OuterGroupError` when a wait passes :meth:`timeout_s`."""
         self.rounds += 1
         self._arm_timeouts()
+        if self.config.overlap == "partial":
+            return self._partial_boundary()
         if self.config.overlap == "none":
             with record_function("megatron_diloco::prepare"):
                 sq = self._pseudo_gradient_into_x()
                 self.view.copy_to(self.delta)
-                if self._any_rank_nonfinite(sq):
+                if self._any_rank_nonfinite(sq)[0]:
                     return self._skip(sq, completed=None)
                 handle = self._launch()
             with record_function("megatron_diloco::perform"):
@@ -382,13 +415,80 @@ class OuterSync:
                 self.pending = None
         with record_function("megatron_diloco::launch"):
             self.view.copy_to(self.delta)
-            if self._any_rank_nonfinite(sq):
+            if self._any_rank_nonfinite(sq)[0]:
                 return self._skip(sq, completed)
             if self.eager_anchor is not None:  # before the launch: the exchange owns ``delta`` after it
                 self._eager_start()
             self.pending = self._launch()
             self.view.copy_from_(self.anchor)
+            self.x_is_theta = self.eager_anchor is None
         return RoundReport(self.rounds, completed is not None, self.pending.stats, completed, sq)
+
+    def _partial_boundary(self) -> RoundReport:
+        """``partial`` (module doc): apply an exchange still pending (tau = H, or restored), take
+        delta = theta - x without touching x, agree on skip and tau, remember x_L, launch; with
+        tau = 0 apply at once."""
+        completed = None
+        if self.pending is not None:
+            completed = self.merge()
+        with record_function("megatron_diloco::prepare"):
+            self.view.copy_to(self.delta)
+            self.delta.neg_().add_(self.theta)  # theta - x, the same bits as x <- theta + (-x)
+            parts = self.view.split(self.delta)
+            sq = float(torch.stack(torch._foreach_norm(parts, 2)).double().square().sum()) if parts else 0.0
+        with record_function("megatron_diloco::launch"):
+            skip, self.apply_at = self._any_rank_nonfinite(sq, self._choose_overlap_steps())
+            if skip:
+                return self._skip(sq, completed)
+            if self.launch_point is not None:
+                self.view.copy_to(self.launch_point)
+            self.pending = self._launch()
+            self.x_is_theta = False
+        if self.apply_at == 0:
+            completed = self.merge(at_launch=True)
+        return RoundReport(self.rounds, completed is not None,
+                           completed if self.apply_at == 0 else self.pending.stats, completed, sq)
+
+    def _choose_overlap_steps(self) -> int:
+        """This rank's tau for the exchange about to launch: ``--diloco-x-overlap-steps``, or (auto) the
+        fewest inner steps, at least 1, that hide the last completed exchange: its wire bytes at the
+        link bandwidth when that is known (``--diloco-x-bandwidth-mbps`` or measured), else its
+        measured duration, over the last round's mean step time. H before anything is measured."""
+        H = self.config.local_steps
+        if self.config.overlap_steps is not None:
+            return self.config.overlap_steps
+        last = self.last_completed
+        if last is None or not self.step_time_s:
+            return H
+        seconds = last.exchange_s
+        if self.link_bytes_per_s and last.bytes_sent:
+            seconds = last.bytes_sent / self.link_bytes_per_s
+        return min(H, max(1, math.ceil(seconds / self.step_time_s)))
+
+    def merge_due(self, steps_since_boundary: int) -> bool:
+        """Whether the pending exchange is to be applied after this inner step (``partial``: tau
+        steps after the boundary that launched it; ``steps_since_boundary`` in 1..H-1)."""
+        return self.pending is not None and self.config.overlap == "partial" and self.apply_at == steps_since_boundary
+
+    @torch.no_grad()
+    def merge(self, at_launch: bool = False) -> ExchangeStats:
+        """``partial``: complete the pending exchange into the outer step (collective wait over the
+        outer group, bounded) and merge it into x (module doc). ``at_launch``: no inner step since
+        the launch (tau = 0): x <- theta. Returns the completed exchange's stats."""
+        handle, self.pending = self.pending, None
+        with record_function("megatron_diloco::perform"):
+            self._complete(handle, self.outer)
+            xs = self.view.flat_views
+            thetas = self.view.split(self.theta)
+            if at_launch:
+                self.view.copy_from_(self.theta)
+            elif self.launch_point is not None:  # exact: theta_new + (x - x_L)
+                torch._foreach_sub_(xs, self.view.split(self.launch_point))
+                torch._foreach_add_(xs, thetas)
+            else:  # mix: alpha x + (1 - alpha) theta_new
+                torch._foreach_lerp_(xs, thetas, 1.0 - self.config.mix_alpha)
+            self.x_is_theta = at_launch
+        return handle.stats
 
     def _eager_start(self) -> None:
         """a_r <- theta_t - c w * delta_{r,t}, with delta_{r,t} in ``delta`` (copied, not yet
@@ -407,6 +507,7 @@ class OuterSync:
         if self.eager_anchor is not None:  # eager: no fresh pseudo-gradient to look ahead with
             self.eager_anchor.copy_(self.theta)
         self.view.copy_from_(self.theta)
+        self.x_is_theta = True
         return RoundReport(self.rounds, completed is not None, ExchangeStats(), completed, sq, skipped=True)
 
     @torch.no_grad()
@@ -423,6 +524,7 @@ class OuterSync:
             if self.eager_anchor is not None:  # the look-ahead is now part of theta
                 self.eager_anchor.copy_(self.theta)
             self.view.copy_from_(self.theta)
+            self.x_is_theta = True
         return stats
 
     # ---------------- checkpointing ----------------
@@ -444,6 +546,7 @@ class OuterSync:
             "theta": self.outer.theta,
             "momentum_buffer": self.outer.momentum_buffer,
             "pending_delta": self.delta if has_pending else None,
+            "apply_at": self.apply_at,  # partial: when the pending exchange is applied
             # low-rank bases / adaptive plan: identical on every replica
             "codec": self.codec.state_dict() if hasattr(self.codec, "state_dict") else None,
             # the measured outer link (adaptive byte budget; MIN over the group, so identical on every
@@ -467,6 +570,7 @@ class OuterSync:
             value = state.get("link_bytes_per_s")
             self.link_bytes_per_s = float(value) if value is not None else None
         self.outer.load_state_dict(state)
+        self.apply_at = int(state.get("apply_at", self.apply_at))
         if hasattr(self.codec, "load_state_dict"):
             if state.get("codec") is None:
                 raise ValueError(f"checkpoint has no state for --diloco-x-compression "
@@ -476,3 +580,7 @@ class OuterSync:
         if state.get("pending_delta") is not None:
             self.delta.copy_(state["pending_delta"])
             self.pending = ExchangeHandle.completed(self.delta)
+        # x as loaded: theta for none/delayed; eager with nothing in flight holds a_r = theta; partial
+        # keeps its own progress
+        self.x_is_theta = self.config.overlap in ("none", "delayed") or (
+            self.config.overlap == "eager" and self.pending is None)

@@ -468,3 +468,187 @@ def test_apply_is_wait_then_outer_step_and_fuses_the_decode(name, nesterov, mome
     assert (e1 is None and e2 is None) or torch.equal(e1, e2)
     if name in ("int8", "int4"):
         assert fused_calls == [True, False], fused_calls
+
+
+# ---------------------------------------------------------------- partial overlap (tau)
+
+def _outer_step(theta, m, delta, cfg):
+    m = cfg.outer_momentum * m + delta
+    upd = delta + cfg.outer_momentum * m if cfg.nesterov else m
+    return theta - cfg.outer_lr * upd, m
+
+
+def partial_reference(R: int, x0: torch.Tensor, lr_in: float, cfg: DiLoCoXConfig, tau: int,
+                      homogeneous: bool = False) -> list:
+    """Straight-line statement of ``partial`` (sync.py module doc), one process: the exchange
+    launched at a boundary is applied tau inner steps later and merged into the local params.
+    Returns per boundary (and after the drain) the R replicas' params."""
+    theta, m = x0.clone(), torch.zeros_like(x0)
+    xs = [x0.clone() for _ in range(R)]
+    launch = [None] * R
+    pending, trace, step = None, [], 0
+
+    def apply_and_merge(fresh: bool):
+        nonlocal theta, m, xs
+        theta, m = _outer_step(theta, m, pending, cfg)
+        for r in range(R):
+            if fresh:
+                xs[r] = theta.clone()
+            elif cfg.merge == "exact":
+                xs[r] = theta + (xs[r] - launch[r])
+            else:
+                xs[r] = torch.lerp(xs[r], theta, 1.0 - cfg.mix_alpha)
+
+    for _t in range(ROUNDS):
+        for k in range(1, H + 1):
+            for r in range(R):
+                xs[r] = xs[r] - lr_in * grad(0 if homogeneous else r, step, xs[r])
+            step += 1
+            if pending is not None and k == tau and k < H:
+                apply_and_merge(False)
+                pending = None
+        if pending is not None:  # tau == H: applied at the next boundary, before its pseudo-gradient
+            apply_and_merge(False)
+        pending = sum(theta - x for x in xs) / R
+        launch = [x.clone() for x in xs]
+        if tau == 0:
+            apply_and_merge(True)
+            pending = None
+        trace.append([x.clone() for x in xs])
+    if pending is not None:
+        theta, m = _outer_step(theta, m, pending, cfg)
+        trace.append([theta.clone() for _ in range(R)])
+    return trace
+
+
+def _run_schedule(sync: OuterSync, params: list[torch.Tensor], g_rank: int, world: int,
+                  check_shared: bool = True) -> list[torch.Tensor]:
+    """Inner steps as DiLoCoXOptimizer.step() drives OuterSync: after each, the partial merge when
+    due, else the boundary every H-th step; returns x after every boundary (and after the drain)."""
+    a, b = params
+    got, step = [], 0
+    for _t in range(ROUNDS):
+        for k in range(1, H + 1):
+            x = torch.cat([a.view(-1), b])
+            x = x - 0.05 * grad(g_rank, step, x)
+            a.copy_(x[:3].view(3, 1)); b.copy_(x[3:])
+            step += 1
+            if sync.merge_due(k % H):
+                sync.merge()
+            elif k == H:
+                sync.boundary()
+        got.append(torch.cat([a.view(-1), b]).clone())
+        if check_shared:  # theta and m bit-identical across replicas after every boundary
+            shared = [sync.theta] + ([sync.outer.momentum_buffer] if sync.outer.momentum_buffer is not None else [])
+            fp = fingerprint(shared)
+            allfp = [torch.zeros_like(fp) for _ in range(world)]
+            dist.all_gather(allfp, fp)
+            assert all(torch.equal(allfp[0], f) for f in allfp), allfp
+    if sync.drain() is not None:
+        got.append(torch.cat([a.view(-1), b]).clone())
+    return got
+
+
+def _partial_worker(rank: int, world: int, tau: int, merge: str, momentum: float) -> None:
+    cfg = DiLoCoXConfig(replicas=world, local_steps=H, outer_lr=0.7, outer_momentum=momentum,
+                        overlap="partial", overlap_steps=tau, merge=merge)
+    x0 = torch.linspace(-1, 1, 7)
+    params = [x0[:3].clone().view(3, 1), x0[3:].clone()]
+    got = _run_schedule(OuterSync(ShardView(params), cfg, dist.group.WORLD), params, rank, world)
+    want = partial_reference(world, x0, 0.05, cfg, tau)
+    assert len(got) == len(want) == ROUNDS + (tau > 0)
+    for i, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w[rank], rtol=1e-6, atol=1e-6, msg=f"boundary {i}")
+    if 0 < tau:  # x keeps each replica's own progress after the merge (it differs between replicas)
+        assert not torch.equal(want[1][0], want[1][1])
+    if tau == 0:  # tau = 0 is blocking DiLoCo, bit for bit
+        none_cfg = DiLoCoXConfig(replicas=world, local_steps=H, outer_lr=0.7, outer_momentum=momentum,
+                                 overlap="none")
+        ref = [x0[:3].clone().view(3, 1), x0[3:].clone()]
+        blocking = _run_schedule(OuterSync(ShardView(ref), none_cfg, dist.group.WORLD), ref, rank, world)
+        assert all(torch.equal(g, w) for g, w in zip(got, blocking))
+
+
+@pytest.mark.parametrize("tau,merge,momentum", [(0, "exact", 0.9), (1, "exact", 0.9), (2, "exact", 0.0),
+                                                (H, "exact", 0.9), (1, "mix", 0.9), (H, "mix", 0.0)])
+def test_partial_overlap_matches_hand_sequence(tau, merge, momentum):
+    """partial: the exchange lands exactly tau inner steps after its boundary, merged exactly
+    (theta_new + own progress since the launch) or mixed; theta and m bit-identical across replicas;
+    tau = 0 equals blocking DiLoCo bit for bit."""
+    run_world(_partial_worker, 2, tau, merge, momentum)
+
+
+def test_partial_exact_at_tau_h_is_full_eager():
+    """With the exact merge, tau = H equals eager with weight 1 at eta = 1, mu = 0 (the identity the
+    module doc states); the two hand sequences are compared, each checked against the code above."""
+    x0 = torch.linspace(-1, 1, 7)
+    common = dict(replicas=2, local_steps=H, outer_lr=1.0, outer_momentum=0.0)
+    partial = partial_reference(2, x0, 0.05, DiLoCoXConfig(overlap="partial", overlap_steps=H, **common), H)
+    eager = reference(2, "eager", x0, 0.05, DiLoCoXConfig(overlap="eager", eager_weight=1.0, **common))
+    for t in range(ROUNDS + 1):
+        for r in range(2):
+            torch.testing.assert_close(partial[t][r], eager[t][r], rtol=1e-6, atol=1e-6, msg=f"round {t}")
+
+
+def test_partial_auto_overlap_steps_hides_the_last_exchange():
+    """auto tau: the fewest inner steps (>= 1, <= H) covering the last exchange, from its wire bytes
+    at the link bandwidth when known, else its measured duration; H before anything is measured."""
+    from megatron_diloco.collectives import ExchangeStats
+
+    cfg = DiLoCoXConfig(replicas=1, local_steps=10, overlap="partial")
+    sync = OuterSync(ShardView([torch.zeros(8)]), cfg, None)
+    assert sync._choose_overlap_steps() == 10  # nothing measured yet
+    sync.step_time_s = 0.1
+    sync.last_completed = ExchangeStats(bytes_sent=0, exchange_s=0.25)
+    assert sync._choose_overlap_steps() == 3
+    sync.last_completed = ExchangeStats(bytes_sent=0, exchange_s=0.001)
+    assert sync._choose_overlap_steps() == 1
+    sync.last_completed = ExchangeStats(bytes_sent=0, exchange_s=50.0)
+    assert sync._choose_overlap_steps() == 10
+    sync.link_bytes_per_s = 1e6  # the wire bytes at the link, not the (loopback) measured time
+    sync.last_completed = ExchangeStats(bytes_sent=450_000, exchange_s=0.001)
+    assert sync._choose_overlap_steps() == 5
+    fixed = OuterSync(ShardView([torch.zeros(8)]), DiLoCoXConfig(replicas=1, local_steps=10, overlap="partial",
+                                                                  overlap_steps=4), None)
+    fixed.step_time_s, fixed.last_completed = 0.1, ExchangeStats(exchange_s=50.0)
+    assert fixed._choose_overlap_steps() == 4
+
+
+def _auto_worker(rank: int, world: int) -> None:
+    cfg = DiLoCoXConfig(replicas=world, local_steps=H, overlap="partial", compression="int8")
+    x0 = torch.linspace(-1, 1, 7)
+    params = [x0[:3].clone().view(3, 1), x0[3:].clone()]
+    sync = OuterSync(ShardView(params), cfg, dist.group.WORLD)
+    sync.set_step_time(1.0 if rank == 0 else 1e-9)  # rank 1 would pick H, rank 0 one step
+    taus = []
+    a, b = params
+    for t in range(ROUNDS):
+        for k in range(1, H + 1):
+            a.sub_(0.01 * (rank + 1)); b.sub_(0.02)
+            if sync.merge_due(k % H):
+                taus.append((t, k))
+                sync.merge()
+            elif k == H:
+                sync.boundary()
+                agreed = torch.tensor([sync.apply_at])
+                dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+                assert agreed.item() == sync.apply_at  # one tau on every rank
+    sync.drain()
+    # round 1 has nothing measured (tau = H); afterwards rank 1's tiny step time makes it ask for H,
+    # rank 0 for 1: the largest wins, so no rank applies before its exchange is hidden
+    assert sync.apply_at == H and taus == [], taus
+
+
+def test_partial_auto_overlap_steps_agreed_by_all_ranks():
+    run_world(_auto_worker, 2)
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    (dict(overlap="delayed", overlap_steps=2), "--diloco-x-overlap-steps applies to --diloco-x-overlap partial"),
+    (dict(overlap="partial", overlap_steps=11), "--diloco-x-overlap-steps must be"),
+    (dict(overlap="partial", merge="avg"), "--diloco-x-merge must be one of"),
+    (dict(overlap="partial", mix_alpha=1.5), "--diloco-x-mix-alpha must be in"),
+])
+def test_partial_flags_validated(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        DiLoCoXConfig(local_steps=10, **kwargs)
