@@ -50,7 +50,7 @@ test: venv
 # Needs root (network namespaces, tc); about 10 minutes on 2 CPU cores. Writes
 # benchmarks/results/wan.json and benchmarks/wan.png.
 bench-wan: bench-venv
-	$(PY) benchmarks/wan_bench.py $(ARGS)
+	$(PY) benchmarks/throughput/wan_bench.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

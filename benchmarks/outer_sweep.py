@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_smoke import parse_bench_args, run, summary_of  # noqa: E402
+from common.gpu_bench import parse_bench_args, run  # noqa: E402
+from common.runner import last_summary as summary_of  # noqa: E402
 
 CONFIGS = [  # (overlap, eta, mu)
     ("delayed", 1.0, 0.0), ("delayed", 0.7, 0.5), ("delayed", 0.5, 0.0), ("delayed", 0.5, 0.8),

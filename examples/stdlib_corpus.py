@@ -16,7 +16,13 @@ Cache: ``$MEGATRON_DILOCO_DATA`` or ``<repo>/.cache/corpus/``. Built once: concu
 (all ranks of a torchrun job) serialize on a file lock; the builder writes temporary files and
 renames them, ``.idx`` last, so a reader never sees a partial corpus.
 
-CLI: ``python examples/stdlib_corpus.py`` builds the corpus and prints its path prefix.
+A larger corpus (:func:`build_environment`, for the convergence benchmark): every ``*.py``, ``*.rst``
+and ``*.md`` file of the running interpreter's environment (stdlib and installed packages, test
+suites included), deduplicated by content, in content-hash order, up to a byte cap; nothing
+downloaded. Its size and content depend on what is installed: the benchmark records both.
+
+CLI: ``python examples/stdlib_corpus.py [DIR]`` builds the stdlib corpus and prints its path prefix;
+``--environment MAX_MB`` the environment corpus.
 """
 
 from __future__ import annotations
@@ -72,15 +78,56 @@ def build(out_dir: Path | None = None) -> str:
     return str(prefix)
 
 
-def _write(prefix: Path) -> None:
+def environment_documents(max_bytes: int, max_file_bytes: int = 1 << 20) -> list[bytes]:
+    """The environment corpus's documents: the text of every ``*.py`` / ``*.rst`` / ``*.md`` file
+    (at most ``max_file_bytes``, not empty) under the stdlib and the site-packages folders, each
+    distinct content once, ordered by its SHA-1, the first ones up to ``max_bytes`` in total."""
+    paths = sysconfig.get_paths()
+    roots = sorted({Path(paths[k]).resolve() for k in ("stdlib", "purelib", "platlib")})
+    seen: dict[str, bytes] = {}
+    for root in roots:
+        for suffix in ("*.py", "*.rst", "*.md"):
+            for path in root.rglob(suffix):
+                try:
+                    if not path.is_file() or path.stat().st_size > max_file_bytes:
+                        continue
+                    data = path.read_bytes()
+                except OSError:
+                    continue
+                if data.strip():
+                    seen.setdefault(hashlib.sha1(data).hexdigest(), data)
+    docs, total = [], 0
+    for key in sorted(seen):
+        if total + len(seen[key]) > max_bytes:
+            break
+        docs.append(seen[key])
+        total += len(seen[key])
+    return docs
+
+
+def build_environment(max_mb: int, out_dir: Path | None = None) -> str:
+    """Build (once, as :func:`build`) the environment corpus capped at ``max_mb`` MB; its prefix."""
+    out_dir = Path(out_dir or cache_dir())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prefix = out_dir / f"pyenv-{platform.python_version()}-{max_mb}mb-bytes"
+    with open(f"{prefix}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (Path(f"{prefix}.bin").exists() and Path(f"{prefix}.idx").exists()):
+            _write(prefix, environment_documents(max_mb << 20))
+    return str(prefix)
+
+
+def _write(prefix: Path, documents: list[bytes] | None = None) -> None:
+    """Write ``documents`` (default: the stdlib files in their fixed order) as byte tokens + EOD."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    if documents is None:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        documents = (path.read_bytes() for path in _document_order(source_files(stdlib), stdlib))
     tmp = f"{prefix}.tmp{os.getpid()}"
     builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=np.uint16)
     n_docs = n_tokens = 0
-    for path in _document_order(source_files(stdlib), stdlib):
-        data = path.read_bytes()
+    for data in documents:
         if not data.strip():
             continue  # empty __init__.py files carry no text
         tokens = np.empty(len(data) + 1, dtype=np.uint16)  # (bytes + 1,) uint16
@@ -97,4 +144,7 @@ def _write(prefix: Path) -> None:
 
 
 if __name__ == "__main__":
-    print(build(sys.argv[1] if len(sys.argv) > 1 else None))
+    if len(sys.argv) > 2 and sys.argv[1] == "--environment":
+        print(build_environment(int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None))
+    else:
+        print(build(sys.argv[1] if len(sys.argv) > 1 else None))

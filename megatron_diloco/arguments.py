@@ -62,6 +62,13 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--diloco-x-bandwidth-mbps", type=float, default=None,
                        help="adaptive: slow-link bandwidth (Mbit/s) for the per-round byte cap; "
                             "default: measured over the outer group at the first boundary.")
+    group.add_argument("--diloco-x-outer-store", default=None, metavar="HOST:PORT",
+                       help="Replicas as separate jobs: this launch (its own torchrun world) is one "
+                            "replica, --diloco-x-replica-index of --diloco-x-replicas, joined to the others "
+                            "only by the outer groups, formed through a TCP store at HOST:PORT hosted by "
+                            "replica 0's rank 0. Default: all replicas in this one world.")
+    group.add_argument("--diloco-x-replica-index", type=int, default=None,
+                       help="With --diloco-x-outer-store: which replica this launch is, 0..R-1.")
     group.add_argument("--diloco-x-outer-timeout-minutes", type=float, default=None,
                        help="T: an exchange over the outer groups (and the boundary's skip decision, the "
                             "link measurement) must complete within T minutes of its launch, else the run "
@@ -122,6 +129,20 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
     if dp is None:
         raise ValueError("megatron-diloco: call install(args) after Megatron's argument validation "
                          "(args.data_parallel_size is not set yet)")
+    separate = getattr(args, "diloco_x_outer_store", None) is not None
+    index = getattr(args, "diloco_x_replica_index", None)
+    if separate and (index is None or not 0 <= index < R):
+        raise ValueError(f"--diloco-x-outer-store needs --diloco-x-replica-index in [0, {R}) "
+                         f"(--diloco-x-replicas {R}), got {index!r}: give each replica's launch its index")
+    if not separate and index is not None:
+        raise ValueError("--diloco-x-replica-index applies with --diloco-x-outer-store only (replicas as "
+                         "separate launches); drop it when all replicas run in one world")
+    if separate and (args.save or args.load):
+        raise ValueError("--save / --load cannot be used with --diloco-x-outer-store yet (the DiLoCoX "
+                         "checkpoint layout spans the replicas of one world); run the replicas in one "
+                         "world (drop --diloco-x-outer-store) to checkpoint")
+    if separate:  # Megatron sees one replica: its own data parallelism, one optimizer instance
+        R = 1
     if dp % R != 0:
         raise ValueError(
             f"--diloco-x-replicas {R} does not divide the data-parallel size {dp} "

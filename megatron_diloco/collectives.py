@@ -115,6 +115,8 @@ def measure_link_bandwidth(group: dist.ProcessGroup | None, device: torch.device
     size = dist.get_world_size(group) if group is not None else 1
     if size <= 1:
         return None
+    if dist.get_backend(group) == "gloo":  # a gloo group's payloads are host tensors
+        device = torch.device("cpu")
     deadline = None if timeout_s is None else time.perf_counter() + timeout_s
     best = []
     for n in sizes:
@@ -269,14 +271,26 @@ def start_exchange(buffer: torch.Tensor, residual: torch.Tensor | None, codec, g
     return handle
 
 
+def _host_copy(t: torch.Tensor, group, size: int, copy: bool = True) -> torch.Tensor:
+    """``t`` itself, or, for a GPU tensor crossing a gloo group (replicas in separate worlds, whose
+    outer groups are gloo: :func:`megatron_diloco.topology.from_outer_store`), a host tensor of its
+    shape holding a copy of it (``copy``; blocking) or nothing yet (an output)."""
+    if size <= 1 or not t.is_cuda or dist.get_backend(group) != "gloo":
+        return t
+    return t.cpu() if copy else torch.empty(t.shape, dtype=t.dtype)
+
+
 def _start_all_reduce(buffer: torch.Tensor, group, size: int) -> ExchangeHandle:
     """fp32 all-reduce (SUM) of ``buffer`` in place, asynchronous; the mean is the sum / R."""
     payload = buffer.numel() * buffer.element_size()
     wire = ring_allreduce_bytes(payload, size)
     stats = ExchangeStats(bytes_sent=wire, bytes_received=wire, raw_bytes=payload, payload_bytes=payload)
-    work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True) if size > 1 else None
+    staged = _host_copy(buffer, group, size)  # GPU tensor over a gloo group: its host copy crosses
+    work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=True) if size > 1 else None
 
     def finish(outer: OuterNesterov | None) -> None:
+        if staged is not buffer:
+            buffer.copy_(staged)
         if size > 1:
             buffer.div_(size)
         if outer is not None:
@@ -295,12 +309,15 @@ def _start_all_gather(buffer: torch.Tensor, residual: torch.Tensor, codec, group
     stats = ExchangeStats(bytes_sent=wire, bytes_received=wire, raw_bytes=4 * numel,
                           payload_bytes=payload.numel())
     work = None
+    staged_in, staged_out = _host_copy(payload, group, size), _host_copy(gathered, group, size, copy=False)
     if size > 1:
-        work = dist.all_gather_into_tensor(gathered, payload, group=group, async_op=True)
+        work = dist.all_gather_into_tensor(staged_out, staged_in, group=group, async_op=True)
     else:
         gathered.copy_(payload)
 
     def finish(outer: OuterNesterov | None) -> None:
+        if staged_out is not gathered:
+            gathered.copy_(staged_out)
         codec.decode(gathered.view(size, -1), numel, out=buffer, outer=outer)
 
     return ExchangeHandle(buffer, work, stats, finish)

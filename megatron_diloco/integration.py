@@ -127,6 +127,8 @@ class _Installation:
             self.finish(iteration=out[0], wall_s=time.perf_counter() - start)
             return out
 
+        if self.args.diloco_x_outer_store is not None:
+            training.build_pretraining_data_loader = self.replica_data_loader(training.build_pretraining_data_loader)
         load_checkpoint = training.load_checkpoint
         get_scheduler = training.get_optimizer_param_scheduler
 
@@ -153,18 +155,42 @@ class _Installation:
     # ------------------------------------------------------------------ optimizer
     def build_optimizer(self, inner, model_chunks):
         from megatron_diloco.optimizer import DiLoCoXOptimizer
-        from megatron_diloco.topology import from_parallel_state
+        from megatron_diloco.topology import from_outer_store, from_parallel_state
 
-        for chunk in model_chunks:
-            make_gradient_reduction_replica_local(chunk, self.config.replicas)
-        # low-rank / adaptive exchanges run on a worker thread: they talk over gloo mirrors of the
-        # outer groups, never over a group the training loop uses
-        host_mirror = CODECS[self.config.compression].matrix
-        topology = from_parallel_state(self.config.replicas, host_mirror=host_mirror)
+        if self.args.diloco_x_outer_store is not None:  # this world is one replica
+            topology = from_outer_store(self.config.replicas, self.args.diloco_x_replica_index,
+                                        self.args.diloco_x_outer_store, self.config.distributed_timeout_minutes)
+        else:
+            for chunk in model_chunks:
+                make_gradient_reduction_replica_local(chunk, self.config.replicas)
+            # low-rank / adaptive exchanges run on a worker thread: they talk over gloo mirrors of the
+            # outer groups, never over a group the training loop uses
+            host_mirror = CODECS[self.config.compression].matrix
+            topology = from_parallel_state(self.config.replicas, host_mirror=host_mirror)
         self.optimizer = opt = DiLoCoXOptimizer(inner, self.config, topology, on_round=self.log_round)
         install_replica_local_collectives(
             self.args, at_boundary=lambda: opt.step_calls % self.config.local_steps == 0)
         return self.optimizer
+
+    def replica_data_loader(self, build):
+        """Replicas in separate worlds (``--diloco-x-outer-store``): each world's data loaders take the
+        samples that its ranks would take as data-parallel ranks ``replica x dp + dp_rank`` of ``R x
+        dp`` in one world, so the R launches read disjoint data, sample for sample as one world of R
+        replicas does (evaluation too: a replica's validation loss covers its share; average the R)."""
+        from megatron.core import parallel_state as ps
+
+        R, r = self.config.replicas, self.args.diloco_x_replica_index
+
+        def build_pretraining_data_loader(dataset, consumed_samples):
+            rank, size = ps.get_data_parallel_rank, ps.get_data_parallel_world_size
+            ps.get_data_parallel_rank = lambda *a, **k: r * size(*a, **k) + rank(*a, **k)
+            ps.get_data_parallel_world_size = lambda *a, **k: R * size(*a, **k)
+            try:
+                return build(dataset, consumed_samples)
+            finally:
+                ps.get_data_parallel_rank, ps.get_data_parallel_world_size = rank, size
+
+        return build_pretraining_data_loader
 
     def after_load(self) -> None:
         """Megatron's ``load_checkpoint`` returned: the optimizer restarts the outer loop if weights

@@ -212,6 +212,14 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             self._round_started = time.perf_counter()
         return result
 
+    def _for_outer_group(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as the outer group takes it: a host copy when the group is gloo (replicas in
+        separate worlds: :func:`megatron_diloco.topology.from_outer_store`)."""
+        group = self.topology.outer_group
+        if group is not None and t.is_cuda and dist.get_backend(group) == "gloo":
+            return t.cpu()
+        return t
+
     def _check_replicas_started_alike(self) -> None:
         """First boundary (after any load): ``theta``, the weights every replica started from, must be
         bit-identical across the outer group; a bitwise fingerprint (2 x int64) is all-gathered over
@@ -219,7 +227,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self._start_checked = True
         if self.topology.replicas <= 1:
             return
-        fp = fingerprint([self.sync.theta])
+        fp = self._for_outer_group(fingerprint([self.sync.theta]))
         gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
         dist.all_gather(gathered, fp, group=self.topology.outer_group)
         if not all(torch.equal(gathered[0], g) for g in gathered):
@@ -317,7 +325,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             for d in self.dist_opts:
                 if self._params_gathered or not d.ddp_config.overlap_param_gather:
                     tensors += [p for chunk in d.model_chunks for p in chunk.parameters()]
-        fp = fingerprint(tensors)
+        fp = self._for_outer_group(fingerprint(tensors))
         gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
         if self.topology.replicas > 1:
             dist.all_gather(gathered, fp, group=self.topology.outer_group)

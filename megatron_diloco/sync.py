@@ -164,13 +164,17 @@ class OuterSync:
     def __init__(self, view: ShardView, config: DiLoCoXConfig, group: dist.ProcessGroup | None,
                  shapes: list[tuple[int, ...]] | None = None,
                  host_group: dist.ProcessGroup | None = None,
-                 decision_group: dist.ProcessGroup | None = None) -> None:
+                 decision_group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None) -> None:
         self.view = view
         self.config = config
         self.group = group
         if decision_group is None and dist.is_available() and dist.is_initialized():
             decision_group = dist.group.WORLD
-        self.decision_group = decision_group
+        #: the skip decision's groups, reduced over in order (one group; or, with replicas in separate
+        #: worlds, the replica's world then the outer group)
+        self.decision_groups: tuple[dist.ProcessGroup, ...] = (
+            tuple(decision_group) if isinstance(decision_group, (tuple, list))
+            else (decision_group,) if decision_group is not None else ())
         spec = CODECS[config.compression]
         self.codec = _build_codec(config, view, shapes)
         # worker thread of the matrix codecs' exchanges (several dependent collectives): a daemon, so
@@ -224,7 +228,7 @@ class OuterSync:
     def _groups(self) -> list[dist.ProcessGroup]:
         """The distinct multi-rank groups this rank waits on (outer, its gloo mirror, decision)."""
         out: list[dist.ProcessGroup] = []
-        for g in (self.group, self.exchange_group, self.decision_group):
+        for g in (self.group, self.exchange_group, *self.decision_groups):
             if g is not None and dist.get_world_size(g) > 1 and not any(g is h for h in out):
                 out.append(g)
         return out
@@ -242,7 +246,7 @@ class OuterSync:
 
     def _describe(self, group: dist.ProcessGroup | None) -> str:
         """``group`` in words, with its global ranks (for the errors)."""
-        if group is not None and group is self.decision_group and group is not self.group:
+        if group is not None and any(group is g for g in self.decision_groups) and group is not self.group:
             return f"the skip-decision group (all {dist.get_world_size(group)} ranks)"
         ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
         mirror = (" (its gloo mirror, worker thread)"
@@ -300,11 +304,11 @@ class OuterSync:
 
         The same all-reduce agrees on ``overlap_steps`` (partial: this rank's tau; the largest wins,
         so that the slowest rank's exchange is hidden). Returns ``(skip, agreed tau)``."""
-        group = self.decision_group
-        on_host = group is None or dist.get_world_size(group) == 1 or dist.get_backend(group) == "gloo"
+        groups = [g for g in self.decision_groups if dist.get_world_size(g) > 1]
+        on_host = all(dist.get_backend(g) == "gloo" for g in groups)
         flag = torch.tensor([0.0 if math.isfinite(sq) else 1.0, float(overlap_steps)], dtype=torch.float32,
                             device="cpu" if on_host else self.view.device)
-        if group is not None and dist.get_world_size(group) > 1:
+        for group in groups:
             bound = self.timeout_s()
             started = time.perf_counter()
             try:

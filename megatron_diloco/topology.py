@@ -8,6 +8,7 @@ the same shard (same TP rank, PP stage, CP rank and intra-DP index). That group 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 
 import torch.distributed as dist
 
@@ -33,10 +34,15 @@ class Topology:
     outer_host_group: dist.ProcessGroup | None = None
     """A gloo group over the outer group's ranks (CPU tensors), for exchanges that run off the main
     thread on a GPU (low-rank / adaptive): see :func:`host_mirror_of_outer_groups`. None otherwise."""
-    decision_group: dist.ProcessGroup | None = None
+    decision_group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None
     """A gloo group over every rank of the world (all replicas, all stages and shards): carries the
     one 1-element MAX all-reduce per boundary that decides, for the whole model, whether the round is
-    skipped (a NaN/Inf pseudo-gradient anywhere); see :func:`decision_group_of_world`."""
+    skipped (a NaN/Inf pseudo-gradient anywhere); see :func:`decision_group_of_world`. With replicas
+    in separate worlds (:func:`from_outer_store`): the replica's world group, then the outer group
+    (a MAX over both reaches every rank of every replica)."""
+    separate_worlds: bool = False
+    """True when each replica is its own torch.distributed world (its own launcher), joined only by
+    the outer groups (:func:`from_outer_store`)."""
 
 
 def host_mirror_of_outer_groups(replicas: int) -> dist.ProcessGroup | None:
@@ -103,3 +109,59 @@ def from_parallel_state(replicas: int, host_mirror: bool = False) -> Topology:
     host = host_mirror_of_outer_groups(replicas) if host_mirror and replicas > 1 else None
     decision = decision_group_of_world()
     return Topology(replicas, rank // per, per, rank % per, outer, groups, host, decision)
+
+
+def _gloo_group(store, rank: int, size: int, timeout: datetime.timedelta, name: str,
+                labels: list[int]) -> dist.ProcessGroup:
+    """A gloo process group over ``store`` outside the default world (as ``new_group`` builds one,
+    for CPU and, as host copies, CUDA tensors), entered into torch's group tables so that
+    ``dist.get_backend``, ``dist.get_process_group_ranks`` and ``dist.set_timeout`` accept it. Its
+    "ranks" are ``labels`` (the replicas' joint numbering; only errors print them)."""
+    import torch
+
+    backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+    group = dist.ProcessGroup(store, rank, size)
+    kind = dist.ProcessGroup.BackendType.GLOO
+    group._set_default_backend(kind)
+    for device in ("cpu", "cuda"):
+        group._register_backend(torch.device(device), kind, backend)
+    group._set_group_name(name)
+    tables = dist.distributed_c10d._world
+    tables.pg_map[group] = ("gloo", store)
+    tables.pg_names[group] = name
+    tables.pg_group_ranks[group] = {label: i for i, label in enumerate(labels)}
+    return group
+
+
+def from_outer_store(replicas: int, replica_index: int, address: str, timeout_minutes: float) -> Topology:
+    """The topology when each replica is its own torch.distributed world (its own ``torchrun``, e.g.
+    one job per cluster, or several single-GPU replicas sharing one GPU), joined only through a
+    TCP store at ``address`` (``HOST:PORT``; hosted by replica 0's rank 0, which must be reachable
+    from every rank of every replica). Call on every rank of every replica, after Megatron's groups
+    exist; every replica must use the same TP/PP/DP layout.
+
+    Outer group k: a gloo group over rank k of every replica (CPU tensors; GPU shards travel as host
+    copies, :func:`megatron_diloco.collectives.start_exchange`); its position = ``replica_index``.
+    The skip decision reduces over the replica's world (gloo) and then the outer group. Ranks in
+    errors are numbered ``replica_index x world + rank``."""
+    from megatron.core import parallel_state as ps
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--diloco-x-outer-store must be HOST:PORT, got {address!r}")
+    if not 0 <= replica_index < replicas:
+        raise ValueError(f"--diloco-x-replica-index must be in [0, {replicas}) (--diloco-x-replicas), "
+                         f"got {replica_index}")
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store = dist.TCPStore(host, int(port), replicas * world, is_master=(replica_index == 0 and rank == 0),
+                          timeout=timeout, wait_for_workers=False)
+    outer = None
+    if replicas > 1:
+        outer = _gloo_group(dist.PrefixStore(f"diloco_x/outer/{rank}", store), replica_index, replicas,
+                            timeout, f"diloco_x_outer_{rank}", [r * world + rank for r in range(replicas)])
+    intra_dp = ps.get_data_parallel_group(with_context_parallel=True)
+    groups = tuple(g for g in (intra_dp, ps.get_model_parallel_group()) if dist.get_world_size(g) > 1)
+    replica_world = decision_group_of_world() if world > 1 else None
+    decision = tuple(g for g in (replica_world, outer) if g is not None)
+    return Topology(replicas, replica_index, world, rank, outer, groups, outer, decision, separate_worlds=True)

@@ -1,4 +1,5 @@
-"""Launch the example under ``tests/megatron_runner.py`` on CPU gloo ranks and read the records.
+"""Launch the example under the harness (``benchmarks/common/harness.py``) with the tests' recorders
+(``tests/recorders.py``) on CPU gloo ranks and read the records.
 
 Ranks are forked from one pre-imported process per test session (``tests/zygote.py``) instead of
 being started by torchrun: the same environment, script and exit, without paying the torch +
@@ -20,7 +21,11 @@ from megatron_diloco.summary import parse_summaries
 from tests.dist_utils import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-RUNNER = REPO / "tests" / "megatron_runner.py"
+#: The harness entry point every Megatron-level test runs (ranks forked by the zygote, or torchrun).
+RUNNER = REPO / "benchmarks" / "common" / "harness.py"
+#: The tests' recorders (``tests/recorders.py``), in the order they are installed.
+TRAINING = ("tests.recorders:training",)
+CHECKPOINT = ("tests.recorders:checkpoint", "tests.recorders:training")
 ZYGOTE = REPO / "tests" / "zygote.py"
 _ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
 _zygote: subprocess.Popen | None = None
@@ -68,11 +73,17 @@ def launch(script: Path, args: list[str], out: Path, nproc: int = 4, timeout: fl
     return code, log
 
 
+def harness_args(out: Path, recorders: tuple[str, ...] = TRAINING) -> list[str]:
+    """The harness's own flags (before ``--`` and the example's): these recorders, records to ``out``."""
+    return ["--record", ",".join(recorders), "--out", str(out), "--"]
+
+
 def torchrun(target: list[str], nproc: int = 4, env: dict[str, str] | None = None, cwd: Path = REPO,
              timeout: float = 400) -> tuple[int, str]:
     """Run ``python -m torch.distributed.run --nproc-per-node nproc <target>`` on CPU gloo ranks
     (``target``: a script and its flags, or ``-m module ...``); returns (exit status, combined output).
-    For the tests of launching itself; the Megatron-level tests use :func:`launch`."""
+    For the tests of launching itself and of separate launches; the Megatron-level tests use
+    :func:`launch`. Records: a ``target`` of ``[RUNNER, *harness_args(out), ...]``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", *map(str, target)]
     proc = subprocess.run(cmd, cwd=cwd, env=dict(os.environ, **_ENV, **(env or {})), capture_output=True,
@@ -81,12 +92,13 @@ def torchrun(target: list[str], nproc: int = 4, env: dict[str, str] | None = Non
 
 
 def run_megatron(tmp: Path, args: list[str], nproc: int = 4, expect_fail: bool = False,
-                 timeout: int = 400, env: dict[str, str] | None = None) -> tuple[list[dict], str]:
-    """Run the instrumented example; return (per-rank records, combined output). ``env``: extra
-    environment variables (e.g. the runner's fault injections)."""
+                 timeout: int = 400, env: dict[str, str] | None = None,
+                 recorders: tuple[str, ...] = TRAINING) -> tuple[list[dict], str]:
+    """Run the example under the harness with ``recorders``; return (per-rank records, combined
+    output). ``env``: extra environment variables (e.g. the recorders' fault injections)."""
     out = tmp / f"out{len(list(tmp.glob('out*')))}"
     out.mkdir(parents=True)
-    code, log = launch(RUNNER, [*TINY, *args], out, nproc, timeout, dict(env or {}, DILOCO_TEST_OUT=str(out)))
+    code, log = launch(RUNNER, [*harness_args(out, recorders), *TINY, *args], out, nproc, timeout, env)
     if expect_fail:
         assert code != 0, "expected the run to fail:\n" + log[-4000:]
         return [], log

@@ -1,4 +1,4 @@
-"""The in-process slow-link model of ``benchmarks/link_model.py`` on 2 gloo ranks.
+"""The in-process slow-link model of ``benchmarks/common/link_model.py`` on 2 gloo ranks.
 
 Each case installs a link of a few Mbit/s and checks wall times against the model with margins wide
 enough for a loaded 2-core machine (modelled times of 0.2-0.7 s; the real gloo ops take ~ms) and
@@ -8,18 +8,14 @@ narrow enough to tell an overlapped transfer (the max of transfer and compute) f
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import link_model  # noqa: E402
-from tests.dist_utils import run_world  # noqa: E402
+from benchmarks.common import link_model
+from tests.dist_utils import run_world
 
 MBPS = 8.0  # 1 MB/s: 1 byte = 1 microsecond
 LATENCY_MS = 20.0

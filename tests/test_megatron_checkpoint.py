@@ -6,8 +6,8 @@
 * a plain Megatron checkpoint (``--no-diloco-x``) loads into a DiLoCoX run (the outer loop restarts
   from its weights), and a DiLoCoX checkpoint loads into a plain run (which resumes from replica 0).
 
-The runs go through ``tests/checkpoint_runner.py`` (``megatron_runner``'s records plus grad-scaler,
-model-fingerprint and save records).
+The runs go through the harness with the tests' ``checkpoint`` and ``training`` recorders
+(``tests/recorders.py``: grad-scaler, model-fingerprint and save records on top of the training ones).
 """
 
 from __future__ import annotations
@@ -18,18 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.megatron_utils import REPO, TINY, launch, losses, summary
+from tests.megatron_utils import CHECKPOINT, RUNNER, TINY, harness_args, launch, losses, summary
 
 pytestmark = pytest.mark.megatron
 
-RUNNER = REPO / "tests" / "checkpoint_runner.py"
-
 
 def run_ckpt(tmp: Path, args: list[str], nproc: int = 4, timeout: int = 600) -> tuple[list[dict], str]:
-    """Run the example under ``checkpoint_runner`` on ``nproc`` ranks; return (per-rank records, output)."""
+    """Run the example under the harness with the checkpoint and training recorders on ``nproc``
+    ranks; return (per-rank records, output)."""
     out = tmp / f"out{len(list(tmp.glob('out*')))}"
     out.mkdir(parents=True)
-    code, log = launch(RUNNER, [*TINY, *args], out, nproc, timeout, {"DILOCO_TEST_OUT": str(out)})
+    code, log = launch(RUNNER, [*harness_args(out, CHECKPOINT), *TINY, *args], out, nproc, timeout)
     assert code == 0, log[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)], log
 

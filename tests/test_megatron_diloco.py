@@ -246,13 +246,13 @@ def test_forked_ranks_run_as_torchrun_ranks(tmp_path):
     after every step, boundary checks, cross-replica traffic)."""
     import json
 
-    from tests.megatron_utils import RUNNER, TINY, torchrun
+    from tests.megatron_utils import RUNNER, TINY, harness_args, torchrun
 
     args = ["--train-iters", "6", "--diloco-x-local-steps", "2", "--diloco-x-compression", "int8"]
     forked, _ = run_megatron(tmp_path, args)
     out = tmp_path / "torchrun"
     out.mkdir()
-    code, log = torchrun([RUNNER, *TINY, *args], env={"DILOCO_TEST_OUT": str(out)})
+    code, log = torchrun([RUNNER, *harness_args(out), *TINY, *args])
     assert code == 0, log[-6000:]
     started = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     for key in ("losses", "main_fp", "boundary_identical", "cross_replica"):

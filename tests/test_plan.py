@@ -153,11 +153,11 @@ def test_cli_bad_input_exits_2_naming_the_flag(capsys):
 
 
 def test_validation_reader_on_a_wan_bench_shaped_result():
-    """benchmarks/plan_validate.py reads wan_bench.py's JSON: bytes rows follow the plan's formula,
+    """benchmarks/planning/plan_validate.py reads wan_bench.py's JSON: bytes rows follow the plan's formula,
     failed runs become notes (guards the reader until the real wan.json lands)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("plan_validate", REPO / "benchmarks" / "plan_validate.py")
+    spec = importlib.util.spec_from_file_location("plan_validate", REPO / "benchmarks" / "planning" / "plan_validate.py")
     pv = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pv)
     n, h = 10_000, 4
@@ -196,7 +196,7 @@ def test_validation_reader_on_a_wan_bench_shaped_result():
 
 def test_calibration_travels_with_the_package_and_matches_the_benchmark():
     """The planner needs no file outside the package (an installed package has no benchmarks/), and
-    its embedded low-rank/adaptive ratios are the ones benchmarks/codecs_bench.py measured (to the
+    its embedded low-rank/adaptive ratios are the ones benchmarks/codecs/codecs_bench.py measured (to the
     4 digits kept): re-running the benchmark without updating the table fails here."""
     measured = json.loads((REPO / "benchmarks" / "results" / "codecs.json").read_text())["codecs"]
     assert set(plan_mod.MEASURED_RATIOS) == {k for k in measured if k.startswith(("lowrank", "adaptive"))}

@@ -1,20 +1,19 @@
-"""The pure parts of the WAN benchmark (``benchmarks/wan_bench.py``, ``benchmarks/netns.py``):
-namespace / tc command generation, window metrics and the speedup bound on synthetic rank records
-with exact arithmetic, and the progress lines. No namespace is created and nothing is run."""
+"""The pure parts of the WAN benchmark (``benchmarks/throughput/wan_bench.py``,
+``benchmarks/common/netns.py``): namespace / tc command generation, the runner jobs it launches,
+window metrics and the speedup bound on synthetic rank records with exact arithmetic, and the
+progress lines. No namespace is created and nothing is run."""
 
 from __future__ import annotations
 
 import io
 import ipaddress
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import netns  # noqa: E402
-import wan_bench  # noqa: E402
+from benchmarks.common import netns
+from benchmarks.common.runner import HARNESS
+from benchmarks.throughput import wan_bench
 
 # ------------------------------------------------------------------ namespaces
 
@@ -194,7 +193,9 @@ def test_ring_bytes_and_run_plan():
     assert wan_bench.iterations_for("dilocox", 10, 16, 5, {10: 8}) == (80, 16)
     with pytest.raises(ValueError):
         wan_bench.iterations_for("diloco", 10, 16, 1, {10: 8})
-    assert wan_bench.method_args("allreduce", 16, 10) == ["--no-diloco-x", "--wan-plain-ddp"]
+    assert wan_bench.method_args("allreduce", 16, 10) == ["--no-diloco-x"]
+    assert wan_bench.method_recorders("allreduce") == ["wan", "plain_ddp"]
+    assert wan_bench.method_recorders("allreduce-distopt") == wan_bench.method_recorders("dilocox") == ["wan"]
     dx = wan_bench.method_args("dilocox", 16, 10)
     assert dx[dx.index("--diloco-x-overlap") + 1] == "delayed" and dx[dx.index("--diloco-x-compression") + 1] == "int8"
     dl = wan_bench.method_args("diloco", 16, 10)
@@ -202,6 +203,18 @@ def test_ring_bytes_and_run_plan():
     assert "--diloco-x-bandwidth-mbps" in wan_bench.method_args("dilocox-adaptive", 16, 10)
     with pytest.raises(ValueError):
         wan_bench.method_args("gossip", 16, 10)
+
+
+def test_rank_job_runs_the_harness_in_each_namespace(tmp_path: Path):
+    topo = netns.WanTopology(replicas=2, prefix="wt")
+    job = wan_bench.rank_job(topo, "run", tmp_path / "run", ["--train-iters", "4"], ["wan"], 29511, 60.0, "x")
+    assert [c.prefix for c in job.commands] == [["ip", "netns", "exec", "wt-r0"], ["ip", "netns", "exec", "wt-r1"]]
+    for rank, c in enumerate(job.commands):
+        harness = c.argv.index(str(HARNESS))
+        assert c.argv[harness + 1:] == ["--record", "wan", "--out", str(tmp_path / "run"), "--", "--train-iters", "4"]
+        assert c.env["RANK"] == str(rank) and c.env["WORLD_SIZE"] == "2" and c.log == f"rank{rank}.log"
+        assert c.env["MASTER_ADDR"] == topo.address(0) and c.env["WAN_IFACE"] == c.env["GLOO_SOCKET_IFNAME"]
+    assert job.logs == ["rank0.log", "rank1.log"] and job.term_grace_s == 10.0
 
 
 def test_progress_lines_with_eta():

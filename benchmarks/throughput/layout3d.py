@@ -1,8 +1,8 @@
 """The full 3-D layout: 2 DiLoCoX replicas x TP x PP (each replica a contiguous block of GPUs), a
 ~1B GPT, bf16, distributed optimizer, next to vanilla Megatron at the same global batch (issue 5).
 
-    python benchmarks/layout3d.py --out DIR --nproc 8 --tp 2 --pp 2            # the 8-GPU run (x8.json)
-    python benchmarks/layout3d.py --out DIR --nproc 4 --tp 2 --pp 1 --name x4  # what 4 GPUs allow
+    python benchmarks/throughput/layout3d.py --out DIR --nproc 8 --tp 2 --pp 2            # the 8-GPU run (x8.json)
+    python benchmarks/throughput/layout3d.py --out DIR --nproc 4 --tp 2 --pp 1 --name x4  # what 4 GPUs allow
 
 Writes ``DIR/<name>.json`` (the shape of ``benchmarks/results/x8.json``): card, layout, replicas
 bit-identical after every boundary (a fingerprint all-gather over each outer group after each
@@ -19,9 +19,9 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpu_smoke import boundary_step_times, loss_at, parse_bench_args, run, summary_of  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, uninstalled
+from benchmarks.common.gpu_bench import boundary_step_times, loss_at, parse_bench_args, run  # noqa: E402
+from benchmarks.common.runner import last_summary  # noqa: E402
 
 #: ~1.2B parameters: 24 layers x hidden 2048 (12 L h^2 = 1.21B), byte-level vocabulary.
 MODEL_1B = """
@@ -63,7 +63,7 @@ def main() -> None:
     env = {"BENCH_CHECK_BOUNDARIES": "1"}
     vanilla, _ = run("vanilla", a.out, model + layout + common + ["--no-diloco-x"], a.nproc)
     dilocox, log = run("dilocox", a.out, model + layout + common + dx, a.nproc, extra_env=env)
-    s = summary_of(log)
+    s = last_summary(log)
     v_inner = boundary_step_times(vanilla, H, False)
     d_inner = boundary_step_times(dilocox, H, False)
     d_bound = boundary_step_times(dilocox, H, True)

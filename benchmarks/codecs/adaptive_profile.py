@@ -1,7 +1,7 @@
 """Per-round CPU cost of the ``adaptive`` codec next to ``lowrank-int8``, on the shapes of a 12-layer,
 hidden-768 GPT shard (the 85.5M model of ``gpu_smoke.py``, one replica's whole stage).
 
-    python benchmarks/adaptive_profile.py [--layers 12] [--rounds 6] [--threads 2] [--profile]
+    python benchmarks/codecs/adaptive_profile.py [--layers 12] [--rounds 6] [--threads 2] [--profile]
                                           [--out benchmarks/results/adaptive_profile.json]
 
 Single process, R = 1 all-gather (``t -> t.unsqueeze(0)``). The pseudo-gradient is synthetic: every
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from megatron_diloco.compression import AdaptivePolicy, get_codec  # noqa: E402

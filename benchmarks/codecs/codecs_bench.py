@@ -1,7 +1,7 @@
 """Compression ratio and relative error of every pseudo-gradient codec on REAL pseudo-gradients.
 
-    python benchmarks/codec_capture.py              # once: captures .cache/pseudograds/ (see there)
-    python benchmarks/codecs_bench.py [--cache .cache/pseudograds] [--out benchmarks/results/codecs.json]
+    python benchmarks/codecs/codec_capture.py              # once: captures .cache/pseudograds/ (see there)
+    python benchmarks/codecs/codecs_bench.py [--cache .cache/pseudograds] [--out benchmarks/results/codecs.json]
 
 Single process. For every captured rank/round of replica 0 (one file = one pipeline stage's full
 parameters), the flat fp32 bucket of the stage's parameters (``named_parameters`` order) and its
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from megatron_diloco.compression import AdaptivePolicy, get_codec  # noqa: E402
@@ -238,7 +238,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     data = load(a.cache)
     if not data:
-        raise SystemExit(f"no captured pseudo-gradients in {a.cache}: run benchmarks/codec_capture.py first")
+        raise SystemExit(f"no captured pseudo-gradients in {a.cache}: run benchmarks/codecs/codec_capture.py first")
     capture_meta = json.loads((a.cache / "meta.json").read_text()) if (a.cache / "meta.json").exists() else {}
     keys = sorted(k for k in data if k[1] == 0)  # replica 0: (round, 0, stage)
     rounds = sorted({k[0] for k in keys})

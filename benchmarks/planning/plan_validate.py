@@ -1,7 +1,7 @@
 """Check the analytic plan (:mod:`megatron_diloco.plan`) against the measured runs, then project the
 paper's setting.
 
-    python benchmarks/plan_validate.py [--results benchmarks/results] [--out benchmarks/results/plan.json]
+    python benchmarks/planning/plan_validate.py [--results benchmarks/results] [--out benchmarks/results/plan.json]
 
 For every measured run in ``--results`` the run's configuration and its *measured inner compute step*
 (median inner-step time) go into the plan; the plan's predictions are compared with what the run
@@ -16,8 +16,8 @@ Sources (a missing file is skipped with a note; rerun the script when it lands):
 * ``gpu_smoke.json`` (4 x H200, NVLink, 2 replicas x PP 2, fp32 exchange), ``gpu_smoke_2gpu_int8.json``
   (2 x H200, int8), ``gpu_adaptive_2gpu.json`` (2 x H200, adaptive): a fast link, so the exchange
   itself is not predicted there (NVLink is outside the link model); bytes, round time and memory are.
-* ``wan.json`` (CPU, tc-shaped links, ``benchmarks/wan_bench.py``): read by :func:`link_rows`;
-  ``gpu.json`` (GPU, in-process link model ``benchmarks/link_model.py``, ``benchmarks/gpu_throughput.py``):
+* ``wan.json`` (CPU, tc-shaped links, ``benchmarks/throughput/wan_bench.py``): read by :func:`link_rows`;
+  ``gpu.json`` (GPU, in-process link model ``benchmarks/common/link_model.py``, ``benchmarks/throughput/gpu_throughput.py``):
   read by :func:`gpu_rows`. Each documents the keys it needs; a run missing one is skipped with a note.
 
 Also writes the paper-setting projection (preset ``paper``) with its sensitivity to the assumptions.
@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from megatron_diloco.plan import (  # noqa: E402
@@ -43,7 +43,7 @@ from megatron_diloco.plan import (  # noqa: E402
 TOLERANCE = 0.15
 PAPER_SPEEDUP = 357.0
 
-#: The 85.5M byte-level GPT of benchmarks/gpu_smoke.py (12 layers, hidden 768, 12 heads, seq 1024,
+#: The 85.5M byte-level GPT of benchmarks/throughput/gpu_smoke.py (12 layers, hidden 768, 12 heads, seq 1024,
 #: vocab padded to 384, untied output layer). Micro-batch 8, 64 sequences per step over all DP ranks.
 SMOKE_SHAPE = dict(layers=12, hidden=768, ffn_hidden=3072, vocab=384, heads=12, seq_length=1024,
                    micro_batch=8, param_bytes=2, grad_bytes=4, dropout=False)
@@ -69,7 +69,7 @@ def _per_round(summary: dict, key: str) -> float:
 def smoke_rows(d: dict, source: str, *, tp: int, pp: int, codec: str, mu: float,
                summary_key: str = "summary", step_ms: float | None = None, run: str | None = None,
                extra_note: str = "") -> list[dict]:
-    """Rows of a benchmarks/gpu_smoke.py-shaped result (NVLink: exchange time not predicted)."""
+    """Rows of a benchmarks/throughput/gpu_smoke.py-shaped result (NVLink: exchange time not predicted)."""
     s = d[summary_key]
     R, H = s["replicas"], s["local_steps"]
     mem = d.get("memory_per_rank") or []
@@ -128,7 +128,7 @@ def smoke_rows(d: dict, source: str, *, tp: int, pp: int, codec: str, mu: float,
 
 
 def link_rows(d: dict, source: str) -> tuple[list[dict], list[str]]:
-    """Rows from a ``benchmarks/wan_bench.py`` result (``wan.json``). Returns (rows, notes on runs that were skipped).
+    """Rows from a ``benchmarks/throughput/wan_bench.py`` result (``wan.json``). Returns (rows, notes on runs that were skipped).
 
     Read: ``config`` (``local_steps``, ``replicas``, ``ranks_per_replica``; optional ``tp``, ``pp``,
     ``latency_ms``, ``param_bytes``, ``link_scope``), ``model`` (``params`` = parameters on a rank,
@@ -218,7 +218,7 @@ SMOKE_PARAMS = {1: 85_248_768, 2: 85_543_680}
 
 
 def gpu_rows(d: dict, source: str) -> tuple[list[dict], list[str]]:
-    """Rows from a ``benchmarks/gpu_throughput.py`` result (``gpu.json``): 2 replicas of the 85.5M
+    """Rows from a ``benchmarks/throughput/gpu_throughput.py`` result (``gpu.json``): 2 replicas of the 85.5M
     GPT (PP = gpus / 2), NCCL, every cross-replica collective slowed by ``link_model.py`` (wire
     bytes / bandwidth exactly: efficiency 1.0; ``link_model.share`` ``rank`` = one link per GPU,
     ``replica`` = one per cluster).

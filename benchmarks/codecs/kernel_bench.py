@@ -1,7 +1,7 @@
 """Throughput of the fused compression kernels vs a device-to-device copy and the torch reference.
 
-    python benchmarks/kernel_bench.py --out benchmarks/results/kernel.json            # GPU, 1B elements
-    TRITON_INTERPRET=1 python benchmarks/kernel_bench.py --numel 5000 --out /tmp/k.json  # CPU smoke
+    python benchmarks/codecs/kernel_bench.py --out benchmarks/results/kernel.json            # GPU, 1B elements
+    TRITON_INTERPRET=1 python benchmarks/codecs/kernel_bench.py --numel 5000 --out /tmp/k.json  # CPU smoke
 
 Bucket: x bf16, anchor and residual fp32 (the DiLoCoX encode inputs). GB/s count the bytes each
 operation must read + write (its logical traffic, the same count for the kernel and the reference):
@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

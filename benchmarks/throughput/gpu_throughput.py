@@ -1,16 +1,16 @@
 """Throughput of AllReduce data parallelism, DiLoCo and DiLoCoX across a modelled slow link (issue 4).
 
-Every run is the example (``examples/pretrain_gpt_diloco.py`` through ``instrumented.py``) with the
+Every run is the example (``examples/pretrain_gpt_diloco.py`` under the harness recorders) with the
 same model, data and global batch, 2 replicas (contiguous halves of the GPUs), NCCL between the
-GPUs, and ``link_model.py`` slowing every collective whose group spans both replicas to
+GPUs, and ``common/link_model.py`` slowing every collective whose group spans both replicas to
 ``latency + wire bytes / bandwidth`` (ring formulas; see that module). Compute runs at GPU speed,
 so the ratios reflect real step times.
 
 How to run (GPU machine; megatron-core installed from the wheel, ``PYTHONPATH`` set)::
 
-    python benchmarks/gpu_throughput.py --out DIR --nproc 4 --links 1000,100      # 4 GPUs: 2 x PP 2
-    python benchmarks/gpu_throughput.py --out DIR --nproc 2 --links 1000,100 --parallel 2   # 2 x 1 GPU, two at a time
-    python benchmarks/gpu_throughput.py --out DIR --cpu-smoke                      # CPU, gloo, tiny GPT
+    python benchmarks/throughput/gpu_throughput.py --out DIR --nproc 4 --links 1000,100      # 4 GPUs: 2 x PP 2
+    python benchmarks/throughput/gpu_throughput.py --out DIR --nproc 2 --links 1000,100 --parallel 2   # 2 x 1 GPU, two at a time
+    python benchmarks/throughput/gpu_throughput.py --out DIR --cpu-smoke                      # CPU, gloo, tiny GPT
 
 Expected wall time (85.5M GPT, 64 x 1024 tokens per step, ~0.2 s per step, H = 20; start-up of
 Megatron ~25-40 s per run, not yet measured on the GPU machines): ``--nproc 4``, 3 methods x 2 links:
@@ -25,7 +25,7 @@ every run.
 Methods (``--methods``):
 
 * ``allreduce``: plain Megatron DDP (``--no-diloco-x``, the example's ``--use-distributed-optimizer``
-  dropped, as in the CPU WAN benchmark ``wan_bench.py``): the fp32 gradients all-reduced across the
+  dropped, as in the CPU WAN benchmark ``wan_bench.py``, recorder ``plain_ddp``): the fp32 gradients all-reduced across the
   link every step, with ``--overlap-grad-reduce`` (``--no-allreduce-overlap`` drops it) and
   ``--use-tp-pp-dp-mapping`` so that each replica is a complete model (only data parallelism
   crosses). The baseline of ``speedup_vs_allreduce`` and ``speedup_bound``.
@@ -65,9 +65,10 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_smoke import MODEL as GPU_MODEL  # noqa: E402  (the 85.5M GPT of the GPU smoke benchmark)
-from jobs import Job, done, load_ranks, run_jobs, summary_of  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, uninstalled
+from benchmarks.common.gpu_bench import MODEL as GPU_MODEL  # noqa: E402  (the 85.5M GPT)
+from benchmarks.common.runner import (  # noqa: E402
+    ExampleJob, bench_recorders, done, load_ranks, run_jobs, summary_of)
 
 CPU_MODEL = """
     --num-layers 2 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 2
@@ -75,6 +76,8 @@ CPU_MODEL = """
     --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 2 --log-interval 4 --eval-iters 0 --eval-interval 100000
 """.split()
 METHODS = ("allreduce", "allreduce-distopt", "diloco", "dilocox", "dilocox-adaptive", "dilocox-fp32")
+#: Methods run as plain DDP (the harness recorder ``plain_ddp``: no distributed optimizer).
+PLAIN_DDP = ("allreduce",)
 BLOCKING = ("diloco",)
 
 
@@ -84,9 +87,9 @@ def flag_value(args: list[str], flag: str) -> str:
 
 
 def method_args(method: str, link_mbps: float, a: argparse.Namespace) -> list[str]:
-    if method == "allreduce":  # plain DDP: the fp32 gradients all-reduced every step
+    if method == "allreduce":  # plain DDP (PLAIN_DDP): the fp32 gradients all-reduced every step
         overlap = ["--overlap-grad-reduce"] if a.allreduce_overlap else []
-        return ["--no-diloco-x", "--bench-plain-ddp", "--use-tp-pp-dp-mapping", *overlap]
+        return ["--no-diloco-x", "--use-tp-pp-dp-mapping", *overlap]
     if method == "allreduce-distopt":  # the example's default: distributed optimizer
         overlap = ["--overlap-grad-reduce", "--overlap-param-gather"] if a.allreduce_overlap else []
         return ["--no-diloco-x", "--use-tp-pp-dp-mapping", *overlap]
@@ -301,7 +304,8 @@ def main() -> None:
             env = {"BENCH_LINK_MBPS": str(link), "BENCH_LINK_LATENCY_MS": str(a.latency_ms),
                    "BENCH_LINK_REPLICAS": "2", "BENCH_LINK_SHARE": a.link_share}
             plan.append((name, method, link, iters))
-            jobs.append(Job(name, args, a.nproc, env, estimate_s(method, link, iters, a)))
+            record = bench_recorders(env) + (["plain_ddp"] if method in PLAIN_DDP else [])
+            jobs.append(ExampleJob(name, args, a.nproc, env, estimate_s(method, link, iters, a), record=record))
     total = sum(j.estimate_s for j in jobs) / a.parallel
     print(f"[gpu_throughput] {len(jobs)} runs, estimated {total / 60:.1f} min", flush=True)
 

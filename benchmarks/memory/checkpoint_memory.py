@@ -1,9 +1,10 @@
 """Peak host memory of a DiLoCoX ``torch_dist`` checkpoint save, per rank, on CPU gloo ranks.
 
-    python benchmarks/checkpoint_memory.py [--repo PATH] [--out FILE.json] [--hidden 512 --layers 8 ...]
+    python benchmarks/memory/checkpoint_memory.py [--repo PATH] [--out FILE.json] [--hidden 512 --layers 8 ...]
 
-Runs ``examples/pretrain_gpt_diloco.py`` of ``--repo`` (default: this checkout) under
-``tests/checkpoint_runner.py`` with torchrun: 4 ranks = 2 DiLoCoX replicas x pipeline-parallel 2, a GPT
+Runs ``examples/pretrain_gpt_diloco.py`` of ``--repo`` (default: this checkout) under its harness
+(``benchmarks/common/harness.py``) with the tests' ``checkpoint`` and ``training`` recorders
+(``tests/recorders.py``), one runner job (``torchrun``): 4 ranks = 2 DiLoCoX replicas x pipeline-parallel 2, a GPT
 of ``--layers`` x ``--hidden`` (ffn 4 x hidden), Adam, delayed overlap with outer momentum, H = 4; it
 trains ``--iters`` iterations (default 5, so an exchange is in flight: the full outer state is saved)
 and saves once at the end (``--exit-interval``). The runner resets each rank's RSS high-water mark
@@ -18,9 +19,9 @@ count (a replica's N summed over its ranks), and the checkpoint's bytes on disk 
 ``--plain`` runs the same job as plain Megatron data parallelism (4 ranks = PP 2 x DP 2) for Megatron's
 own save cost.
 
-To compare with another version (e.g. the commit before per-replica ShardedTensors), point ``--repo``
-at a worktree of it; the runner file is copied there if it lacks one (``tests/checkpoint_runner.py``
-only wraps functions both versions have).
+To compare with another version, point ``--repo`` at a worktree of it; it must have the harness and
+the tests' recorders (commits before them had ``tests/checkpoint_runner.py`` instead: measure those
+with that commit's own ``benchmarks/checkpoint_memory.py``).
 """
 
 from __future__ import annotations
@@ -29,16 +30,19 @@ import argparse
 import json
 import os
 import platform
-import shutil
+import math
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from jobs import free_port  # beside this script
+HERE = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(HERE))  # run from a checkout, uninstalled
+from benchmarks.common.runner import Command, Job, harness_command, load_ranks, run_job, torchrun  # noqa: E402
 
-HERE = Path(__file__).resolve().parent.parent
+#: The tests' recorders this measurement reads (``tests/recorders.py``), in install order.
+RECORDERS = ["tests.recorders:checkpoint", "tests.recorders:training"]
 #: glibc: blocks of at least this many bytes are mmap'd and unmapped when freed. Fixing it (glibc
 #: otherwise raises it to the largest block freed so far) keeps memory freed before the save (e.g.
 #: the last iteration's activations) from being silently reused by the save's allocations: the RSS
@@ -57,11 +61,10 @@ def _cpu_model() -> str:
 
 
 def measure(repo: Path, hidden: int, layers: int, iters: int, work: Path, plain: bool = False) -> dict:
-    runner = repo / "tests" / "checkpoint_runner.py"
-    if not runner.exists():
-        shutil.copy(HERE / "tests" / "checkpoint_runner.py", runner)
-    out, ckpt = work / "records", work / "ckpt"
-    out.mkdir(parents=True)
+    harness = repo / "benchmarks" / "common" / "harness.py"
+    if not harness.exists() or not (repo / "tests" / "recorders.py").exists():
+        raise SystemExit(f"{repo} has no harness / tests' recorders (see the module docstring)")
+    out, ckpt = work / "run", work / "ckpt"
     args = ["--num-layers", str(layers), "--hidden-size", str(hidden), "--ffn-hidden-size", str(4 * hidden),
             "--num-attention-heads", "8", "--seq-length", "64", "--max-position-embeddings", "64",
             "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1", "--eval-iters", "0",
@@ -69,16 +72,14 @@ def measure(repo: Path, hidden: int, layers: int, iters: int, work: Path, plain:
             "--train-iters", str(iters + 10), "--exit-interval", str(iters), "--save", str(ckpt),
             "--save-interval", "100000", "--diloco-x-local-steps", "4", "--diloco-x-overlap", "delayed",
             "--diloco-x-outer-momentum", "0.9"] + (["--no-diloco-x"] if plain else [])
-    env = dict(os.environ, DILOCO_TEST_OUT=str(out), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               CUDA_VISIBLE_DEVICES="", DILOCO_CKPT_OBJECT_SIZES="0", MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={free_port()}",
-           str(runner), *args]
+    env = {"CUDA_VISIBLE_DEVICES": "", "DILOCO_CKPT_OBJECT_SIZES": "0",
+           "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+    cmd = Command(harness_command(RECORDERS, out, args, torchrun(4), harness=harness), cwd=repo)
     start = time.time()
-    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write((proc.stdout + proc.stderr)[-6000:])
-        raise SystemExit(f"run failed (exit {proc.returncode})")
-    recs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    info = run_job(Job(out.name, [cmd], env=env, timeout_s=math.inf), work)
+    if not info.get("ok"):
+        raise SystemExit(f"run failed (exit {info.get('returncode')}); log: {out / 'log.txt'}")
+    recs = load_ranks(work, out.name)
     numel = [rec["main_shard_numel"] for rec in recs]
     # DiLoCoX: replica 0 = ranks 0 (stage 0), 1 (stage 1); plain (PP 2 x DP 2): every rank a half stage
     params = sum(numel) // (1 if plain else 2)

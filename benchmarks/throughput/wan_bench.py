@@ -1,16 +1,16 @@
 """Throughput over an emulated slow network: AllReduce data parallelism vs DiLoCo vs DiLoCoX.
 
-    make bench-wan                        # = python benchmarks/wan_bench.py (needs root)
-    python benchmarks/wan_bench.py --links 100 --methods allreduce,dilocox
-    python benchmarks/wan_bench.py --dry-run          # print the namespace and run commands only
-    python benchmarks/wan_bench.py --plot-only        # redraw the PNG from the JSON
+    make bench-wan                        # = python benchmarks/throughput/wan_bench.py (needs root)
+    python benchmarks/throughput/wan_bench.py --links 100 --methods allreduce,dilocox
+    python benchmarks/throughput/wan_bench.py --dry-run    # print the namespace and run commands only
+    python benchmarks/throughput/wan_bench.py --plot-only  # redraw the PNG from the JSON
 
 Each replica runs in its own network namespace behind a full-duplex link shaped with tc tbf
-(``benchmarks/netns.py``; no added latency: this kernel has no netem). The SAME Megatron model,
+(``benchmarks/common/netns.py``; no added latency: this kernel has no netem). The SAME Megatron model,
 data and global batch (``examples/pretrain_gpt_diloco.py``, one rank per replica) is trained by
 
 * ``allreduce``: plain Megatron data parallelism (``--no-diloco-x``, no plugin, DDP without the
-  distributed optimizer): the fp32 gradients are all-reduced over the slow link every step;
+  distributed optimizer: the harness recorder ``plain_ddp``): the fp32 gradients are all-reduced over the slow link every step;
 * ``allreduce-distopt``: the same with Megatron's distributed optimizer (as the example runs
   ``--no-diloco-x``): reduce-scatter of the gradients + all-gather of the params every step. With
   NCCL that moves the bytes of a ring all-reduce; over gloo it moves 1.5x as much (measured: gloo's
@@ -54,8 +54,10 @@ from the end of iteration ``w`` to the end of the last iteration; ``w`` = 2 for 
 * ``exchange_fits_in_H``: the exchange's launch-to-completion time <= H x inner-step time.
   Target (issue 4): DiLoCoX >= 90% of the bound and >= 90% compute utilization when it fits.
 
-Writes ``benchmarks/results/wan.json``, ``benchmarks/wan.png`` (with matplotlib), per-run logs and
-rank records under ``--work``; prints a table.
+Every run is one :class:`~benchmarks.common.runner.Job` of the runner: one harness process per rank
+(recorder ``wan``, ``benchmarks/common/recorders.py``), each started through ``ip netns exec`` in
+its replica's namespace. Writes ``benchmarks/results/wan.json``, ``benchmarks/wan.png`` (with
+matplotlib), per-run logs and rank records under ``--work``; prints a table.
 """
 
 from __future__ import annotations
@@ -70,18 +72,14 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-
-import netns  # noqa: E402  (beside this script)
-
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "benchmarks"
 sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled
-from megatron_diloco.summary import parse_summaries  # noqa: E402
+from benchmarks.common import netns  # noqa: E402
+from benchmarks.common.runner import Command, Job, harness_command, load_ranks, run_job, summary_of  # noqa: E402
 
 METHODS = ("allreduce", "allreduce-distopt", "diloco", "dilocox", "dilocox-adaptive")
 DEFAULT_METHODS = ("allreduce", "allreduce-distopt", "diloco", "dilocox")
@@ -96,9 +94,9 @@ ALLREDUCE_WARMUP = 2
 
 def method_args(method: str, local_steps: int, link_mbps: float) -> list[str]:
     """The example's flags that select ``method`` (on top of its demo defaults: 2 replicas,
-    outer lr 0.5, outer momentum 0)."""
+    outer lr 0.5, outer momentum 0); ``allreduce`` also runs as plain DDP (:func:`method_recorders`)."""
     if method == "allreduce":
-        return ["--no-diloco-x", "--wan-plain-ddp"]
+        return ["--no-diloco-x"]
     if method == "allreduce-distopt":
         return ["--no-diloco-x"]
     dx = ["--diloco-x-local-steps", str(local_steps)]
@@ -110,6 +108,11 @@ def method_args(method: str, local_steps: int, link_mbps: float) -> list[str]:
         return dx + ["--diloco-x-overlap", "delayed", "--diloco-x-compression", "adaptive",
                      "--diloco-x-bandwidth-mbps", f"{link_mbps:g}"]
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+def method_recorders(method: str) -> list[str]:
+    """The harness recorders of a run of ``method``: ``wan``, and ``plain_ddp`` for ``allreduce``."""
+    return ["wan", "plain_ddp"] if method == "allreduce" else ["wan"]
 
 
 def iterations_for(method: str, link_mbps: float, local_steps: int, rounds: int,
@@ -130,7 +133,7 @@ def window_metrics(ranks: list[dict], warmup: int, sync_crosses_link: bool) -> d
     """Throughput, utilization and communication of one run over its window.
 
     Args:
-        ranks: one record per rank as written by ``wan_worker.py`` (``iters``: per iteration
+        ranks: one record per rank as written by the harness recorder ``wan`` (``iters``: per iteration
             ``t0``, ``t1``, ``dp_sync_s``, ``boundary_s``, ``exposed_s``, ``exchange_s``,
             ``bytes_sent``, ``tx_bytes``; ``tokens_per_iter``), in rank order.
         warmup: iterations before the window (the window starts at the end of iteration ``warmup``).
@@ -345,61 +348,31 @@ class Progress:
               file=self.out, flush=True)
 
 
-def _pump(stream, log_path: Path, progress: Progress | None, summary: list[dict]) -> None:
-    with open(log_path, "w") as log:
-        for line in stream:
-            log.write(line)
-            if progress is not None:
-                progress.feed(line)
-            summary.extend(parse_summaries(line))
-
-
-def launch(topo: netns.WanTopology, run_dir: Path, argv: list[str], port: int, timeout: float,
-           label: str) -> tuple[list[dict], dict | None]:
-    """Run the example with one process per replica (rank r inside replica r's namespace, so the
-    world size is the number of replicas); returns the ranks' records and the DiLoCoX summary
-    (None without the plugin)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for old in run_dir.glob("rank*.json"):
-        old.unlink()
+def rank_job(topo: netns.WanTopology, name: str, run_dir: Path, argv: list[str], record: list[str],
+             port: int, timeout: float, label: str) -> Job:
+    """The run as a runner job: one harness process per replica (rank r inside replica r's namespace,
+    so the world size is the number of replicas), ``rank{r}.log`` each, rank 0's progress shown."""
     world = topo.replicas
-    procs, threads, summary = [], [], []
-    try:
-        for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
-                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                       MASTER_ADDR=topo.address(0), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=topo.iface,
-                       WAN_IFACE=topo.iface, WAN_OUT=str(run_dir), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-            cmd = netns.netns_exec(topo.namespace(rank),
-                                   [sys.executable, str(HERE / "wan_worker.py"), *argv])
-            proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, start_new_session=True)
-            procs.append(proc)
-            t = threading.Thread(target=_pump, args=(proc.stdout, run_dir / f"rank{rank}.log",
-                                                     Progress(label) if rank == 0 else None, summary),
-                                 daemon=True)
-            t.start()
-            threads.append(t)
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for proc in procs:  # only the processes started here, by their process group
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-        for t in threads:
-            t.join(timeout=10)
-    bad = [r for r, p in enumerate(procs) if p.returncode != 0]
-    if bad:
-        tail = (run_dir / f"rank{bad[0]}.log").read_text()[-3000:]
-        raise RuntimeError(f"rank {bad[0]} exited {procs[bad[0]].returncode}:\n{tail}")
-    records = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(world)]
-    return records, (summary[-1] if summary else None)
+    commands = [Command(harness_command(record, run_dir, argv), prefix=netns.netns_exec(topo.namespace(rank), []),
+                        env={"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+                             "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": topo.address(0), "MASTER_PORT": str(port),
+                             "GLOO_SOCKET_IFNAME": topo.iface, "WAN_IFACE": topo.iface},
+                        log=f"rank{rank}.log")
+                for rank in range(world)]
+    return Job(name, commands, timeout_s=timeout, term_grace_s=10.0, watch=Progress(label).feed)
+
+
+def launch(topo: netns.WanTopology, run_dir: Path, argv: list[str], record: list[str], port: int,
+           timeout: float, label: str) -> tuple[list[dict], dict | None]:
+    """Run the example once (:func:`rank_job`, in ``run_dir``); returns the ranks' records and the
+    DiLoCoX summary (None without the plugin). Raises RuntimeError when a rank failed or it timed out."""
+    info = run_job(rank_job(topo, run_dir.name, run_dir, argv, record, port, timeout, label), run_dir.parent)
+    if not info["ok"]:
+        bad = next((r for r, c in enumerate(info["returncodes"]) if c != 0), 0)
+        tail = (run_dir / f"rank{bad}.log").read_text(errors="replace")[-3000:]
+        why = f"no end after {timeout:.0f} s" if info["timed_out"] else f"exited {info['returncodes'][bad]}"
+        raise RuntimeError(f"rank {bad} {why}:\n{tail}")
+    return load_ranks(run_dir.parent, run_dir.name), (summary_of(run_dir.parent, run_dir.name) or None)
 
 
 def code_state() -> dict:
@@ -437,7 +410,7 @@ def plot(result: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         print("bench-wan: matplotlib not installed: no plot (pip install matplotlib; then "
-              "python benchmarks/wan_bench.py --plot-only)")
+              "python benchmarks/throughput/wan_bench.py --plot-only)")
         return False
     runs = [r for r in result["runs"] if r.get("tokens_per_s")]
     links = sorted({r["link_mbps"] for r in runs}, reverse=True)
@@ -498,8 +471,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="passes over the sweep; per (link, method) the least disturbed repeat is kept")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "wan.json")
-    p.add_argument("--plot", type=Path, default=HERE / "wan.png")
+    p.add_argument("--out", type=Path, default=BENCH / "results" / "wan.json")
+    p.add_argument("--plot", type=Path, default=BENCH / "wan.png")
     p.add_argument("--work", type=Path, default=REPO / "runs" / "wan", help="logs and rank records")
     p.add_argument("--dry-run", action="store_true", help="print the commands, change nothing")
     p.add_argument("--plot-only", action="store_true", help="redraw --plot from --out")
@@ -535,9 +508,9 @@ def main() -> None:
         for cmd in netns.setup_commands(topo) + netns.shape_commands(topo, a.links[0]):
             print(" ".join(cmd))
         for link, m, iters, warmup, argv in plan:
-            print(f"# {link:g} Mbit {m}: {iters} iterations ({warmup} warm-up); per rank r:")
-            worker = [sys.executable, "benchmarks/wan_worker.py", *argv]
-            print(" ".join(netns.netns_exec(topo.namespace(0), worker)))
+            print(f"# {link:g} Mbit {m}: {iters} iterations ({warmup} warm-up); rank 0 (rank r: namespace r):")
+            job = rank_job(topo, "run", a.work / "run", argv, method_recorders(m), 29500, a.timeout, "")
+            print(" ".join(job.commands[0].line))
         for cmd in netns.teardown_commands(topo):
             print(" ".join(cmd))
         return
@@ -573,8 +546,8 @@ def main() -> None:
             run = {"link_mbps": link, "method": m, "iterations": iters, "warmup_iterations": warmup,
                    "pass": rep + 1, "load_avg_before": os.getloadavg()[0]}
             try:
-                ranks, summary = launch(topo, a.work / f"{link:g}mbit_{m}_pass{rep + 1}", argv, 29500 + k,
-                                        a.timeout, label)
+                ranks, summary = launch(topo, a.work / f"{link:g}mbit_{m}_pass{rep + 1}", argv,
+                                        method_recorders(m), 29500 + k, a.timeout, label)
                 run.update(window_metrics(ranks, warmup, sync_crosses_link=m.startswith("allreduce")))
                 params = ranks[0]["params_on_rank"]
                 result["model"] = {"params": params, "tokens_per_iter": ranks[0]["tokens_per_iter"]}

@@ -1,0 +1,66 @@
+"""Replicas as separate launches (``--diloco-x-outer-store``): each replica its own torch.distributed
+world, joined only by the outer groups, trains exactly as the same replicas in one world do. This is
+how several replicas share one GPU (NCCL refuses two ranks of one world on one GPU) in the
+convergence benchmark, so the benchmark's numbers are the Megatron path's numbers."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import pytest
+
+from tests.dist_utils import free_port
+from tests.megatron_utils import RUNNER, TINY, harness_args, losses, torchrun
+
+pytestmark = pytest.mark.megatron
+
+
+def _records(out) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--diloco-x-overlap", "partial", "--diloco-x-overlap-steps", "1", "--diloco-x-compression", "int8"],
+    ["--diloco-x-overlap", "delayed", "--diloco-x-compression", "none"],
+], ids=["partial-int8", "delayed-fp32"])
+def test_separate_worlds_train_as_one_world(tmp_path, flags):
+    """2 replicas x 1 rank: one torchrun of 2 ranks vs two torchruns of 1 rank joined through a TCP
+    store. Same losses at every iteration on both replicas, bit for bit, and the same final main
+    params (fingerprints): the data split, the exchange and the outer step are the same."""
+    base = [*TINY, "--pipeline-model-parallel-size", "1", "--train-iters", "8", "--diloco-x-local-steps", "4", "--diloco-x-outer-lr", "0.7",
+            "--diloco-x-outer-momentum", "0.9", *flags]
+    one = tmp_path / "one"
+    one.mkdir()
+    code, log = torchrun([RUNNER, *harness_args(one), *base], nproc=2)
+    assert code == 0, log[-4000:]
+    want = losses(_records(one))
+    assert set(want) == {0, 1} and want[0] != want[1]  # two replicas on different data
+
+    store = f"127.0.0.1:{free_port()}"
+
+    def replica(r: int):
+        out = tmp_path / f"replica{r}"
+        out.mkdir()
+        # --global-batch-size is per launch: each replica's share of the one world's 8
+        args = [RUNNER, *harness_args(out), *base, "--global-batch-size", "4", "--diloco-x-outer-store",
+                store, "--diloco-x-replica-index", str(r)]
+        return out, torchrun(args, nproc=1)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(replica, range(2)))
+    got = {}
+    for r, (out, (code, log)) in enumerate(results):
+        assert code == 0, log[-4000:]
+        assert "replicas_identical" in log
+        got[r] = losses(_records(out))[0]
+    assert got == want
+    one_fp = [rec["main_fp"][-1] for rec in _records(one)]
+    sep_fp = [_records(out)[0]["main_fp"][-1] for out, _ in results]
+    assert one_fp == sep_fp
+
+
+def test_outer_store_flags_are_checked(tmp_path):
+    code, log = torchrun([RUNNER, *harness_args(tmp_path), *TINY, "--pipeline-model-parallel-size", "1",
+                          "--train-iters", "4", "--diloco-x-outer-store", "127.0.0.1:1"], nproc=1)
+    assert code != 0 and "--diloco-x-outer-store needs --diloco-x-replica-index" in log, log[-3000:]
