@@ -268,13 +268,19 @@ def main() -> None:
     a.out = a.out.resolve()
     seq = 64 if a.cpu_smoke else 512
     a.tokens_per_step = REPLICAS * a.micro_batch * a.accum * seq
-    sys.path.insert(0, str(HERE.parent / "examples"))
-    import stdlib_corpus
+    earlier = [json.loads(p.read_text())["regime"] for d in [a.out, *a.more]
+               for p in [d / "convergence.json"] if p.exists()]
+    if a.report_only and earlier:  # the corpus of the machine that ran them
+        a.corpus_desc, a.corpus_train_tokens = earlier[0]["corpus"], earlier[0]["tokens"] / earlier[0]["epochs"]
+    else:
+        sys.path.insert(0, str(HERE.parent / "examples"))
+        import stdlib_corpus
 
-    data = stdlib_corpus.build_environment(a.corpus_mb)
-    n_tokens = Path(f"{data}.bin").stat().st_size // 2  # uint16 byte tokens
-    a.corpus_train_tokens = 0.98 * n_tokens
-    a.corpus_desc = f"environment corpus ({a.corpus_mb} MB cap): {n_tokens / 1e6:.1f}M byte tokens, split 98/1/1 by document"
+        data = stdlib_corpus.build_environment(a.corpus_mb)
+        n_tokens = Path(f"{data}.bin").stat().st_size // 2  # uint16 byte tokens
+        a.corpus_train_tokens = 0.98 * n_tokens
+        a.corpus_desc = (f"environment corpus ({a.corpus_mb} MB cap): {n_tokens / 1e6:.1f}M byte tokens, "
+                         "split 98/1/1 by document")
     if a.card is None:
         import torch
 
