@@ -271,11 +271,11 @@ def start_exchange(buffer: torch.Tensor, residual: torch.Tensor | None, codec, g
     return handle
 
 
-def _host_copy(t: torch.Tensor, group, size: int, copy: bool = True) -> torch.Tensor:
-    """``t`` itself, or, for a GPU tensor crossing a gloo group (replicas in separate worlds, whose
-    outer groups are gloo: :func:`megatron_diloco.topology.from_outer_store`), a host tensor of its
-    shape holding a copy of it (``copy``; blocking) or nothing yet (an output)."""
-    if size <= 1 or not t.is_cuda or dist.get_backend(group) != "gloo":
+def host_copy(t: torch.Tensor, group, copy: bool = True) -> torch.Tensor:
+    """``t`` itself, or, for a GPU tensor crossing a gloo group of several ranks (replicas in separate
+    worlds, whose outer groups are gloo: :func:`megatron_diloco.topology.from_outer_store`), a host
+    tensor of its shape holding a copy of it (``copy``; blocking) or nothing yet (an output)."""
+    if group is None or not t.is_cuda or dist.get_world_size(group) <= 1 or dist.get_backend(group) != "gloo":
         return t
     return t.cpu() if copy else torch.empty(t.shape, dtype=t.dtype)
 
@@ -285,7 +285,7 @@ def _start_all_reduce(buffer: torch.Tensor, group, size: int) -> ExchangeHandle:
     payload = buffer.numel() * buffer.element_size()
     wire = ring_allreduce_bytes(payload, size)
     stats = ExchangeStats(bytes_sent=wire, bytes_received=wire, raw_bytes=payload, payload_bytes=payload)
-    staged = _host_copy(buffer, group, size)  # GPU tensor over a gloo group: its host copy crosses
+    staged = host_copy(buffer, group)  # GPU tensor over a gloo group: its host copy crosses
     work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=True) if size > 1 else None
 
     def finish(outer: OuterNesterov | None) -> None:
@@ -309,7 +309,7 @@ def _start_all_gather(buffer: torch.Tensor, residual: torch.Tensor, codec, group
     stats = ExchangeStats(bytes_sent=wire, bytes_received=wire, raw_bytes=4 * numel,
                           payload_bytes=payload.numel())
     work = None
-    staged_in, staged_out = _host_copy(payload, group, size), _host_copy(gathered, group, size, copy=False)
+    staged_in, staged_out = host_copy(payload, group), host_copy(gathered, group, copy=False)
     if size > 1:
         work = dist.all_gather_into_tensor(staged_out, staged_in, group=group, async_op=True)
     else:

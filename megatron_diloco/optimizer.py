@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.optimizer import ChainedOptimizer, DistributedOptimizer, MegatronOptimizer
 
-from megatron_diloco.collectives import ExchangeStats
+from megatron_diloco.collectives import ExchangeStats, host_copy
 from megatron_diloco.config import DiLoCoXConfig
 from megatron_diloco.shard_view import ShardView, fingerprint
 from megatron_diloco.sync import OuterSync, RoundReport
@@ -212,14 +212,6 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             self._round_started = time.perf_counter()
         return result
 
-    def _for_outer_group(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` as the outer group takes it: a host copy when the group is gloo (replicas in
-        separate worlds: :func:`megatron_diloco.topology.from_outer_store`)."""
-        group = self.topology.outer_group
-        if group is not None and t.is_cuda and dist.get_backend(group) == "gloo":
-            return t.cpu()
-        return t
-
     def _check_replicas_started_alike(self) -> None:
         """First boundary (after any load): ``theta``, the weights every replica started from, must be
         bit-identical across the outer group; a bitwise fingerprint (2 x int64) is all-gathered over
@@ -227,7 +219,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self._start_checked = True
         if self.topology.replicas <= 1:
             return
-        fp = self._for_outer_group(fingerprint([self.sync.theta]))
+        fp = host_copy(fingerprint([self.sync.theta]), self.topology.outer_group)
         gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
         dist.all_gather(gathered, fp, group=self.topology.outer_group)
         if not all(torch.equal(gathered[0], g) for g in gathered):
@@ -325,7 +317,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             for d in self.dist_opts:
                 if self._params_gathered or not d.ddp_config.overlap_param_gather:
                     tensors += [p for chunk in d.model_chunks for p in chunk.parameters()]
-        fp = self._for_outer_group(fingerprint(tensors))
+        fp = host_copy(fingerprint(tensors), self.topology.outer_group)
         gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
         if self.topology.replicas > 1:
             dist.all_gather(gathered, fp, group=self.topology.outer_group)

@@ -103,6 +103,11 @@ def backstop_timeout_s(bound_s: float) -> float:
     return 1.25 * bound_s + 60.0
 
 
+def _squared_norm(parts: list[torch.Tensor]) -> float:
+    """Sum of the squared L2 norms of ``parts`` (fp32 norms, summed in fp64); a host sync."""
+    return float(torch.stack(torch._foreach_norm(parts, 2)).double().square().sum()) if parts else 0.0
+
+
 def _build_codec(config: DiLoCoXConfig, view: ShardView, shapes: list[tuple[int, ...]] | None):
     """The codec of ``config.compression`` over the shard bucket. ``shapes``: per shard, a matrix
     shape ``(rows, cols)`` where the shard is whole rows of a >= 2-D parameter, else ``(numel,)``
@@ -291,7 +296,7 @@ class OuterSync:
             return 0.0
         torch._foreach_neg_(xs)
         torch._foreach_add_(xs, self.view.split(self.anchor))
-        return float(torch.stack(torch._foreach_norm(xs, 2)).double().square().sum())
+        return _squared_norm(xs)
 
     def _any_rank_nonfinite(self, sq: float, overlap_steps: int = 0) -> tuple[bool, int]:
         """Whether any rank's pseudo-gradient shard, in any replica, stage or shard, holds a NaN/Inf.
@@ -438,8 +443,7 @@ class OuterSync:
         with record_function("megatron_diloco::prepare"):
             self.view.copy_to(self.delta)
             self.delta.neg_().add_(self.theta)  # theta - x, the same bits as x <- theta + (-x)
-            parts = self.view.split(self.delta)
-            sq = float(torch.stack(torch._foreach_norm(parts, 2)).double().square().sum()) if parts else 0.0
+            sq = _squared_norm(self.view.split(self.delta))
         with record_function("megatron_diloco::launch"):
             skip, self.apply_at = self._any_rank_nonfinite(sq, self._choose_overlap_steps())
             if skip:

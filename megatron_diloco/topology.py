@@ -81,6 +81,15 @@ def decision_group_of_world() -> dist.ProcessGroup:
     return dist.new_group(backend="gloo")
 
 
+def _replica_groups() -> tuple[dist.ProcessGroup, ...]:
+    """The multi-rank groups spanning this rank's replica: its own data parallelism (x CP; with R
+    optimizer instances in one world, the intra-instance part) and model parallelism."""
+    from megatron.core import parallel_state as ps
+
+    intra_dp = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+    return tuple(g for g in (intra_dp, ps.get_model_parallel_group()) if dist.get_world_size(g) > 1)
+
+
 def from_parallel_state(replicas: int, host_mirror: bool = False) -> Topology:
     """Read the topology from Megatron's ``parallel_state`` (after ``initialize_model_parallel``).
     Collective over the world (creates the skip-decision group, :func:`decision_group_of_world`).
@@ -104,11 +113,9 @@ def from_parallel_state(replicas: int, host_mirror: bool = False) -> Topology:
                 "initialized with --use-tp-pp-dp-mapping and --num-distributed-optimizer-instances R "
                 "(call megatron_diloco.install(args) before pretrain)"
             )
-    intra_dp = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
-    groups = tuple(g for g in (intra_dp, ps.get_model_parallel_group()) if dist.get_world_size(g) > 1)
     host = host_mirror_of_outer_groups(replicas) if host_mirror and replicas > 1 else None
     decision = decision_group_of_world()
-    return Topology(replicas, rank // per, per, rank % per, outer, groups, host, decision)
+    return Topology(replicas, rank // per, per, rank % per, outer, _replica_groups(), host, decision)
 
 
 def _gloo_group(store, rank: int, size: int, timeout: datetime.timedelta, name: str,
@@ -144,8 +151,6 @@ def from_outer_store(replicas: int, replica_index: int, address: str, timeout_mi
     copies, :func:`megatron_diloco.collectives.start_exchange`); its position = ``replica_index``.
     The skip decision reduces over the replica's world (gloo) and then the outer group. Ranks in
     errors are numbered ``replica_index x world + rank``."""
-    from megatron.core import parallel_state as ps
-
     world, rank = dist.get_world_size(), dist.get_rank()
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -160,8 +165,7 @@ def from_outer_store(replicas: int, replica_index: int, address: str, timeout_mi
     if replicas > 1:
         outer = _gloo_group(dist.PrefixStore(f"diloco_x/outer/{rank}", store), replica_index, replicas,
                             timeout, f"diloco_x_outer_{rank}", [r * world + rank for r in range(replicas)])
-    intra_dp = ps.get_data_parallel_group(with_context_parallel=True)
-    groups = tuple(g for g in (intra_dp, ps.get_model_parallel_group()) if dist.get_world_size(g) > 1)
     replica_world = decision_group_of_world() if world > 1 else None
     decision = tuple(g for g in (replica_world, outer) if g is not None)
-    return Topology(replicas, replica_index, world, rank, outer, groups, outer, decision, separate_worlds=True)
+    return Topology(replicas, replica_index, world, rank, outer, _replica_groups(), outer, decision,
+                    separate_worlds=True)
