@@ -57,6 +57,9 @@ CPU_MODEL = """
 #: Methods: overlap rule, codec, tau (partial), outer lr eta, outer momentum mu (None: allreduce).
 METHODS: dict[str, dict] = {
     "allreduce": {},
+    # one replica alone (its own batch, no partner): the floor any R-replica method must beat
+    "single": {"alone": True},
+    "diloco_eta1_mu0": dict(overlap="none", codec="none", eta=1.0, mu=0.0),
     "diloco": dict(overlap="none", codec="none", eta=1.0, mu=0.5),
     "diloco_eta0.7_mu0.9": dict(overlap="none", codec="none", eta=0.7, mu=0.9),
     "delayed": dict(overlap="delayed", codec="none", eta=0.5, mu=0.0),
@@ -77,9 +80,14 @@ _VALID = re.compile(r"validation loss at iteration (\d+)( on validation set)? \|
 _PARAMS = re.compile(r"number of parameters on \([^)]*\) model parallel rank \([^)]*\): (\d+)")
 
 
+def communicates(name: str) -> bool:
+    """Whether ``name`` is a DiLoCo(X) method (R replicas joined by the outer groups)."""
+    return "overlap" in METHODS[name]
+
+
 def method_flags(name: str) -> list[str]:
     m = METHODS[name]
-    if not m:
+    if not communicates(name):
         return ["--no-diloco-x"]
     flags = ["--diloco-x", "--diloco-x-replicas", str(REPLICAS), "--diloco-x-overlap", m["overlap"],
              "--diloco-x-compression", m["codec"], "--diloco-x-outer-lr", str(m["eta"]),
@@ -101,9 +109,10 @@ def job_for(name: str, seed: int, a: argparse.Namespace, data: str) -> Job:
     run = f"{name}_seed{seed}"
     world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
              "MASTER_ADDR": "127.0.0.1"}
-    if not METHODS[name]:
+    if not communicates(name):  # one world: all replicas' samples per step (allreduce) or one's (single)
+        gbs = per_replica_gbs * (1 if METHODS[name].get("alone") else REPLICAS)
         cmds = [Command(harness_command(["losses"], a.out / run / "replica0",
-                                        [*common, "--global-batch-size", str(REPLICAS * per_replica_gbs),
+                                        [*common, "--global-batch-size", str(gbs),
                                          *method_flags(name)]),
                         env={**world, "MASTER_PORT": str(free_port())}, log="replica0.log")]
     else:
@@ -113,8 +122,8 @@ def job_for(name: str, seed: int, a: argparse.Namespace, data: str) -> Job:
                                          *method_flags(name), *store, "--diloco-x-replica-index", str(r)]),
                         env={**world, "MASTER_PORT": str(free_port())}, log=f"replica{r}.log")
                 for r in range(REPLICAS)]
-    return Job(run, cmds, env={"OMP_NUM_THREADS": "1"}, estimate_s=a.estimate_s, timeout_s=a.timeout_s,
-               fingerprint={"method": METHODS[name], "common": common})
+    return Job(run, cmds, gpus=1, env={"OMP_NUM_THREADS": "1"}, estimate_s=a.estimate_s,
+               timeout_s=a.timeout_s, fingerprint={"method": METHODS[name], "common": common})
 
 
 # --- analysis -------------------------------------------------------------------------------------
@@ -158,13 +167,14 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
         for run in sorted(p for p in d.glob("*_seed*") if p.is_dir()):
             name, seed = run.name.rsplit("_seed", 1)
             if name in METHODS:
-                per_seed.setdefault(name, {})[int(seed)] = analyze(run, a.tokens_per_step)
+                tokens_per_step = a.tokens_per_step // (REPLICAS if METHODS[name].get("alone") else 1)
+                per_seed.setdefault(name, {})[int(seed)] = analyze(run, tokens_per_step)
     params = next((r["params"] for runs in per_seed.values() for r in runs.values() if r.get("params")), None)
     methods = {}
     for name, runs in per_seed.items():
         ok = {s: r for s, r in sorted(runs.items()) if r.get("final_val_loss") is not None}
         m = METHODS[name]
-        row = {"overlap": m.get("overlap", "allreduce"), "codec": m.get("codec"), "tau": m.get("tau"),
+        row = {"overlap": m.get("overlap", "alone" if m.get("alone") else "allreduce"), "codec": m.get("codec"), "tau": m.get("tau"),
                "merge": m.get("merge", "exact") if m.get("overlap") == "partial" else None,
                "outer_lr": m.get("eta"), "outer_momentum": m.get("mu"),
                "final_val_loss_per_seed": [r["final_val_loss"] for r in ok.values()], "seeds": list(ok),
@@ -177,20 +187,23 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
                 row["seed_spread"] = max(finals) - min(finals)
             first = next(iter(ok.values()))
             row["curve"] = first["curve"]
-            if m:
+            if communicates(name):
                 row["bytes_total"] = statistics.mean(r["bytes_total"] for r in ok.values())
                 for k in ("rounds", "replicas_identical", "exposed_comm_s", "train_wall_s", "compression_ratio",
                           "last_overlap_steps"):
                     row[k] = first.get(k)
+            elif m.get("alone"):
+                row["bytes_total"] = 0.0
             elif params:
                 row["bytes_total"] = a.steps * params * (REPLICAS - 1) / REPLICAS * (4 + 2)
         methods[name] = row
     base = methods.get("allreduce", {}).get("final_val_loss")
     blocking = methods.get("diloco", {}).get("final_val_loss")
     for name, row in methods.items():
-        if base and row.get("final_val_loss") and row.get("bytes_total"):
+        if base and row.get("final_val_loss"):
             row["gap_vs_allreduce"] = row["final_val_loss"] / base - 1
-            row["fewer_bytes_than_allreduce"] = methods["allreduce"].get("bytes_total", 0) / row["bytes_total"]
+            if row.get("bytes_total"):
+                row["fewer_bytes_than_allreduce"] = methods["allreduce"].get("bytes_total", 0) / row["bytes_total"]
         if blocking and row.get("final_val_loss") and name != "diloco":
             row["gap_vs_blocking_diloco"] = row["final_val_loss"] / blocking - 1
     tokens = a.steps * a.tokens_per_step
@@ -254,6 +267,7 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=1, help="micro-batches per replica per step")
     p.add_argument("--corpus-mb", type=int, default=40)
     p.add_argument("--parallel", type=int, default=8)
+    p.add_argument("--jobs-per-gpu", type=int, default=3, help="runs sharing one GPU at a time")
     p.add_argument("--budget-s", type=float, default=None)
     p.add_argument("--estimate-s", type=float, default=400.0)
     p.add_argument("--timeout-s", type=float, default=None)
@@ -291,7 +305,7 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"unknown method(s) {unknown}; choose among {', '.join(METHODS)}")
         jobs = [job_for(n, int(s), a, data) for s in a.seeds.split(",") for n in names]
-        run_jobs(jobs, a.out, parallel=a.parallel, budget_s=a.budget_s)
+        run_jobs(jobs, a.out, parallel=a.parallel, budget_s=a.budget_s, jobs_per_gpu=a.jobs_per_gpu)
     result = report([a.out, *a.more], a)
     (a.out / "convergence.json").write_text(json.dumps(result, indent=1))
     plot(result, a.out / "convergence.png")

@@ -314,11 +314,13 @@ def _finish(r: _Running, d: Path) -> dict:
 
 def run_jobs(jobs: list[Job | ExampleJob], out: Path, parallel: int = 1, budget_s: float | None = None,
              on_done: Callable[[Job, dict], None] | None = None, resume: bool = True,
-             poll_s: float = 0.5) -> dict[str, dict]:
+             poll_s: float = 0.5, jobs_per_gpu: int = 1) -> dict[str, dict]:
     """Run ``jobs`` under ``out``, ``parallel`` at a time, each on its own ``gpus`` devices when GPUs
     are present (on CPU they share the cores); returns ``{name: done info}`` of the jobs that ran.
-    ``resume``: skip jobs already done with the same fingerprint. ``budget_s``: start no job that
-    would end past it (by its estimate). ``on_done(job, info)`` runs after each job ends."""
+    ``jobs_per_gpu``: how many jobs may share one device (each device has that many slots; a job
+    takes one slot on each of ``gpus`` distinct devices, the least loaded first). ``resume``: skip
+    jobs already done with the same fingerprint. ``budget_s``: start no job that would end past it
+    (by its estimate). ``on_done(job, info)`` runs after each job ends."""
     out.mkdir(parents=True, exist_ok=True)
     pending = list(jobs)
     gpus = gpu_count()
@@ -334,7 +336,7 @@ def run_jobs(jobs: list[Job | ExampleJob], out: Path, parallel: int = 1, budget_
         pending = [j for j in pending if j not in skipped]
         if skipped:
             print(f"[runner] {len(skipped)} job(s) already done in {out}, skipped", flush=True)
-    free = list(range(gpus))
+    free = [d for d in range(gpus) for _ in range(jobs_per_gpu)]  # one entry per free slot
     running: list[_Running] = []
     results: dict[str, dict] = {}
     t_start = time.perf_counter()
@@ -350,10 +352,13 @@ def run_jobs(jobs: list[Job | ExampleJob], out: Path, parallel: int = 1, budget_
                     pending.pop(0)
                     continue
                 need = job.gpus if gpus else 0
-                if need > len(free):
+                by_load = sorted(set(free), key=lambda d: (-free.count(d), d))  # most free slots first
+                if need > len(by_load):
                     break  # wait for a running job's devices
                 pending.pop(0)
-                devices, free = free[:need], free[need:]
+                devices = sorted(by_load[:need])
+                for d in devices:
+                    free.remove(d)
                 job = job.job(out) if isinstance(job, ExampleJob) else job
                 running.append(_start(job, out / job.name, devices, gpus))
             time.sleep(poll_s)
