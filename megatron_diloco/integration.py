@@ -129,6 +129,8 @@ class _Installation:
 
         if self.args.diloco_x_outer_store is not None:
             training.build_pretraining_data_loader = self.replica_data_loader(training.build_pretraining_data_loader)
+            training.get_train_valid_test_num_samples = self.replica_num_samples(
+                training.get_train_valid_test_num_samples)
         load_checkpoint = training.load_checkpoint
         get_scheduler = training.get_optimizer_param_scheduler
 
@@ -191,6 +193,19 @@ class _Installation:
                 ps.get_data_parallel_rank, ps.get_data_parallel_world_size = rank, size
 
         return build_pretraining_data_loader
+
+    def replica_num_samples(self, get_num_samples):
+        """Replicas in separate worlds: the datasets are sized for the R replicas' samples, as one
+        world of R replicas sizes them (its global batch is R launches' ``--global-batch-size``).
+        Each launch's loaders take every R-th share of them (:meth:`replica_data_loader`), so
+        datasets sized for one launch would run out at 1/R of the run (seen: the validation
+        iterator ended at iteration 2100 of 3000)."""
+        R = self.config.replicas
+
+        def get_train_valid_test_num_samples():
+            return tuple(None if n is None else R * n for n in get_num_samples())
+
+        return get_train_valid_test_num_samples
 
     def after_load(self) -> None:
         """Megatron's ``load_checkpoint`` returned: the optimizer restarts the outer loop if weights

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 
 import pytest
 
@@ -18,6 +19,12 @@ pytestmark = pytest.mark.megatron
 
 def _records(out) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
+def _dataset_sizes(log: str) -> list[int]:
+    """Megatron's ' > datasets target sizes' (train, validation, test) printed by a world's rank 0."""
+    return [int(n) for n in re.findall(r"^\s*(?:\[rank\d+\]:)?\s*(?:train|validation|test):\s+(\d+)\s*$",
+                                       log, flags=re.M)]
 
 
 @pytest.mark.parametrize("flags", [
@@ -34,6 +41,7 @@ def test_separate_worlds_train_as_one_world(tmp_path, flags):
     one.mkdir()
     code, log = torchrun([RUNNER, *harness_args(one), *base], nproc=2)
     assert code == 0, log[-4000:]
+    sizes = _dataset_sizes(log)
     want = losses(_records(one))
     assert set(want) == {0, 1} and want[0] != want[1]  # two replicas on different data
 
@@ -53,6 +61,9 @@ def test_separate_worlds_train_as_one_world(tmp_path, flags):
     for r, (out, (code, log)) in enumerate(results):
         assert code == 0, log[-4000:]
         assert "replicas_identical" in log
+        # datasets sized for the R replicas' samples, as the one world sizes them (each launch reads
+        # every R-th share: sized for one launch, they ran out at half the run)
+        assert len(sizes) == 3 and _dataset_sizes(log) == sizes, (sizes, _dataset_sizes(log))
         got[r] = losses(_records(out))[0]
     assert got == want
     one_fp = [rec["main_fp"][-1] for rec in _records(one)]
