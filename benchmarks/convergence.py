@@ -54,28 +54,40 @@ CPU_MODEL = """
     --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 2 --log-interval 1 --eval-iters 2
     --pipeline-model-parallel-size 1
 """.split()
-#: Methods: overlap rule, codec, tau (partial), outer lr eta, outer momentum mu (None: allreduce).
+#: Methods: overlap rule, codec, tau (partial), outer lr eta, outer momentum mu; optional H (local
+#: steps, default ``--local-steps``) and E (adaptive energy). No overlap: one world (allreduce, single).
+#: eta 1, mu 0 unless named: measured best at H = 30 (RESULTS.md §2: momentum amplifies a 30-step
+#: Adam trajectory like a larger inner lr; eta 0.7 / mu 0.9 diverged).
+_O = dict(eta=1.0, mu=0.0)
 METHODS: dict[str, dict] = {
     "allreduce": {},
     # one replica alone (its own batch, no partner): the floor any R-replica method must beat
     "single": {"alone": True},
-    "diloco_eta1_mu0": dict(overlap="none", codec="none", eta=1.0, mu=0.0),
-    "diloco": dict(overlap="none", codec="none", eta=1.0, mu=0.5),
+    "diloco": dict(overlap="none", codec="none", **_O),
+    "diloco_mu0.5": dict(overlap="none", codec="none", eta=1.0, mu=0.5),
     "diloco_eta0.7_mu0.9": dict(overlap="none", codec="none", eta=0.7, mu=0.9),
-    "delayed": dict(overlap="delayed", codec="none", eta=0.5, mu=0.0),
-    "eager": dict(overlap="eager", codec="none", eta=1.0, mu=0.5),
-    "partial_tau1": dict(overlap="partial", codec="none", tau=1, eta=1.0, mu=0.5),
-    "partial_tau5": dict(overlap="partial", codec="none", tau=5, eta=1.0, mu=0.5),
-    "partial_tau15": dict(overlap="partial", codec="none", tau=15, eta=1.0, mu=0.5),
-    "partial_tau30": dict(overlap="partial", codec="none", tau=30, eta=1.0, mu=0.5),
-    "partial_mix_tau5": dict(overlap="partial", codec="none", tau=5, merge="mix", eta=1.0, mu=0.5),
-    "partial_auto": dict(overlap="partial", codec="none", tau="auto", eta=1.0, mu=0.5),
-    "diloco_int4": dict(overlap="none", codec="int4", eta=1.0, mu=0.5),
-    "partial_tau5_int4": dict(overlap="partial", codec="int4", tau=5, eta=1.0, mu=0.5),
-    "partial_tau5_int8": dict(overlap="partial", codec="int8", tau=5, eta=1.0, mu=0.5),
-    "partial_auto_int4": dict(overlap="partial", codec="int4", tau="auto", eta=1.0, mu=0.5),
-    "partial_tau5_adaptive": dict(overlap="partial", codec="adaptive", tau=5, eta=1.0, mu=0.5),
+    "diloco_int4": dict(overlap="none", codec="int4", **_O),
+    "diloco_int8": dict(overlap="none", codec="int8", **_O),
+    "delayed": dict(overlap="delayed", codec="none", **_O),
+    "delayed_eta0.5": dict(overlap="delayed", codec="none", eta=0.5, mu=0.0),
+    "eager": dict(overlap="eager", codec="none", **_O),
+    "partial_tau1": dict(overlap="partial", codec="none", tau=1, **_O),
+    "partial_tau5": dict(overlap="partial", codec="none", tau=5, **_O),
+    "partial_tau15": dict(overlap="partial", codec="none", tau=15, **_O),
+    "partial_tau30": dict(overlap="partial", codec="none", tau=30, **_O),
+    "partial_mix_tau5": dict(overlap="partial", codec="none", tau=5, merge="mix", **_O),
+    "partial_auto": dict(overlap="partial", codec="none", tau="auto", **_O),
+    "partial_tau5_int4": dict(overlap="partial", codec="int4", tau=5, **_O),
+    "partial_tau15_int4": dict(overlap="partial", codec="int4", tau=15, **_O),
+    "partial_auto_int4": dict(overlap="partial", codec="int4", tau="auto", **_O),
+    "partial_auto_int8": dict(overlap="partial", codec="int8", tau="auto", **_O),
+    # int8 at twice H: the bytes of int4 at H (codecs compared at equal bytes)
+    "partial_auto_int8_h60": dict(overlap="partial", codec="int8", tau="auto", H=60, **_O),
+    "partial_auto_adaptive_e0.99": dict(overlap="partial", codec="adaptive", tau="auto", E=0.99, **_O),
+    "partial_tau5_int4_mu0.5": dict(overlap="partial", codec="int4", tau=5, eta=1.0, mu=0.5),
 }
+#: The link the auto tau and the adaptive byte budget are sized for (Mbit/s): the issue's 1 Gbit.
+LINK_MBPS = 1000
 _VALID = re.compile(r"validation loss at iteration (\d+)( on validation set)? \| lm loss value: (\S+)")
 _PARAMS = re.compile(r"number of parameters on \([^)]*\) model parallel rank \([^)]*\): (\d+)")
 
@@ -94,14 +106,19 @@ def method_flags(name: str) -> list[str]:
              "--diloco-x-outer-momentum", str(m["mu"])]
     if "tau" in m:
         flags += ["--diloco-x-overlap-steps", str(m["tau"]), "--diloco-x-merge", m.get("merge", "exact")]
-    if m["codec"] == "adaptive":
-        flags += ["--diloco-x-bandwidth-mbps", "1000"]
+    if m["codec"] == "adaptive" or m.get("tau") == "auto":
+        flags += ["--diloco-x-bandwidth-mbps", str(LINK_MBPS)]
+    if "E" in m:
+        flags += ["--diloco-x-energy", str(m["E"])]
+    if "H" in m:
+        flags += ["--diloco-x-local-steps", str(m["H"])]
     return flags
 
 
 def job_for(name: str, seed: int, a: argparse.Namespace, data: str) -> Job:
     per_replica_gbs = a.micro_batch * a.accum
     common = [*(CPU_MODEL if a.cpu_smoke else MODEL), "--micro-batch-size", str(a.micro_batch),
+              *(["--eval-iters", str(a.eval_iters)] if a.eval_iters else []),
               "--train-iters", str(a.steps), "--eval-interval", str(a.eval_interval),
               "--seed", str(seed), "--data-path", data, "--split", "98,1,1",
               "--diloco-x-local-steps", str(a.local_steps), "--lr-decay-style", "cosine",
@@ -177,6 +194,8 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
         row = {"overlap": m.get("overlap", "alone" if m.get("alone") else "allreduce"), "codec": m.get("codec"), "tau": m.get("tau"),
                "merge": m.get("merge", "exact") if m.get("overlap") == "partial" else None,
                "outer_lr": m.get("eta"), "outer_momentum": m.get("mu"),
+               "local_steps": m.get("H", a.local_steps) if communicates(name) else None,
+               "energy": m.get("E"),
                "final_val_loss_per_seed": [r["final_val_loss"] for r in ok.values()], "seeds": list(ok),
                "incomplete": {s: {"last_iteration": r.get("last_iteration"), "ok": r.get("ok")}
                               for s, r in runs.items() if s not in ok}}
@@ -214,6 +233,13 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
             "card": a.card, "default_method": a.default_method, "methods": methods}
 
 
+def _tau(row: dict) -> str:
+    """tau as configured; for ``auto`` also the tau of the last round (``auto (5)``)."""
+    if row.get("tau") is None:
+        return "-"
+    return f"auto ({row.get('last_overlap_steps')})" if row["tau"] == "auto" else str(row["tau"])
+
+
 def markdown_table(result: dict) -> str:
     """The RESULTS.md table: one row per method, best final loss first."""
     rows = ["| method | overlap | codec | tau | eta / mu | final val loss (per seed) | vs AllReduce | vs blocking "
@@ -222,7 +248,7 @@ def markdown_table(result: dict) -> str:
     for name, r in sorted(result["methods"].items(), key=lambda kv: kv[1].get("final_val_loss") or 9):
         seeds = ", ".join(f"{v:.4f}" for v in r.get("final_val_loss_per_seed", []))
         final = f"**{r['final_val_loss']:.4f}** ({seeds})" if r.get("final_val_loss") else "incomplete"
-        rows.append(f"| {name} | {r['overlap']} | {r.get('codec') or '-'} | {r.get('tau') if r.get('tau') is not None else '-'} | "
+        rows.append(f"| {name} | {r['overlap']} | {r.get('codec') or '-'} | {_tau(r)} | "
                     f"{r.get('outer_lr', '-')} / {r.get('outer_momentum', '-')} | {final} | {pct(r.get('gap_vs_allreduce'))} | "
                     f"{pct(r.get('gap_vs_blocking_diloco'))} | {r.get('bytes_total', 0) / 1e9:.2f} GB | "
                     f"{r.get('fewer_bytes_than_allreduce', 0):.0f}x | {r.get('rounds') or '-'} |")
@@ -264,6 +290,7 @@ def main() -> None:
     p.add_argument("--local-steps", type=int, default=H)
     p.add_argument("--eval-interval", type=int, default=300)
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--eval-iters", type=int, default=None, help="validation micro-batches per evaluation")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per replica per step")
     p.add_argument("--corpus-mb", type=int, default=40)
     p.add_argument("--parallel", type=int, default=8)
@@ -271,7 +298,7 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=None)
     p.add_argument("--estimate-s", type=float, default=400.0)
     p.add_argument("--timeout-s", type=float, default=None)
-    p.add_argument("--default-method", default="partial_tau5_int4")
+    p.add_argument("--default-method", default="partial_auto_int4")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--from", dest="more", type=Path, nargs="*", default=[])
     p.add_argument("--cpu-smoke", action="store_true")
