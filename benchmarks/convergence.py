@@ -92,14 +92,15 @@ _VALID = re.compile(r"validation loss at iteration (\d+)( on validation set)? \|
 _PARAMS = re.compile(r"number of parameters on \([^)]*\) model parallel rank \([^)]*\): (\d+)")
 
 
-def communicates(name: str) -> bool:
-    """Whether ``name`` is a DiLoCo(X) method (R replicas joined by the outer groups)."""
-    return "overlap" in METHODS[name]
+def communicates(method: dict) -> bool:
+    """Whether a method definition (an entry of :data:`METHODS`) is DiLoCo(X): R replicas joined by
+    the outer groups (else one world: allreduce, single)."""
+    return "overlap" in method
 
 
 def method_flags(name: str) -> list[str]:
     m = METHODS[name]
-    if not communicates(name):
+    if not communicates(m):
         return ["--no-diloco-x"]
     flags = ["--diloco-x", "--diloco-x-replicas", str(REPLICAS), "--diloco-x-overlap", m["overlap"],
              "--diloco-x-compression", m["codec"], "--diloco-x-outer-lr", str(m["eta"]),
@@ -126,7 +127,7 @@ def job_for(name: str, seed: int, a: argparse.Namespace, data: str) -> Job:
     run = f"{name}_seed{seed}"
     world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
              "MASTER_ADDR": "127.0.0.1"}
-    if not communicates(name):  # one world: all replicas' samples per step (allreduce) or one's (single)
+    if not communicates(METHODS[name]):  # one world: all replicas' samples per step (allreduce) or one's (single)
         gbs = per_replica_gbs * (1 if METHODS[name].get("alone") else REPLICAS)
         cmds = [Command(harness_command(["losses"], a.out / run / "replica0",
                                         [*common, "--global-batch-size", str(gbs),
@@ -180,24 +181,29 @@ def analyze(d: Path, tokens_per_step: int) -> dict:
 
 def report(dirs: list[Path], a: argparse.Namespace) -> dict:
     per_seed: dict[str, dict[int, dict]] = {}
+    defs: dict[str, dict] = {}
     for d in dirs:
         for run in sorted(p for p in d.glob("*_seed*") if p.is_dir()):
             name, seed = run.name.rsplit("_seed", 1)
-            if name in METHODS:
-                tokens_per_step = a.tokens_per_step // (REPLICAS if METHODS[name].get("alone") else 1)
+            # the definition the run was launched with (its done.json), else today's of that name
+            m = (done(run.parent, run.name) or {}).get("method", METHODS.get(name))
+            if m is not None:
+                defs.setdefault(name, m)
+                tokens_per_step = a.tokens_per_step // (REPLICAS if m.get("alone") else 1)
                 per_seed.setdefault(name, {})[int(seed)] = analyze(run, tokens_per_step)
     params = next((r["params"] for runs in per_seed.values() for r in runs.values() if r.get("params")), None)
     methods = {}
     for name, runs in per_seed.items():
         ok = {s: r for s, r in sorted(runs.items()) if r.get("final_val_loss") is not None}
-        m = METHODS[name]
+        m = defs[name]
         row = {"overlap": m.get("overlap", "alone" if m.get("alone") else "allreduce"), "codec": m.get("codec"), "tau": m.get("tau"),
                "merge": m.get("merge", "exact") if m.get("overlap") == "partial" else None,
                "outer_lr": m.get("eta"), "outer_momentum": m.get("mu"),
-               "local_steps": m.get("H", a.local_steps) if communicates(name) else None,
+               "local_steps": m.get("H", a.local_steps) if communicates(m) else None,
                "energy": m.get("E"),
                "final_val_loss_per_seed": [r["final_val_loss"] for r in ok.values()], "seeds": list(ok),
-               "incomplete": {s: {"last_iteration": r.get("last_iteration"), "ok": r.get("ok")}
+               "incomplete": {s: {"last_iteration": r.get("last_iteration"), "ok": r.get("ok"),
+                                  "curve": r.get("curve")}
                               for s, r in runs.items() if s not in ok}}
         if ok:
             finals = row["final_val_loss_per_seed"]
@@ -206,7 +212,7 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
                 row["seed_spread"] = max(finals) - min(finals)
             first = next(iter(ok.values()))
             row["curve"] = first["curve"]
-            if communicates(name):
+            if communicates(m):
                 row["bytes_total"] = statistics.mean(r["bytes_total"] for r in ok.values())
                 for k in ("rounds", "replicas_identical", "exposed_comm_s", "train_wall_s", "compression_ratio",
                           "last_overlap_steps"):

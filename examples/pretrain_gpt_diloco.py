@@ -70,10 +70,8 @@ TRAINING_ARGS = """
     --num-workers 0
 """.split()
 TOKENIZER_ARGS = f"--tokenizer-type NullTokenizer --vocab-size {stdlib_corpus.VOCAB_SIZE}".split()
-DILOCO_ARGS = """
-    --diloco-x --diloco-x-replicas 2 --diloco-x-local-steps 16 --diloco-x-overlap delayed
-    --diloco-x-outer-lr 0.5 --diloco-x-outer-momentum 0
-""".split()
+# DiLoCoX at the package's defaults (partial overlap with auto tau, eta 1, mu 0, int4), short rounds.
+DILOCO_ARGS = "--diloco-x --diloco-x-replicas 2 --diloco-x-local-steps 16".split()
 _DATA_FLAGS = ("--data-path", "--mock-data", "--train-data-path", "--per-split-data-args-path",
                "--data-args-path")
 

@@ -27,19 +27,21 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--diloco-x-local-steps", type=int, default=defaults["local_steps"].default,
                        help="H: inner optimizer steps per outer round.")
     group.add_argument("--diloco-x-outer-lr", type=float, default=defaults["outer_lr"].default,
-                       help="eta: outer learning rate (default 0.7).")
+                       help="eta: outer learning rate (default 1.0: with mu 0 the outer step is the "
+                            "replicas' mean).")
     group.add_argument("--diloco-x-outer-momentum", type=float,
                        default=defaults["outer_momentum"].default,
-                       help="mu: outer momentum (default 0.9).")
+                       help="mu: outer momentum (default 0; momentum amplified the pseudo-gradient "
+                            "like a larger inner lr at H = 30, see benchmarks/RESULTS.md).")
     group.add_argument("--diloco-x-no-nesterov", action="store_true", default=False,
                        help="Use heavy-ball instead of Nesterov momentum for the outer step.")
     group.add_argument("--diloco-x-overlap", choices=OVERLAP_MODES, default=defaults["overlap"].default,
-                       help="delayed: one-step-delay overlap (round t's exchange runs during round "
+                       help="partial (default): the exchange launched at a boundary is applied tau "
+                            "inner steps later (--diloco-x-overlap-steps, default auto), the local "
+                            "progress of those steps merged in (--diloco-x-merge); "
+                            "delayed: one-step-delay overlap (round t's exchange runs during round "
                             "t+1, applied one round late); eager: delayed plus each replica's own "
-                            "fresh pseudo-gradient applied at once; partial: the exchange launched at a "
-                            "boundary is applied tau inner steps later (--diloco-x-overlap-steps), the "
-                            "local progress of those steps merged in (--diloco-x-merge); none: blocking "
-                            "exchange (plain DiLoCo).")
+                            "fresh pseudo-gradient applied at once; none: blocking exchange (plain DiLoCo).")
     group.add_argument("--diloco-x-overlap-steps", type=_overlap_steps, default=None,
                        help="partial only: tau, inner steps from a boundary to the application of its "
                             "exchange, 0..H; 'auto' (default): the fewest steps that hide the last "
@@ -54,7 +56,7 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "look-ahead, in (0, 1]; default 1/R (Kale et al.); 1: the full look-ahead.")
     group.add_argument("--diloco-x-compression", choices=list(CODECS),
                        default=defaults["compression"].default,
-                       help="Pseudo-gradient codec (see the README).")
+                       help="Pseudo-gradient codec (default int4; see the README).")
     group.add_argument("--diloco-x-rank", type=int, default=defaults["rank"].default,
                        help="Rank of the lowrank / lowrank-int8 codecs.")
     group.add_argument("--diloco-x-energy", type=float, default=defaults["energy"].default,

@@ -74,7 +74,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from megatron_diloco.collectives import (
-    DaemonWorker, ExchangeHandle, ExchangeStats, bounded_all_reduce, measure_link_bandwidth, start_exchange,
+    DaemonWorker, ExchangeHandle, ExchangeStats, bounded_all_reduce, measure_link_bandwidth, ring_allreduce_bytes,
+    start_exchange,
 )
 from megatron_diloco.config import CODECS, OUTER_TIMEOUT_HEADROOM, DiLoCoXConfig
 from megatron_diloco.outer import OuterNesterov
@@ -459,19 +460,35 @@ class OuterSync:
 
     def _choose_overlap_steps(self) -> int:
         """This rank's tau for the exchange about to launch: ``--diloco-x-overlap-steps``, or (auto) the
-        fewest inner steps, at least 1, that hide the last completed exchange: its wire bytes at the
-        link bandwidth when that is known (``--diloco-x-bandwidth-mbps`` or measured), else its
-        measured duration, over the last round's mean step time. H before anything is measured."""
+        fewest inner steps, at least 1, that hide the exchange, over the last round's mean step time:
+        its wire bytes at the link bandwidth when that is known (``--diloco-x-bandwidth-mbps`` or
+        measured; the bytes of the last completed exchange, or before any completed, of this one
+        where the codec's payload size is fixed), else the last exchange's measured duration. H while
+        neither is known (the first exchange of a run without a known link)."""
         H = self.config.local_steps
         if self.config.overlap_steps is not None:
             return self.config.overlap_steps
         last = self.last_completed
-        if last is None or not self.step_time_s:
+        if not self.step_time_s:
             return H
-        seconds = last.exchange_s
-        if self.link_bytes_per_s and last.bytes_sent:
-            seconds = last.bytes_sent / self.link_bytes_per_s
+        wire = last.bytes_sent if last is not None else self._fixed_wire_bytes()
+        if self.link_bytes_per_s and wire:
+            seconds = wire / self.link_bytes_per_s
+        elif last is not None:
+            seconds = last.exchange_s
+        else:
+            return H
         return min(H, max(1, math.ceil(seconds / self.step_time_s)))
+
+    def _fixed_wire_bytes(self) -> int | None:
+        """Bytes this rank sends in one exchange where the codec fixes them in advance (every codec
+        but the matrix ones, whose ranks vary); None otherwise."""
+        spec = CODECS[self.config.compression]
+        if spec.matrix:
+            return None
+        size = self.config.replicas  # the outer group: one rank per replica
+        payload = self.codec.payload_bytes(self.view.numel)
+        return ring_allreduce_bytes(payload, size) if spec.collective == "all-reduce" else (size - 1) * payload
 
     def merge_due(self, steps_since_boundary: int) -> bool:
         """Whether the pending exchange is to be applied after this inner step (``partial``: tau

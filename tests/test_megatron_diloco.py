@@ -22,7 +22,8 @@ def test_degenerate_case_equals_data_parallel(tmp_path, loss_mode):
               "--weight-decay", "0", *loss_mode]
     vanilla, _ = run_megatron(tmp_path, common + ["--no-diloco-x"])
     dx, log = run_megatron(tmp_path, common + ["--diloco-x-local-steps", "1", "--diloco-x-outer-lr", "1",
-                                               "--diloco-x-outer-momentum", "0", "--diloco-x-overlap", "none"])
+                                               "--diloco-x-outer-momentum", "0", "--diloco-x-overlap", "none",
+                                               "--diloco-x-compression", "none"])
     lv, ld = losses(vanilla), losses(dx)
     assert sorted(ld) == [1, 3]  # the last stage of each replica (contiguous replicas)
     # vanilla reports the global mean loss; DiLoCoX reports each replica's own: compare the means.
@@ -77,17 +78,23 @@ def test_replicas_identical_and_no_cross_replica_traffic(tmp_path, overlap, prec
     assert s["final_loss"] < s["first_loss"]
 
 
-@pytest.mark.parametrize("codec", ["none", "int8", "lowrank-int8", "adaptive"])
-def test_checkpoint_resume_is_exact(tmp_path, codec):
+@pytest.mark.parametrize("codec,overlap", [("none", "delayed"), ("int8", "delayed"), ("lowrank-int8", "delayed"),
+                                           ("adaptive", "delayed"), ("int4", "partial")],
+                         ids=["none", "int8", "lowrank-int8", "adaptive", "partial-int4"])
+def test_checkpoint_resume_is_exact(tmp_path, codec, overlap):
     """Save mid-round (exchange in flight) and at a boundary, resume: the loss trajectory of the
     uninterrupted run, bit for bit, on every replica (with a lossy codec: error-feedback residuals
     too; low-rank: the shared warm-start bases; adaptive: its plan and when it was evaluated, which
-    a resumed run must reuse rather than re-evaluate at its first boundary).
+    a resumed run must reuse rather than re-evaluate at its first boundary; partial, the default
+    overlap: the launch point x_L and when the pending exchange lands).
 
     16 iterations, H = 4: the codec state saved at iterations 6 and 8 feeds the exchange launched at
-    boundary 8, which the delay applies at boundary 12, so it shows in the losses of 13-16."""
-    base = ["--train-iters", "16", "--diloco-x-local-steps", "4", "--diloco-x-overlap", "delayed",
+    boundary 8, which the delay applies at boundary 12, so it shows in the losses of 13-16. partial
+    with tau 3 (a fixed tau: auto follows measured times) lands its exchanges at 7, 11, 15: both
+    saves (6, 8) hold one in flight."""
+    base = ["--train-iters", "16", "--diloco-x-local-steps", "4", "--diloco-x-overlap", overlap,
             "--diloco-x-compression", codec,
+            *(["--diloco-x-overlap-steps", "3"] if overlap == "partial" else []),
             "--diloco-x-outer-lr", "0.7", "--diloco-x-outer-momentum", "0.9",  # momentum state too
             "--save-interval", "1000", "--no-load-rng"]
     if codec == "adaptive":  # a fixed, non-binding byte budget: the plan must not depend on timing

@@ -71,7 +71,7 @@ def test_outer_timeout_flag_default_rule_and_validation():
     args = parser.parse_args(["--diloco-x"])  # without Megatron's attribute: its default, 10 min
     assert config_from_args(args).outer_timeout_s() == 600.0
     # the paper's scale: a ~15 min exchange hidden under a round of H x step >= 15 min -> >= 60 min
-    assert DiLoCoXConfig(local_steps=500, distributed_timeout_minutes=10).outer_timeout_s(1.8) == 3600.0
+    assert DiLoCoXConfig(compression="none", local_steps=500, distributed_timeout_minutes=10).outer_timeout_s(1.8) == 3600.0
     for bad in ("0", "-1", "inf", "nan"):
         with pytest.raises(ValueError, match="--diloco-x-outer-timeout-minutes"):
             config_from_args(parser.parse_args(["--diloco-x", "--diloco-x-outer-timeout-minutes", bad]))
@@ -141,7 +141,7 @@ def _scenario_stage_exchange(rank: int, world: int, event) -> None:
     exchange, ranks 0 and 2 (the other stage) in the next round's skip decision."""
     from megatron_diloco import sync as sync_mod
 
-    cfg = DiLoCoXConfig(replicas=2, local_steps=1, outer_lr=0.7, outer_momentum=0.9, overlap="none",
+    cfg = DiLoCoXConfig(compression="none", replicas=2, local_steps=1, outer_lr=0.7, outer_momentum=0.9, overlap="none",
                         outer_timeout_minutes=HEALTHY_BOUND_S / 60)
     groups = [dist.new_group([0, 2], backend="gloo"), dist.new_group([1, 3], backend="gloo")]
     x = torch.linspace(0, 1, 64) + rank % 2

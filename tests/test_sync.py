@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -85,7 +87,7 @@ def eager_paper(R: int, x0: torch.Tensor, lr_in: float, eta: float) -> list:
 
 def _worker(rank: int, world: int, overlap: str, nesterov: bool, momentum: float = 0.9,
             eager_weight: float | None = None, homogeneous: bool = False) -> None:
-    cfg = DiLoCoXConfig(replicas=world, local_steps=H, outer_lr=0.7, outer_momentum=momentum,
+    cfg = DiLoCoXConfig(compression="none", replicas=world, local_steps=H, outer_lr=0.7, outer_momentum=momentum,
                         nesterov=nesterov, overlap=overlap, eager_weight=eager_weight)
     g_rank = 0 if homogeneous else rank
     x0 = torch.linspace(-1, 1, 7)
@@ -160,22 +162,22 @@ def test_full_eager_equals_blocking_diloco_when_replicas_agree():
     compared with each other, so the claim rests on the algorithm, not on one code path."""
     run_world(_worker, 2, "eager", False, 0.0, 1.0, True)
     x0 = torch.linspace(-1, 1, 7)
-    eager = reference(2, "eager", x0, 0.05, DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=0.7,
+    eager = reference(2, "eager", x0, 0.05, DiLoCoXConfig(compression="none", replicas=2, local_steps=H, outer_lr=0.7,
                       outer_momentum=0.0, overlap="eager", eager_weight=1.0), homogeneous=True)
-    blocking = reference(2, "none", x0, 0.05, DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=0.7,
+    blocking = reference(2, "none", x0, 0.05, DiLoCoXConfig(compression="none", replicas=2, local_steps=H, outer_lr=0.7,
                          outer_momentum=0.0, overlap="none"), homogeneous=True)
     for t in range(ROUNDS):
         for r in range(2):
             torch.testing.assert_close(eager[t][r], blocking[t][r], rtol=1e-6, atol=1e-6, msg=f"round {t}")
     torch.testing.assert_close(eager[ROUNDS][0], blocking[ROUNDS - 1][0], rtol=1e-6, atol=1e-6)
     # and Kale et al.'s weight (1/R) does not: its own progress arrives at 1/R
-    kale = reference(2, "eager", x0, 0.05, DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=0.7,
+    kale = reference(2, "eager", x0, 0.05, DiLoCoXConfig(compression="none", replicas=2, local_steps=H, outer_lr=0.7,
                      outer_momentum=0.0, overlap="eager"), homogeneous=True)
     assert not torch.allclose(kale[0][0], blocking[0][0], rtol=1e-3, atol=1e-3)
 
 
 def _stale_worker(rank, world):
-    cfg = DiLoCoXConfig(replicas=world, local_steps=1, outer_lr=1.0, outer_momentum=0.0,
+    cfg = DiLoCoXConfig(compression="none", replicas=world, local_steps=1, outer_lr=1.0, outer_momentum=0.0,
                         overlap="delayed")
     x = torch.zeros(4)
     sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
@@ -210,7 +212,8 @@ def test_outer_nesterov_matches_torch_sgd():
 
 
 def _roundtrip_worker(rank, world):
-    cfg = DiLoCoXConfig(replicas=world, local_steps=1, outer_lr=0.5, outer_momentum=0.9)
+    cfg = DiLoCoXConfig(compression="none", overlap="delayed", replicas=world, local_steps=1, outer_lr=0.5,
+                        outer_momentum=0.9)
     x = torch.arange(5, dtype=torch.float32)
     sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
     x.sub_(rank + 1.0); sync.boundary()
@@ -550,7 +553,7 @@ def _run_schedule(sync: OuterSync, params: list[torch.Tensor], g_rank: int, worl
 
 
 def _partial_worker(rank: int, world: int, tau: int, merge: str, momentum: float) -> None:
-    cfg = DiLoCoXConfig(replicas=world, local_steps=H, outer_lr=0.7, outer_momentum=momentum,
+    cfg = DiLoCoXConfig(compression="none", replicas=world, local_steps=H, outer_lr=0.7, outer_momentum=momentum,
                         overlap="partial", overlap_steps=tau, merge=merge)
     x0 = torch.linspace(-1, 1, 7)
     params = [x0[:3].clone().view(3, 1), x0[3:].clone()]
@@ -562,7 +565,7 @@ def _partial_worker(rank: int, world: int, tau: int, merge: str, momentum: float
     if 0 < tau:  # x keeps each replica's own progress after the merge (it differs between replicas)
         assert not torch.equal(want[1][0], want[1][1])
     if tau == 0:  # tau = 0 is blocking DiLoCo, bit for bit
-        none_cfg = DiLoCoXConfig(replicas=world, local_steps=H, outer_lr=0.7, outer_momentum=momentum,
+        none_cfg = DiLoCoXConfig(compression="none", replicas=world, local_steps=H, outer_lr=0.7, outer_momentum=momentum,
                                  overlap="none")
         ref = [x0[:3].clone().view(3, 1), x0[3:].clone()]
         blocking = _run_schedule(OuterSync(ShardView(ref), none_cfg, dist.group.WORLD), ref, rank, world)
@@ -583,8 +586,8 @@ def test_partial_exact_at_tau_h_is_full_eager():
     module doc states); the two hand sequences are compared, each checked against the code above."""
     x0 = torch.linspace(-1, 1, 7)
     common = dict(replicas=2, local_steps=H, outer_lr=1.0, outer_momentum=0.0)
-    partial = partial_reference(2, x0, 0.05, DiLoCoXConfig(overlap="partial", overlap_steps=H, **common), H)
-    eager = reference(2, "eager", x0, 0.05, DiLoCoXConfig(overlap="eager", eager_weight=1.0, **common))
+    partial = partial_reference(2, x0, 0.05, DiLoCoXConfig(compression="none", overlap="partial", overlap_steps=H, **common), H)
+    eager = reference(2, "eager", x0, 0.05, DiLoCoXConfig(compression="none", overlap="eager", eager_weight=1.0, **common))
     for t in range(ROUNDS + 1):
         for r in range(2):
             torch.testing.assert_close(partial[t][r], eager[t][r], rtol=1e-6, atol=1e-6, msg=f"round {t}")
@@ -595,7 +598,7 @@ def test_partial_auto_overlap_steps_hides_the_last_exchange():
     at the link bandwidth when known, else its measured duration; H before anything is measured."""
     from megatron_diloco.collectives import ExchangeStats
 
-    cfg = DiLoCoXConfig(replicas=1, local_steps=10, overlap="partial")
+    cfg = DiLoCoXConfig(compression="none", replicas=1, local_steps=10, overlap="partial")
     sync = OuterSync(ShardView([torch.zeros(8)]), cfg, None)
     assert sync._choose_overlap_steps() == 10  # nothing measured yet
     sync.step_time_s = 0.1
@@ -608,7 +611,19 @@ def test_partial_auto_overlap_steps_hides_the_last_exchange():
     sync.link_bytes_per_s = 1e6  # the wire bytes at the link, not the (loopback) measured time
     sync.last_completed = ExchangeStats(bytes_sent=450_000, exchange_s=0.001)
     assert sync._choose_overlap_steps() == 5
-    fixed = OuterSync(ShardView([torch.zeros(8)]), DiLoCoXConfig(replicas=1, local_steps=10, overlap="partial",
+    # before any exchange completed, with the link known: this exchange's own wire bytes where the
+    # codec fixes them (all-gather: R - 1 payloads; fp32 all-reduce: the ring's 2 (R - 1) / R)
+    n = 1 << 20
+    for codec, wire in (("int4", None), ("none", 4 * n)):
+        first = OuterSync(ShardView([torch.zeros(n)]), DiLoCoXConfig(replicas=2, local_steps=10, overlap="partial",
+                                                                      compression=codec), None)
+        wire = wire or first.codec.payload_bytes(n)
+        assert first._choose_overlap_steps() == 10  # no step time yet
+        first.step_time_s = 0.1
+        assert first._choose_overlap_steps() == 10  # no link known: nothing to size it by
+        first.link_bytes_per_s = 2e6
+        assert first._choose_overlap_steps() == min(10, math.ceil(wire / 2e6 / 0.1)), codec
+    fixed = OuterSync(ShardView([torch.zeros(8)]), DiLoCoXConfig(compression="none", replicas=1, local_steps=10, overlap="partial",
                                                                   overlap_steps=4), None)
     fixed.step_time_s, fixed.last_completed = 0.1, ExchangeStats(exchange_s=50.0)
     assert fixed._choose_overlap_steps() == 4
@@ -651,4 +666,4 @@ def test_partial_auto_overlap_steps_agreed_by_all_ranks():
 ])
 def test_partial_flags_validated(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
-        DiLoCoXConfig(local_steps=10, **kwargs)
+        DiLoCoXConfig(compression="none", local_steps=10, **kwargs)

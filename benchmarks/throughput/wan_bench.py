@@ -17,8 +17,9 @@ data and global batch (``examples/pretrain_gpt_diloco.py``, one rank per replica
   reduce-scatter costs a full all-reduce), so ``allreduce`` is the baseline of the speedups and
   the bound;
 * ``diloco``: DiLoCoX with no delay and no compression (blocking fp32 all-reduce every H steps);
-* ``dilocox``: one-step-delay overlap + int8 pseudo-gradients (the exchange of round t runs
-  during round t+1);
+* ``dilocox``: the package's default mode, ``--diloco-x`` with no other flag: partial overlap with
+  auto tau (the exchange launched at a boundary lands the fewest inner steps later that hide its
+  measured duration), exact merge, eta 1, mu 0, int4 pseudo-gradients;
 * ``dilocox-adaptive`` (optional): as ``dilocox`` with the adaptive low-rank codec, budget = link.
 
 Definitions (per run, over a measured window that excludes process start, setup and warm-up:
@@ -93,8 +94,8 @@ ALLREDUCE_WARMUP = 2
 
 
 def method_args(method: str, local_steps: int, link_mbps: float) -> list[str]:
-    """The example's flags that select ``method`` (on top of its demo defaults: 2 replicas,
-    outer lr 0.5, outer momentum 0); ``allreduce`` also runs as plain DDP (:func:`method_recorders`)."""
+    """The example's flags that select ``method`` (on top of its demo defaults: 2 replicas, the
+    package's DiLoCoX defaults); ``allreduce`` also runs as plain DDP (:func:`method_recorders`)."""
     if method == "allreduce":
         return ["--no-diloco-x"]
     if method == "allreduce-distopt":
@@ -103,9 +104,9 @@ def method_args(method: str, local_steps: int, link_mbps: float) -> list[str]:
     if method == "diloco":
         return dx + ["--diloco-x-overlap", "none", "--diloco-x-compression", "none"]
     if method == "dilocox":
-        return dx + ["--diloco-x-overlap", "delayed", "--diloco-x-compression", "int8"]
+        return dx  # the defaults
     if method == "dilocox-adaptive":
-        return dx + ["--diloco-x-overlap", "delayed", "--diloco-x-compression", "adaptive",
+        return dx + ["--diloco-x-compression", "adaptive",
                      "--diloco-x-bandwidth-mbps", f"{link_mbps:g}"]
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
