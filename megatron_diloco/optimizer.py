@@ -219,7 +219,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self._start_checked = True
         if self.topology.replicas <= 1:
             return
-        fp = host_copy(fingerprint([self.sync.theta]), self.topology.outer_group)
+        fp = host_copy(fingerprint([self.sync.theta]).to(self.view.device), self.topology.outer_group)
         gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
         dist.all_gather(gathered, fp, group=self.topology.outer_group)
         if not all(torch.equal(gathered[0], g) for g in gathered):
@@ -317,7 +317,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             for d in self.dist_opts:
                 if self._params_gathered or not d.ddp_config.overlap_param_gather:
                     tensors += [p for chunk in d.model_chunks for p in chunk.parameters()]
-        fp = host_copy(fingerprint(tensors), self.topology.outer_group)
+        # on the device of the outer group's collectives (theta and m may be host-held)
+        fp = host_copy(fingerprint(tensors).to(self.view.device), self.topology.outer_group)
         gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
         if self.topology.replicas > 1:
             dist.all_gather(gathered, fp, group=self.topology.outer_group)
@@ -658,7 +659,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         if sync.pending is not None:
             sync.pending.wait()
             sync.pending = None
-        self.view.copy_to(sync.theta)
+        sync.x_into(sync.theta)
         if sync.outer.momentum_buffer is not None:
             sync.outer.momentum_buffer.zero_()
         if sync.residual is not None:

@@ -35,6 +35,24 @@ class ShardView:
         """Views of a flat ``[numel]`` tensor, one per shard (flattened), in shard order."""
         return list(flat.split([v.numel() for v in self.flat_views]))
 
+    def pieces(self, lo: int, hi: int) -> list[torch.Tensor]:
+        """Views of the shards covering the flat range ``[lo, hi)``, in order (the whole
+        :attr:`flat_views` for ``[0, numel)``; a shard cut by ``lo`` or ``hi`` contributes its part)."""
+        if lo == 0 and hi == self.numel:
+            return list(self.flat_views)
+        out, start = [], 0
+        for v in self.flat_views:
+            end = start + v.numel()
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                out.append(v[a - start:b - start])
+            start = end
+        return out
+
+    def split_like(self, flat: torch.Tensor, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of ``flat`` (a chunk ``(hi - lo,)``) split as ``pieces`` (:meth:`pieces` of the chunk)."""
+        return list(flat.split([p.numel() for p in pieces]))
+
     def copy_to(self, out: torch.Tensor) -> torch.Tensor:
         """Copy the shards into the flat ``out`` (fp32, ``[numel]``) and return it. Local: no
         communication."""
