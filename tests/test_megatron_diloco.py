@@ -117,6 +117,30 @@ def test_checkpoint_resume_is_exact(tmp_path, codec):
         assert "adaptive compression: ranks" in log
 
 
+def test_host_outer_state_trains_alike_and_checkpoints_across_layouts(tmp_path):
+    """``--diloco-x-outer-state cpu`` (chunks of 2560 elements: several per rank's shard) trains to the
+    same losses as the device layout, bit for bit, and a checkpoint saved mid-round (exchange in
+    flight; eager anchor, int8 residual, momentum) with either layout resumes in the other exactly."""
+    base = ["--train-iters", "12", "--diloco-x-local-steps", "4", "--diloco-x-overlap", "eager",
+            "--diloco-x-compression", "int8", "--diloco-x-outer-momentum", "0.9", "--save-interval", "1000",
+            "--no-load-rng", "--diloco-x-outer-chunk-mb", "0.01"]
+    gpu, log = run_megatron(tmp_path, base + ["--diloco-x-outer-state", "gpu"])
+    cpu, log_cpu = run_megatron(tmp_path, base + ["--diloco-x-outer-state", "cpu"])
+    assert "outer_state='cpu', outer_chunk_mb=0.01" in log_cpu  # the config install() printed
+    want = losses(gpu)
+    assert losses(cpu) == want and sorted(want[1]) == list(range(1, 13))
+    assert summary(log_cpu)["replicas_identical"] and summary(log_cpu)["final_loss"] == summary(log)["final_loss"]
+    for saved, resumed in (("gpu", "cpu"), ("cpu", "gpu")):
+        ckpt = str(tmp_path / f"ckpt-{saved}")
+        run_megatron(tmp_path, base + ["--diloco-x-outer-state", saved, "--save", ckpt, "--exit-interval", "6"])
+        leg2, log2 = run_megatron(tmp_path, base + ["--diloco-x-outer-state", resumed, "--load", ckpt])
+        got = losses(leg2)
+        assert sorted(got[1]) == list(range(7, 13)), (saved, resumed)
+        for r in want:
+            assert {it: want[r][it] for it in got[r]} == got[r], (saved, resumed, r)
+        assert summary(log2)["replicas_identical"], (saved, resumed)
+
+
 def test_outer_state_is_sharded_like_the_distributed_optimizer(tmp_path):
     """PP 1, 2 replicas x intra-replica DP 2 on 4 ranks: each rank's outer state (theta, momentum) is
     fp32 and covers exactly its inner optimizer's main shard, half of the model. The run gives
