@@ -28,6 +28,7 @@ bytes, whatever the model size (16 MiB chunks: at most 160 MiB).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator, Sequence
 
 import torch
@@ -35,6 +36,20 @@ import torch
 #: chunk boundaries fall on multiples of this many elements: the blockwise codecs' block (256
 #: elements per scale, compression.reference.DEFAULT_BLOCK_SIZE; int4 packs pairs within a block)
 CHUNK_ALIGN = 256
+
+
+def pinned_empty(numel: int) -> torch.Tensor:
+    """An fp32 ``[numel]`` host tensor, page-locked when CUDA is available (so that the staging
+    copies are asynchronous DMA). Pinned by ``cudaHostRegister`` of an ordinary allocation, exactly
+    its size (``pin_memory=True`` goes through PyTorch's caching host allocator, which rounds a block
+    up to the next power of two: up to 2x the host memory for a multi-GB shard); unregistered when
+    the tensor is collected."""
+    t = torch.empty(numel, dtype=torch.float32)
+    if numel and torch.cuda.is_available():
+        cudart = torch.cuda.cudart()
+        torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
 
 
 def chunk_elements(chunk_mb: float) -> int:
@@ -72,7 +87,7 @@ class OuterStore:
         """A new fp32 ``[N]`` vector: in host memory when the store is ``on_host`` and ``held``
         (pinned where CUDA is available), else on the device."""
         if self.on_host and held:
-            t = torch.empty(self.numel, dtype=torch.float32, pin_memory=torch.cuda.is_available())
+            t = pinned_empty(self.numel)
             self._held.add(t.data_ptr())
             return t
         return torch.empty(self.numel, dtype=torch.float32, device=self.device)

@@ -7,6 +7,12 @@ Each writes its keys into the rank's record ``rank{R}.json``; what they hold:
   ``rank``, ``mem_after_setup_bytes`` / ``max_mem_bytes`` / ``device`` (CUDA only) and ``completed``
   (the script returned normally);
 * ``losses``: ``{iteration: loss}`` of the logging ranks;
+* ``memory``: ``mem_after_step_bytes`` (``torch.cuda.memory_allocated()`` after each ``train_step``,
+  CUDA only: the steady footprint once the optimizer state exists), ``host_rss_bytes`` /
+  ``host_hwm_bytes`` (this process's resident set at the end / its high-water mark, from
+  ``/proc/self/status``), ``outer_host_bytes`` / ``outer_staging_bytes`` (with ``--diloco-x``: the
+  outer state kept in host memory and the device staging buffers,
+  ``megatron_diloco.outer_store.OuterStore``);
 * ``rounds``: with ``--diloco-x``, this rank's per-boundary metrics (bytes, exchange and exposed
   seconds, ...), as logged in the ``[DiLoCoX] round`` lines;
 * ``boundary_check``: ``boundary_identical``: after every DiLoCoX boundary, ``[step, replicas
@@ -117,6 +123,55 @@ class LossesRecorder(Recorder):
                 it = k["iteration"] if "iteration" in k else a[2]
                 self.record["losses"][it] = float(next(iter(loss_dict.values())))
             return orig(loss_dict, *a, **k)
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """``VmRSS`` / ``VmHWM`` of this process in bytes (None where /proc is absent)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class MemoryRecorder(Recorder):
+    """Steady device memory per step, host memory, and where DiLoCoX keeps its outer state."""
+
+    name = "memory"
+    keys = ("mem_after_step_bytes", "host_rss_bytes", "host_hwm_bytes", "outer_host_bytes", "outer_staging_bytes")
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        super().__init__(record)
+        record.update(mem_after_step_bytes=[], host_rss_bytes=None, host_hwm_bytes=None,
+                      outer_host_bytes=None, outer_staging_bytes=None)
+
+    def install(self) -> None:
+        import megatron.training.training as training
+        import torch
+
+        from megatron_diloco.optimizer import DiLoCoXOptimizer
+
+        rec = self.record
+
+        @wrap(training, "train_step")
+        def train_step(orig, *a, **k):
+            out = orig(*a, **k)
+            if torch.cuda.is_available():
+                rec["mem_after_step_bytes"].append(torch.cuda.memory_allocated())
+            return out
+
+        @wrap(DiLoCoXOptimizer, "finish")
+        def finish(orig, opt):
+            orig(opt)
+            store = opt.sync.store
+            rec["outer_host_bytes"] = store.host_bytes()
+            rec["outer_staging_bytes"] = store.staging_bytes()
+
+    def finalize(self, completed: bool) -> None:
+        self.record["host_rss_bytes"] = _proc_status_bytes("VmRSS")
+        self.record["host_hwm_bytes"] = _proc_status_bytes("VmHWM")
 
 
 class RoundsRecorder(Recorder):
@@ -550,5 +605,5 @@ class CodecCaptureRecorder(Recorder):
 
 #: The catalogue the harness looks bare ``--record`` names up in.
 RECORDERS: dict[str, type[Recorder]] = {r.name: r for r in (
-    TimersRecorder, LossesRecorder, RoundsRecorder, BoundaryCheckRecorder, FixedEvalRecorder,
+    TimersRecorder, LossesRecorder, MemoryRecorder, RoundsRecorder, BoundaryCheckRecorder, FixedEvalRecorder,
     PlainDDPRecorder, LinkRecorder, WanRecorder, CodecCaptureRecorder)}
