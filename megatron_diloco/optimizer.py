@@ -184,33 +184,43 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         return self.inner.restore_from_cpu()
 
     # ------------------------------------------------------------------ the step
-    @torch.no_grad()
     def step(self):
         """Inner step; on every H-th call also the outer boundary. Returns the inner step's
-        ``(update_successful, grad_norm, num_zeros_in_grad)``."""
+        ``(update_successful, grad_norm, num_zeros_in_grad)``.
+
+        Between boundaries this adds to the inner step a counter and one comparison (``partial``: the
+        step the pending exchange lands on): no device work, no host sync, no collective."""
         if self._round_started is None:
             self._round_started = time.perf_counter()
-        result = self.inner.step()
+        result = self.inner.step()  # Megatron's step runs under its own no_grad
         self.step_calls += 1
         since_boundary = self.step_calls % self.diloco_config.local_steps
         if self.sync.merge_due(since_boundary):  # partial: the exchange lands tau steps after its launch
-            stats = self.sync.merge()
-            self._publish_params()
-            self._account(stats)
+            self._merge()
         elif since_boundary == 0:
-            # mean inner-step time of this round (boundary work excluded): the adaptive byte budget
-            now = time.perf_counter()
-            self.sync.set_step_time((now - self._round_started) / self.diloco_config.local_steps)
-            if not self._start_checked:
-                self._check_replicas_started_alike()
-            report = self.sync.boundary()
-            self._publish_params()
-            self._account(report.completed)
-            self.last_report = report
-            if self.on_round is not None:
-                self.on_round(self.round_metrics(report))
-            self._round_started = time.perf_counter()
+            self._boundary()
         return result
+
+    @torch.no_grad()
+    def _merge(self) -> None:
+        stats = self.sync.merge()
+        self._publish_params()
+        self._account(stats)
+
+    @torch.no_grad()
+    def _boundary(self) -> None:
+        # mean inner-step time of this round (boundary work excluded): the adaptive byte budget
+        now = time.perf_counter()
+        self.sync.set_step_time((now - self._round_started) / self.diloco_config.local_steps)
+        if not self._start_checked:
+            self._check_replicas_started_alike()
+        report = self.sync.boundary()
+        self._publish_params()
+        self._account(report.completed)
+        self.last_report = report
+        if self.on_round is not None:
+            self.on_round(self.round_metrics(report))
+        self._round_started = time.perf_counter()
 
     def _check_replicas_started_alike(self) -> None:
         """First boundary (after any load): ``theta``, the weights every replica started from, must be
