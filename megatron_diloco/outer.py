@@ -6,7 +6,9 @@ outer group, so ``theta`` and ``momentum`` are replicated across the outer group
 
 Memory per parameter of the shard (fp32): ``theta`` 4 B + ``momentum`` 4 B (only when mu > 0);
 :class:`megatron_diloco.sync.OuterSync` adds ``delta`` 4 B, ``residual`` 4 B (lossy codecs) and
-``eager_anchor`` 4 B (eager).
+``eager_anchor`` 4 B (eager). On the device or in host memory (``--diloco-x-outer-state``,
+:mod:`megatron_diloco.outer_store`); a step over host-held state runs chunk by chunk on staged
+copies (:meth:`OuterNesterov.over`).
 """
 
 from __future__ import annotations
