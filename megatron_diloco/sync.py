@@ -391,7 +391,7 @@ class OuterSync:
             w = 1.0 / (dist.get_world_size(self.group) if self.group is not None else 1)
         outbox = None if self._executor is not None else Outbox(
             self.codec, self.view.numel, self.view.device, send=self.delta if resident else None)
-        read_theta = eager or (reset_x and not eager) or (partial and not computed)
+        read_theta = reset_x or (partial and not computed)  # x <- theta / a_r from theta; theta - x
         tensors = [self.theta if read_theta else None, self.delta, self.residual, self.eager_anchor,
                    self.launch_point]
         write_only = [self.eager_anchor, self.launch_point]
