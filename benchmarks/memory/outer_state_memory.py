@@ -32,7 +32,9 @@ Figures per run (``benchmarks/results/memory.json``, or ``--result``):
   process's resident set at the end; ``staging_gb``: the device staging buffers (cpu).
 
 Writes the runs' folders (logs, records) under ``--out`` (default ``/tmp/outer_state_memory``; a run
-done with the same flags there is not repeated) and prints a table.
+done with the same flags there is not repeated) and prints a table. The JSON is rewritten after every
+run (a run cut short by a time limit leaves the finished ones); a run that fails is recorded as
+``{"error": ..., "log_tail": ...}`` and the next one starts.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ COMMON = """
     --pipeline-model-parallel-size 1 --mock-data --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 5
     --log-interval 10 --eval-iters 0 --eval-interval 100000
 """.split()
-DEFAULT_RUNS = "vanilla,gpu-none,gpu-int8,cpu-none,cpu-int8,cpu-int4"
+DEFAULT_RUNS = "vanilla,gpu-int8,cpu-int8,gpu-none,cpu-none,cpu-int4"
 CODECS = ("none", "int8", "int4", "fp8")
 
 
@@ -99,7 +101,25 @@ def figures(recs: list[dict], local_steps: int) -> dict:
         "staging_gb": (r.get("outer_staging_bytes") or 0) / gib,
         "host_rss_gb": r["host_rss_bytes"] / gib if r.get("host_rss_bytes") else None,
         "steps": len(r["iter_s"]),
+        "card": r.get("device"),
     }
+
+
+def _result(runs: dict[str, dict], a: argparse.Namespace, model: list[str]) -> dict:
+    """The JSON of the runs so far, with the differences to the vanilla run."""
+    ok = {n: f for n, f in runs.items() if "error" not in f}
+    base = ok.get("vanilla")
+    for name, f in ok.items():
+        if name == "vanilla" or base is None:
+            continue
+        for key, per_param in (("peak_gb", "overhead_bytes_per_param"), ("steady_gb", "steady_overhead_bytes_per_param")):
+            if f[key] is not None and base[key] is not None:
+                f[per_param] = (f[key] - base[key]) * 2 ** 30 / f["params"]
+        if f["step_ms"] and base["step_ms"]:
+            f["step_overhead_pct"] = 100 * (f["step_ms"] / base["step_ms"] - 1)
+    card = next((f.get("card") for f in ok.values() if f.get("card")), None)
+    return {"card": card or "cpu", "params": next((f["params"] for f in ok.values()), None), "commit": _commit(),
+            "iters": a.iters, "local_steps": a.local_steps, "model": " ".join(model), "runs": runs}
 
 
 def _commit() -> str | None:
@@ -128,33 +148,25 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         run_flags(name, a.local_steps)  # validate before the first run
     runs: dict[str, dict] = {}
-    card = None
+    result: dict = {}
     for name in names:
         args = [*model, *COMMON, "--train-iters", str(a.iters), *run_flags(name, a.local_steps)]
         job = ExampleJob(name, args, nproc=1, record=["timers", "memory"], estimate_s=90, timeout_s=420)
         info = run_job(job, a.out, resume=True)
-        if not info.get("ok"):
-            raise SystemExit(f"{name} failed ({info.get('returncode')}); log: {a.out / name / 'log.txt'}")
-        recs = load_ranks(a.out, name)
-        card = card or recs[0].get("device")
-        runs[name] = figures(recs, a.local_steps)
-        print(f"[outer_state_memory] {name}: {json.dumps(runs[name])}", flush=True)
-    base = runs.get("vanilla")
-    params = next(iter(runs.values()))["params"]
-    for name, f in runs.items():
-        if name == "vanilla" or base is None:
-            continue
-        for key, per_param in (("peak_gb", "overhead_bytes_per_param"), ("steady_gb", "steady_overhead_bytes_per_param")):
-            if f[key] is not None and base[key] is not None:
-                f[per_param] = (f[key] - base[key]) * 2 ** 30 / f["params"]
-        if f["step_ms"] and base["step_ms"]:
-            f["step_overhead_pct"] = 100 * (f["step_ms"] / base["step_ms"] - 1)
-    result = {"card": card or "cpu", "params": params, "commit": _commit(), "iters": a.iters,
-              "local_steps": a.local_steps, "model": " ".join(model), "runs": runs}
-    result_path.parent.mkdir(parents=True, exist_ok=True)
-    result_path.write_text(json.dumps(result, indent=1) + "\n")
+        if info.get("ok"):
+            runs[name] = figures(load_ranks(a.out, name), a.local_steps)
+        else:
+            log = a.out / name / "log.txt"
+            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+            runs[name] = {"error": f"exit status {info.get('returncode')}, timed out {info.get('timed_out')}",
+                          "log_tail": tail}
+        print(f"[outer_state_memory] {name}: {json.dumps(runs[name])[:2000]}", flush=True)
+        result = _result(runs, a, model)
+        result_path.parent.mkdir(parents=True, exist_ok=True)
+        result_path.write_text(json.dumps(result, indent=1) + "\n")
+    params = result.get("params") or 0
     cols = ("peak_gb", "steady_gb", "overhead_bytes_per_param", "step_ms", "step_overhead_pct", "boundary_ms", "host_gb")
-    print(f"\n{result['card']}, {params / 1e9:.3f} B params, commit {result['commit']}; written {result_path}")
+    print(f"\n{result.get('card')}, {params / 1e9:.3f} B params, commit {result.get('commit')}; written {result_path}")
     print(f"{'run':<10}" + "".join(f"{c:>26}" for c in cols))
     for name, f in runs.items():
         print(f"{name:<10}" + "".join(f"{f.get(c):>26.4g}" if isinstance(f.get(c), (int, float)) else f"{'-':>26}"
