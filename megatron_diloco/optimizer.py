@@ -229,7 +229,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self._start_checked = True
         if self.topology.replicas <= 1:
             return
-        fp = host_copy(fingerprint([self.sync.theta]).to(self.view.device), self.topology.outer_group)
+        fp = host_copy(self.sync.fingerprint([self.sync.theta]), self.topology.outer_group)
         gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
         dist.all_gather(gathered, fp, group=self.topology.outer_group)
         if not all(torch.equal(gathered[0], g) for g in gathered):
@@ -318,17 +318,15 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         ``--overlap-param-gather`` the model params are gathered by the next forward, not at the
         boundary: until then only the fp32 main shards are compared (the model's own shard is their
         copy; the rest is the previous round's local params by design)."""
-        if not self.sync.x_is_theta:
-            tensors = [self.sync.theta]
-            if self.sync.outer.momentum_buffer is not None:
-                tensors.append(self.sync.outer.momentum_buffer)
+        if not self.sync.x_is_theta:  # theta and m, on the device (streamed when host-held)
+            fp = self.sync.fingerprint(self.sync.outer.tensors())
         else:
             tensors = list(self.view.shards)
             for d in self.dist_opts:
                 if self._params_gathered or not d.ddp_config.overlap_param_gather:
                     tensors += [p for chunk in d.model_chunks for p in chunk.parameters()]
-        # on the device of the outer group's collectives (theta and m may be host-held)
-        fp = host_copy(fingerprint(tensors).to(self.view.device), self.topology.outer_group)
+            fp = fingerprint(tensors)
+        fp = host_copy(fp, self.topology.outer_group)
         gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
         if self.topology.replicas > 1:
             dist.all_gather(gathered, fp, group=self.topology.outer_group)

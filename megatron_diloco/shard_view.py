@@ -67,16 +67,21 @@ class ShardView:
             torch._foreach_copy_(self.flat_views, self.split(src))
 
 
-def fingerprint(tensors: Sequence[torch.Tensor], chunk: int = 1 << 22) -> torch.Tensor:
+def fingerprint(tensors: Sequence[torch.Tensor], chunk: int = 1 << 22, start: int = 0,
+                acc: torch.Tensor | None = None) -> torch.Tensor:
     """A bitwise fingerprint of ``tensors`` (int64 ``[2]``, on their device).
 
     Two position-weighted wrap-around sums over the raw bits: equal tensors give equal fingerprints;
     any single changed bit changes the first sum. Used to check that replicas are bit-identical
     without moving parameters off the device.
+
+    ``start``, ``acc``: continue a fingerprint: ``tensors`` begin at element ``start`` of the
+    concatenation and are added into ``acc`` (in place; returned). The sums are exact (integer), so
+    pieces fingerprinted this way give the value of the whole.
     """
-    device = tensors[0].device if tensors else torch.device("cpu")
-    acc = torch.zeros(2, dtype=torch.int64, device=device)
-    offset = 0
+    device = acc.device if acc is not None else tensors[0].device if tensors else torch.device("cpu")
+    acc = torch.zeros(2, dtype=torch.int64, device=device) if acc is None else acc
+    offset = start
     for t in tensors:
         flat = t.detach().reshape(-1)
         if flat.dtype in (torch.float32, torch.int32):

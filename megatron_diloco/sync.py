@@ -79,7 +79,7 @@ from megatron_diloco.collectives import (
 from megatron_diloco.config import CODECS, OUTER_TIMEOUT_HEADROOM, DiLoCoXConfig
 from megatron_diloco.outer import OuterNesterov
 from megatron_diloco.outer_store import OuterStore, chunk_elements
-from megatron_diloco.shard_view import ShardView
+from megatron_diloco.shard_view import ShardView, fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -317,6 +317,18 @@ class OuterSync:
             xs = self.view.pieces(lo, hi)
             if xs:
                 torch._foreach_copy_(xs, self.view.split_like(c, xs))
+
+    def fingerprint(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """:func:`megatron_diloco.shard_view.fingerprint` of flat vectors of the store (theta, m),
+        computed on the device chunk by chunk (host-held ones are streamed through it): the same
+        value, int64 ``[2]`` on the device. Local."""
+        acc = torch.zeros(2, dtype=torch.int64, device=self.view.device)
+        offset = 0
+        for t in tensors:
+            for lo, _, (c,) in self.store.stream(t):
+                fingerprint([c], start=offset + lo, acc=acc)
+            offset += t.numel()
+        return acc
 
     def _pseudo_gradient_into_x(self) -> float:
         """x <- start - x on the shards, in place; returns the squared norm (a host sync)."""
