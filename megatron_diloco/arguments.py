@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_diloco.config import CODECS, MERGE_RULES, OVERLAP_MODES, DiLoCoXConfig
+from megatron_diloco.config import CODECS, MERGE_RULES, OUTER_STATES, OVERLAP_MODES, DiLoCoXConfig
 
 
 def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -64,6 +64,13 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--diloco-x-bandwidth-mbps", type=float, default=None,
                        help="adaptive: slow-link bandwidth (Mbit/s) for the per-round byte cap; "
                             "default: measured over the outer group at the first boundary.")
+    group.add_argument("--diloco-x-outer-state", choices=OUTER_STATES, default=defaults["outer_state"].default,
+                       help="Where the outer state (theta, outer momentum, error-feedback residual, eager "
+                            "anchor) lives: gpu (default) or cpu (host memory, pinned; streamed through "
+                            "the GPU in chunks at each boundary; same results, less GPU memory). cpu "
+                            "supports the codecs none, int8, int4, fp8.")
+    group.add_argument("--diloco-x-outer-chunk-mb", type=float, default=defaults["outer_chunk_mb"].default,
+                       help="--diloco-x-outer-state cpu: MiB of fp32 per staged chunk (default 16).")
     group.add_argument("--diloco-x-outer-store", default=None, metavar="HOST:PORT",
                        help="Replicas as separate jobs: this launch (its own torchrun world) is one "
                             "replica, --diloco-x-replica-index of --diloco-x-replicas, joined to the others "
@@ -109,6 +116,8 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
         rank=args.diloco_x_rank,
         energy=args.diloco_x_energy,
         bandwidth_mbps=args.diloco_x_bandwidth_mbps,
+        outer_state=getattr(args, "diloco_x_outer_state", "gpu"),
+        outer_chunk_mb=getattr(args, "diloco_x_outer_chunk_mb", 16.0),
         outer_timeout_minutes=getattr(args, "diloco_x_outer_timeout_minutes", None),
         # Megatron's own collective timeout: the floor of the derived outer timeout
         distributed_timeout_minutes=float(getattr(args, "distributed_timeout_minutes", None) or 10.0),

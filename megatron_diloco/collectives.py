@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_diloco.config import CODECS
+from megatron_diloco.outer_store import OuterStore
 
 if TYPE_CHECKING:
     from megatron_diloco.outer import OuterNesterov
@@ -152,8 +153,9 @@ class ExchangeHandle:
     """
 
     def __init__(self, buffer: torch.Tensor, work, stats: ExchangeStats,
-                 finish: Callable[[OuterNesterov | None], None]) -> None:
+                 finish: Callable[[OuterNesterov | None], None], store: "OuterStore | None" = None) -> None:
         self.buffer = buffer
+        self.store = store  # where ``buffer`` and the outer state live (None: on the device, whole)
         self.stats = stats
         self._work = work
         self._finish = finish
@@ -173,9 +175,9 @@ class ExchangeHandle:
                 pass
 
     @classmethod
-    def completed(cls, buffer: torch.Tensor) -> "ExchangeHandle":
+    def completed(cls, buffer: torch.Tensor, store: "OuterStore | None" = None) -> "ExchangeHandle":
         """A handle whose averaged result is already in ``buffer`` (restored from a checkpoint)."""
-        handle = cls(buffer, None, ExchangeStats(), lambda outer: None)
+        handle = cls(buffer, None, ExchangeStats(), lambda outer: None, store)
         handle._finished = True
         return handle
 
@@ -225,15 +227,83 @@ class ExchangeHandle:
         over the payloads, theta and momentum; the mean is never written, ``buffer`` is left as
         scratch). Bit-identical to ``outer.step(self.wait())``. Once per handle."""
         if self._finished:  # the mean is already in the buffer (waited for, or restored)
-            outer.step(self.buffer)
+            outer_step(outer, self.buffer, self.store)
         else:
             self._wait_collective()
             self._finish(outer)
         self._finished = True
 
 
+def outer_step(outer: OuterNesterov, delta: torch.Tensor, store: "OuterStore | None" = None) -> None:
+    """``outer.step(delta)``, chunk by chunk through ``store`` when it keeps the outer state (or
+    ``delta``) in host memory; ``delta`` is scratch (garbage afterwards where it is on the device)."""
+    if store is None:
+        outer.step(delta)
+        return
+    state = outer.tensors()
+    for _, _, (d, *staged) in store.stream(delta, *state, write=state):
+        outer.over(staged).step(d)
+
+
+class Outbox:
+    """One round's outgoing pseudo-gradient, filled chunk by chunk (:meth:`put`), then sent as one
+    asynchronous collective (:meth:`launch`): how :func:`start_exchange` and
+    :class:`megatron_diloco.sync.OuterSync` (which streams its outer state through the device,
+    :class:`megatron_diloco.outer_store.OuterStore`) launch the single-collective codecs.
+
+    Device memory: the exchange's payload only: ``none``, the fp32 ``[N]`` all-reduce buffer
+    (``send``, or allocated); blockwise codecs, the encoded ``[P]`` payload (and, with R > 1,
+    the ``[R, P]`` all-gather output at the launch).
+
+    Args:
+        codec: a ``none`` or blockwise codec (matrix codecs run on the worker: :func:`start_exchange`).
+        numel: N, elements of the shard. device: the compute device.
+        send: ``none``: the device buffer to all-reduce in place (None: allocated).
+    """
+
+    def __init__(self, codec, numel: int, device: torch.device, send: torch.Tensor | None = None) -> None:
+        self.codec = codec
+        self.numel = numel
+        self.device = device
+        self.all_reduce = CODECS[codec.name].collective == "all-reduce"
+        self.payload: torch.Tensor | None = None  # blockwise: uint8 [P]
+        self.send = None
+        if self.all_reduce:
+            self.send = send if send is not None else torch.empty(numel, dtype=torch.float32, device=device)
+
+    def put(self, lo: int, pseudo_grad: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+        """Add the chunk ``[lo, lo + len)`` of the pseudo-gradient (fp32, on the device): copied into
+        the all-reduce buffer (nothing when it is that buffer's view), or encoded with error feedback
+        into the payload (``residual``: that chunk of e, updated in place). Chunks start on blocks of
+        the codec (:data:`megatron_diloco.outer_store.CHUNK_ALIGN`)."""
+        hi = lo + pseudo_grad.numel()
+        if self.all_reduce:
+            dst = self.send[lo:hi]
+            if dst.numel() and dst.data_ptr() != pseudo_grad.data_ptr():
+                dst.copy_(pseudo_grad)
+            return
+        if self.payload is None and not (lo == 0 and hi == self.numel):
+            self.payload = torch.zeros(self.codec.payload_bytes(self.numel), dtype=torch.uint8,
+                                       device=self.device)  # (P,)
+        self.payload = self.codec.encode_into(self.payload, self.numel, lo, residual, pseudo_grad)
+
+    def launch(self, buffer: torch.Tensor, group: dist.ProcessGroup | None, *, store: "OuterStore | None" = None,
+               timeout_s: float | None = None) -> ExchangeHandle:
+        """Start the collective over ``group`` (collective: every rank of it calls this, in the same
+        order, for the same N). ``buffer``: fp32 ``[N]`` where :meth:`ExchangeHandle.wait` puts the
+        replicas' mean (the all-reduce buffer itself for ``none``; may be host-held by ``store``)."""
+        size = dist.get_world_size(group) if group is not None else 1
+        if self.all_reduce:
+            handle = _start_all_reduce(self.send, buffer, group, size, store)
+        else:
+            handle = _start_all_gather(buffer, self.payload, self.codec, group, size, store)
+        handle.timeout_s = timeout_s
+        return handle
+
+
 def start_exchange(buffer: torch.Tensor, residual: torch.Tensor | None, codec, group: dist.ProcessGroup | None,
-                   *, worker: "DaemonWorker | None" = None, timeout_s: float | None = None) -> ExchangeHandle:
+                   *, worker: "DaemonWorker | None" = None, timeout_s: float | None = None,
+                   outbox: Outbox | None = None, store: "OuterStore | None" = None) -> ExchangeHandle:
     """Launch one round's exchange of ``buffer`` with ``codec`` over ``group`` (the outer group).
 
     Args:
@@ -252,6 +322,10 @@ def start_exchange(buffer: torch.Tensor, residual: torch.Tensor | None, codec, g
             one thread, exchanges in order); unused by the others.
         timeout_s: the exchange must complete within it from now (None: unbounded); bounds
             :meth:`ExchangeHandle.wait` and, for matrix codecs, the worker's own collectives.
+        outbox: single-collective codecs: the round's :class:`Outbox`, already filled chunk by chunk
+            (the pseudo-gradient is then not read from ``buffer``, which only receives the mean);
+            None: ``buffer`` (on the device) is put whole.
+        store: where ``buffer`` and the outer state live (:class:`OuterStore`; None: on the device).
 
     No payload is ever re-quantized: each replica's payload is gathered as encoded and every rank
     decodes the R payloads in replica order, so all ranks compute the same bits.
@@ -263,10 +337,11 @@ def start_exchange(buffer: torch.Tensor, residual: torch.Tensor | None, codec, g
             raise ValueError(f"--diloco-x-compression {codec.name}: its exchange runs on a worker thread; "
                              "pass worker=DaemonWorker()")
         handle = _start_on_worker(buffer, residual, codec, group, size, worker, timeout_s)
-    elif spec.collective == "all-reduce":
-        handle = _start_all_reduce(buffer, group, size)
     else:
-        handle = _start_all_gather(buffer, residual, codec, group, size)
+        if outbox is None:
+            outbox = Outbox(codec, buffer.numel(), buffer.device, send=buffer)
+            outbox.put(0, buffer, residual)
+        return outbox.launch(buffer, group, store=store, timeout_s=timeout_s)
     handle.timeout_s = timeout_s
     return handle
 
@@ -280,47 +355,68 @@ def host_copy(t: torch.Tensor, group, copy: bool = True) -> torch.Tensor:
     return t.cpu() if copy else torch.empty(t.shape, dtype=t.dtype)
 
 
-def _start_all_reduce(buffer: torch.Tensor, group, size: int) -> ExchangeHandle:
-    """fp32 all-reduce (SUM) of ``buffer`` in place, asynchronous; the mean is the sum / R."""
-    payload = buffer.numel() * buffer.element_size()
+def _start_all_reduce(send: torch.Tensor, buffer: torch.Tensor, group, size: int,
+                      store: "OuterStore | None") -> ExchangeHandle:
+    """fp32 all-reduce (SUM) of ``send`` (device) in place, asynchronous; the mean is the sum / R, into
+    ``buffer`` (:meth:`ExchangeHandle.wait`) or straight into the outer step, chunk by chunk through
+    ``store``."""
+    payload = send.numel() * send.element_size()
     wire = ring_allreduce_bytes(payload, size)
     stats = ExchangeStats(bytes_sent=wire, bytes_received=wire, raw_bytes=payload, payload_bytes=payload)
-    staged = host_copy(buffer, group)  # GPU tensor over a gloo group: its host copy crosses
+    staged = host_copy(send, group)  # GPU tensor over a gloo group: its host copy crosses
     work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=True) if size > 1 else None
+    store = store or OuterStore(send.numel(), send.device)
 
     def finish(outer: OuterNesterov | None) -> None:
-        if staged is not buffer:
-            buffer.copy_(staged)
-        if size > 1:
-            buffer.div_(size)
-        if outer is not None:
-            outer.step(buffer)
+        if staged is not send:
+            send.copy_(staged)
+        if outer is None:
+            for _, _, (s, b) in store.stream(send, buffer, write=[buffer], scratch=[buffer]):
+                if size > 1:
+                    s.div_(size)
+                if b.data_ptr() != s.data_ptr():  # buffer is not send itself
+                    b.copy_(s)
+            return
+        state = outer.tensors()
+        for _, _, (s, *st) in store.stream(send, *state, write=state):
+            if size > 1:
+                s.div_(size)
+            outer.over(st).step(s)
 
-    return ExchangeHandle(buffer, work, stats, finish)
+    return ExchangeHandle(buffer, work, stats, finish, store)
 
 
-def _start_all_gather(buffer: torch.Tensor, residual: torch.Tensor, codec, group, size: int) -> ExchangeHandle:
-    """Encode with error feedback, asynchronous all-gather of the payloads; the finish decodes the
-    R payloads in replica order (fused with the outer step when given one)."""
+def _start_all_gather(buffer: torch.Tensor, payload: torch.Tensor, codec, group, size: int,
+                      store: "OuterStore | None") -> ExchangeHandle:
+    """Asynchronous all-gather of the encoded ``payload`` (uint8 ``[P]``, device); the finish decodes
+    the R payloads in replica order, into ``buffer`` or fused with the outer step, chunk by chunk
+    through ``store``."""
     numel = buffer.numel()
-    payload = codec.encode(residual, pseudo_grad=buffer, residual_out=residual)  # (P,) uint8
-    gathered = torch.empty(size * payload.numel(), dtype=torch.uint8, device=payload.device)  # (R*P,)
     wire = (size - 1) * payload.numel()  # ring all-gather: R-1 payloads out, R-1 in
     stats = ExchangeStats(bytes_sent=wire, bytes_received=wire, raw_bytes=4 * numel,
                           payload_bytes=payload.numel())
     work = None
-    staged_in, staged_out = host_copy(payload, group), host_copy(gathered, group, copy=False)
     if size > 1:
+        gathered = torch.empty(size * payload.numel(), dtype=torch.uint8, device=payload.device)  # (R*P,)
+        staged_in, staged_out = host_copy(payload, group), host_copy(gathered, group, copy=False)
         work = dist.all_gather_into_tensor(staged_out, staged_in, group=group, async_op=True)
-    else:
-        gathered.copy_(payload)
+    else:  # one replica: its own payload is the gathered one
+        gathered = staged_out = payload
+    store = store or OuterStore(numel, buffer.device)
 
     def finish(outer: OuterNesterov | None) -> None:
         if staged_out is not gathered:
             gathered.copy_(staged_out)
-        codec.decode(gathered.view(size, -1), numel, out=buffer, outer=outer)
+        rows = gathered.view(size, -1)
+        if outer is None:
+            for lo, hi, (b,) in store.stream(buffer, write=[buffer], scratch=[buffer]):
+                codec.decode_range(rows, numel, lo, hi, out=b)
+            return
+        state = outer.tensors()
+        for lo, hi, st in store.stream(*state, write=state):
+            codec.decode_range(rows, numel, lo, hi, outer=outer.over(st))
 
-    return ExchangeHandle(buffer, work, stats, finish)
+    return ExchangeHandle(buffer, work, stats, finish, store)
 
 
 class _ThreadWork:

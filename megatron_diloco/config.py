@@ -12,6 +12,8 @@ OverlapMode = Literal["none", "delayed", "eager", "partial"]
 OVERLAP_MODES: tuple[str, ...] = ("none", "delayed", "eager", "partial")
 #: How ``partial`` merges the outer step into the local params (``--diloco-x-merge``).
 MERGE_RULES: tuple[str, ...] = ("exact", "mix")
+#: Where the outer state lives (``--diloco-x-outer-state``).
+OUTER_STATES: tuple[str, ...] = ("gpu", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +134,25 @@ class DiLoCoXConfig:
     inner steps) so the exchange hides under compute. None: measured over the outer group at the
     first boundary (``--diloco-x-bandwidth-mbps``)."""
 
+    # ---------------- memory ----------------
+    outer_state: str = "gpu"
+    """Where the outer state of the rank's shard lives (``--diloco-x-outer-state``): ``gpu`` (theta,
+    the outer momentum, the error-feedback residual, the eager anchor and the partial launch point on
+    the device: 8-20 B per shard element there) or ``cpu`` (in host memory, pinned when CUDA is
+    available; each boundary streams them through the device in chunks of
+    ``--diloco-x-outer-chunk-mb``, the copies overlapping the compute on side CUDA streams). With
+    ``cpu`` the device keeps the staging buffers (fixed size) and the exchange's payload: the fp32
+    all-reduce buffer for ``none`` (4 B per element), the encoded payload for the blockwise codecs
+    (about 1 B int8/fp8, 0.5 B int4, plus the R payloads gathered while in flight). Same bits as
+    ``gpu``; the boundary moves the state over the host link (PCIe) instead. The matrix codecs
+    (``lowrank``, ``lowrank-int8``, ``adaptive``) need ``gpu``."""
+
+    outer_chunk_mb: float = 16.0
+    """``--diloco-x-outer-state cpu``: MiB of fp32 per staged chunk (``--diloco-x-outer-chunk-mb``;
+    rounded down to whole 256-element blocks). The device holds two chunks per tensor a pass touches
+    (at most 5): 160 MiB at the default, whatever the model size. Larger chunks mean fewer, longer
+    copies (16 MiB already moves at full PCIe speed)."""
+
     # ---------------- fault handling ----------------
     outer_timeout_minutes: float | None = None
     """T: bound on every operation over the outer groups and on the boundary's skip decision, in
@@ -236,6 +257,17 @@ class DiLoCoXConfig:
                 f"--diloco-x-compression must be one of {', '.join(CODECS)}, "
                 f"got {self.compression!r}"
             )
+        if self.outer_state not in OUTER_STATES:
+            raise ValueError(f"--diloco-x-outer-state must be one of {', '.join(OUTER_STATES)}, "
+                             f"got {self.outer_state!r}")
+        if self.outer_state == "cpu" and CODECS[self.compression].matrix:
+            blockwise = ", ".join(name for name, spec in CODECS.items() if not spec.matrix)
+            raise ValueError(
+                f"--diloco-x-outer-state cpu supports --diloco-x-compression {blockwise}, not "
+                f"{self.compression!r} (its low-rank factors work per tensor on the whole shard); use "
+                "--diloco-x-outer-state gpu with it")
+        if not (0.0 < self.outer_chunk_mb < float("inf")):
+            raise ValueError(f"--diloco-x-outer-chunk-mb must be a finite number > 0, got {self.outer_chunk_mb!r}")
 
     def outer_timeout_s(self, step_time_s: float | None = None, longest_exchange_s: float = 0.0) -> float:
         """T in seconds: ``--diloco-x-outer-timeout-minutes`` when given, else the derived rule of

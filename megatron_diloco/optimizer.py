@@ -101,6 +101,9 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self.step_calls = 0
         self.totals = ExchangeStats()
         self.last_report: RoundReport | None = None
+        #: partial: the exchange that landed tau steps after its launch, until the round's boundary
+        #: reports it (its bytes and times; accounted when it landed)
+        self._landed: ExchangeStats | None = None
         self._start_checked = False  # whether the replicas' start weights were compared
         # what the last load_state_dict restored, for after_checkpoint_load: DiLoCoX state, or (the
         # restart reason) a checkpoint without it
@@ -184,33 +187,48 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         return self.inner.restore_from_cpu()
 
     # ------------------------------------------------------------------ the step
-    @torch.no_grad()
     def step(self):
         """Inner step; on every H-th call also the outer boundary. Returns the inner step's
-        ``(update_successful, grad_norm, num_zeros_in_grad)``."""
+        ``(update_successful, grad_norm, num_zeros_in_grad)``.
+
+        Between boundaries this adds to the inner step a counter and one comparison (``partial``: the
+        step the pending exchange lands on): no device work, no host sync, no collective."""
         if self._round_started is None:
             self._round_started = time.perf_counter()
-        result = self.inner.step()
+        result = self.inner.step()  # Megatron's step runs under its own no_grad
         self.step_calls += 1
         since_boundary = self.step_calls % self.diloco_config.local_steps
         if self.sync.merge_due(since_boundary):  # partial: the exchange lands tau steps after its launch
-            stats = self.sync.merge()
-            self._publish_params()
-            self._account(stats)
+            self._merge()
         elif since_boundary == 0:
-            # mean inner-step time of this round (boundary work excluded): the adaptive byte budget
-            now = time.perf_counter()
-            self.sync.set_step_time((now - self._round_started) / self.diloco_config.local_steps)
-            if not self._start_checked:
-                self._check_replicas_started_alike()
-            report = self.sync.boundary()
-            self._publish_params()
-            self._account(report.completed)
-            self.last_report = report
-            if self.on_round is not None:
-                self.on_round(self.round_metrics(report))
-            self._round_started = time.perf_counter()
+            self._boundary()
         return result
+
+    @torch.no_grad()
+    def _merge(self) -> None:
+        stats = self.sync.merge()
+        self._publish_params()
+        self._account(stats)
+        self._landed = stats  # reported with the round, at its boundary
+
+    @torch.no_grad()
+    def _boundary(self) -> None:
+        # mean inner-step time of this round (boundary work excluded): the adaptive byte budget
+        now = time.perf_counter()
+        self.sync.set_step_time((now - self._round_started) / self.diloco_config.local_steps)
+        if not self._start_checked:
+            self._check_replicas_started_alike()
+        report = self.sync.boundary()
+        self._publish_params()
+        self._account(report.completed)
+        # the exchange this round applied: at the boundary, or (partial, tau < H) at its landing
+        if report.completed is None and self._landed is not None:
+            report = dataclasses.replace(report, applied=True, completed=self._landed)
+        self._landed = None
+        self.last_report = report
+        if self.on_round is not None:
+            self.on_round(self.round_metrics(report))
+        self._round_started = time.perf_counter()
 
     def _check_replicas_started_alike(self) -> None:
         """First boundary (after any load): ``theta``, the weights every replica started from, must be
@@ -219,7 +237,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self._start_checked = True
         if self.topology.replicas <= 1:
             return
-        fp = host_copy(fingerprint([self.sync.theta]), self.topology.outer_group)
+        fp = host_copy(self.sync.fingerprint([self.sync.theta]), self.topology.outer_group)
         gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
         dist.all_gather(gathered, fp, group=self.topology.outer_group)
         if not all(torch.equal(gathered[0], g) for g in gathered):
@@ -308,16 +326,15 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         ``--overlap-param-gather`` the model params are gathered by the next forward, not at the
         boundary: until then only the fp32 main shards are compared (the model's own shard is their
         copy; the rest is the previous round's local params by design)."""
-        if not self.sync.x_is_theta:
-            tensors = [self.sync.theta]
-            if self.sync.outer.momentum_buffer is not None:
-                tensors.append(self.sync.outer.momentum_buffer)
+        if not self.sync.x_is_theta:  # theta and m, on the device (streamed when host-held)
+            fp = self.sync.fingerprint(self.sync.outer.tensors())
         else:
             tensors = list(self.view.shards)
             for d in self.dist_opts:
                 if self._params_gathered or not d.ddp_config.overlap_param_gather:
                     tensors += [p for chunk in d.model_chunks for p in chunk.parameters()]
-        fp = host_copy(fingerprint(tensors), self.topology.outer_group)
+            fp = fingerprint(tensors)
+        fp = host_copy(fp, self.topology.outer_group)
         gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
         if self.topology.replicas > 1:
             dist.all_gather(gathered, fp, group=self.topology.outer_group)
@@ -658,7 +675,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         if sync.pending is not None:
             sync.pending.wait()
             sync.pending = None
-        self.view.copy_to(sync.theta)
+        sync.x_into(sync.theta)
         if sync.outer.momentum_buffer is not None:
             sync.outer.momentum_buffer.zero_()
         if sync.residual is not None:

@@ -6,7 +6,9 @@ outer group, so ``theta`` and ``momentum`` are replicated across the outer group
 
 Memory per parameter of the shard (fp32): ``theta`` 4 B + ``momentum`` 4 B (only when mu > 0);
 :class:`megatron_diloco.sync.OuterSync` adds ``delta`` 4 B, ``residual`` 4 B (lossy codecs) and
-``eager_anchor`` 4 B (eager).
+``eager_anchor`` 4 B (eager). On the device or in host memory (``--diloco-x-outer-state``,
+:mod:`megatron_diloco.outer_store`); a step over host-held state runs chunk by chunk on staged
+copies (:meth:`OuterNesterov.over`).
 """
 
 from __future__ import annotations
@@ -26,14 +28,30 @@ class OuterNesterov:
     Args:
         theta: initial outer parameters, fp32 ``[numel]``; owned (not copied) by this object.
         lr: eta. momentum: mu (0 allocates no momentum buffer). nesterov: Nesterov or heavy ball.
+        momentum_buffer: the momentum m, fp32 ``[numel]``, owned; None: zeros like ``theta`` (when
+            mu > 0). Pass one to keep m elsewhere than theta's allocation (host memory:
+            :class:`megatron_diloco.outer_store.OuterStore`).
     """
 
-    def __init__(self, theta: torch.Tensor, lr: float, momentum: float, nesterov: bool) -> None:
+    def __init__(self, theta: torch.Tensor, lr: float, momentum: float, nesterov: bool,
+                 momentum_buffer: torch.Tensor | None = None) -> None:
         self.theta = theta
         self.lr = lr
         self.momentum = momentum
         self.nesterov = nesterov
-        self.momentum_buffer = torch.zeros_like(theta) if momentum > 0.0 else None
+        if momentum > 0.0 and momentum_buffer is None:
+            momentum_buffer = torch.zeros_like(theta)
+        self.momentum_buffer = momentum_buffer if momentum > 0.0 else None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """``[theta]`` or ``[theta, m]``: the state the step reads and writes."""
+        return [self.theta] if self.momentum_buffer is None else [self.theta, self.momentum_buffer]
+
+    def over(self, tensors: list[torch.Tensor]) -> "OuterNesterov":
+        """The same outer optimizer over other tensors laid out as :meth:`tensors` (a chunk of
+        theta and m staged on the device); nothing is allocated or copied."""
+        return OuterNesterov(tensors[0], self.lr, self.momentum, self.nesterov,
+                             tensors[1] if self.momentum_buffer is not None else None)
 
     @torch.no_grad()
     def step(self, delta: torch.Tensor) -> None:

@@ -46,8 +46,12 @@ Speedup = (AllReduce seconds per token) / (DiLoCoX seconds per token), both over
 
 **Memory** per GPU (bytes per parameter of the rank): inner = params (2, bf16) + main grads (4,
 fp32) + distributed-optimizer fp32 main params and Adam moments (12 / dp); outer (DiLoCoX) = theta
-(4) + momentum (4, if mu > 0) + exchange buffer (4) + error-feedback residual (4, lossy codecs), all
-/ dp; plus the transient payload + gather buffer of a quantized exchange ((1 + R) x the shard's payload). The
+(4) + momentum (4, if mu > 0) + exchange buffer (4) + error-feedback residual (4, lossy codecs) +
+eager anchor (4, ``eager``), all / dp; plus the transient payload + gather buffer of a quantized
+exchange ((1 + R) x the shard's payload). With ``--outer-state cpu`` (``--diloco-x-outer-state
+cpu``) theta, momentum, residual, anchor and (quantized codecs) the exchange buffer move to host
+memory (``host_memory_gib``, per GPU); the GPU keeps the exchange's payload (``none``: the fp32
+all-reduce buffer, 4) and the fixed staging buffers (2 slots x 5 tensors x ``outer_chunk_mb``). The
 AllReduce job shards its optimizer over ``R dp``. Activations (of the first pipeline stage, the
 fullest) are estimated only when the GPT shape and micro-batch are given (:func:`activation_bytes`),
 otherwise they are left out and the output says so.
@@ -185,6 +189,10 @@ class PlanConfig:
     """``delayed`` / ``eager``: exchange hidden behind the next round; ``none``: blocking."""
     outer_momentum: float = 0.9
     """mu: > 0 allocates the outer momentum buffer."""
+    outer_state: str = "gpu"
+    """Where the outer state lives (``--diloco-x-outer-state``): ``gpu`` or ``cpu`` (host memory)."""
+    outer_chunk_mb: float = 16.0
+    """``outer_state cpu``: MiB per staged chunk (``--diloco-x-outer-chunk-mb``)."""
 
     # ---------------- memory ----------------
     param_bytes: int = 2
@@ -210,6 +218,9 @@ class PlanConfig:
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> None:
+        _choice("outer_state", self.outer_state, ("gpu", "cpu"))
+        if not self.outer_chunk_mb > 0:
+            raise ValueError(f"--outer-chunk-mb must be > 0, got {self.outer_chunk_mb!r}")
         """Raise ``ValueError`` naming the ``--flag`` of any invalid value."""
         for name in ("tp", "pp", "dp", "replicas", "gpus_per_node", "local_steps", "rank"):
             v = getattr(self, name)
@@ -309,6 +320,8 @@ class Plan:
     """N / (tp pp dp): elements of a rank's outer shard (and distributed-optimizer shard)."""
     memory_gib: dict[str, float]
     """DiLoCoX per-GPU memory by component (GiB); ``inner``, ``outer`` and ``total`` sum them."""
+    host_memory_gib: float
+    """Host memory per GPU for the outer state (``outer_state cpu``; 0 with ``gpu``), GiB."""
     baseline_memory_gib: float
     """Per-GPU memory of the AllReduce job (optimizer sharded over R dp, no outer state), GiB."""
     activations_estimated: bool
@@ -398,14 +411,24 @@ def plan(cfg: PlanConfig) -> Plan:
     ratio, source = _ratio(cfg, shard_int)
     payload = 4 * shard / ratio  # bytes one rank sends per round (before the R-1 factor)
     act = activation_bytes(cfg)
-    mem = {
-        "params": cfg.param_bytes * per_gpu,
-        "main_grads": cfg.grad_bytes * per_gpu,
-        "inner_optimizer": cfg.optimizer_bytes * shard,
+    outer = {  # bytes of the rank's outer state (the exchange buffer is the payload with ``none``)
         "outer_theta": 4 * shard,
         "outer_momentum": 4 * shard if cfg.outer_momentum > 0 else 0.0,
         "outer_exchange_buffer": 4 * shard,
         "outer_residual": 4 * shard if lossy else 0.0,
+        "outer_eager_anchor": 4 * shard if cfg.overlap == "eager" else 0.0,
+    }
+    host = 0.0
+    if cfg.outer_state == "cpu":  # on the host but the payload; fixed staging buffers on the GPU
+        on_gpu = {"outer_exchange_buffer"} if not lossy else set()
+        host = sum(v for k, v in outer.items() if k not in on_gpu)
+        outer = {k: (v if k in on_gpu else 0.0) for k, v in outer.items()}
+        outer["outer_staging"] = min(2 * 5 * cfg.outer_chunk_mb * 2**20, 2 * 5 * 4 * shard)
+    mem = {
+        "params": cfg.param_bytes * per_gpu,
+        "main_grads": cfg.grad_bytes * per_gpu,
+        "inner_optimizer": cfg.optimizer_bytes * shard,
+        **outer,
         "exchange_transient": (1 + R) * payload if cfg.codec in ("int8", "int4", "fp8") else 0.0,
         "activations": act or 0.0,
     }
@@ -462,7 +485,7 @@ def plan(cfg: PlanConfig) -> Plan:
     ar_tps = R * cfg.tokens_per_step / ar_step
     return Plan(
         config=cfg, params=n, params_per_gpu=per_gpu, shard_params=shard, memory_gib=mem_gib,
-        baseline_memory_gib=baseline_mem, activations_estimated=act is not None,
+        host_memory_gib=host / 2**30, baseline_memory_gib=baseline_mem, activations_estimated=act is not None,
         compute_step_s=t_step, boundary_s=t_boundary, compression_ratio=ratio, ratio_source=source,
         payload_bytes_per_rank=payload, bytes_sent_per_rank_per_round=sent if R > 1 else 0.0,
         bytes_per_link_per_round=per_link if R > 1 else 0.0, exchange_s=exchange, exposed_s=exposed,
@@ -525,7 +548,9 @@ def format_table(p: Plan) -> str:
                                   f"grads {m['main_grads']:.2f}, optimizer {m['inner_optimizer']:.2f}) + outer "
                                   f"{m['outer']:.2f} + activations "
                                   + (f"{m['activations']:.2f}" if p.activations_estimated else "not estimated")
-                                  + fits),
+                                  + fits + f"; outer state on the {c.outer_state}"
+                                  + (f" ({p.host_memory_gib:.2f} GiB host memory per GPU)"
+                                     if c.outer_state == "cpu" else "")),
         ("memory / GPU, AllReduce job", f"{p.baseline_memory_gib:.2f} GiB"),
         ("inner step", _fmt_s(p.compute_step_s) + ("  (measured)" if c.step_time_s is not None else
                                                    f"  ({p.config.gpu_tflops:g} TFLOP/s per GPU)")),
@@ -590,6 +615,35 @@ def config_from_args(args: argparse.Namespace) -> PlanConfig:
     return PlanConfig(**values)
 
 
+def outer_state_options(cfg: PlanConfig) -> list[dict[str, Any]]:
+    """Per-GPU memory of ``cfg`` with the outer state on the GPU and on the host, and whether each fits
+    ``gpu_memory_gib`` (None when it is not given): ``[{"outer_state", "gpu_gib", "host_gib", "fits"}]``."""
+    out = []
+    for where in ("gpu", "cpu"):
+        p = plan(dataclasses.replace(cfg, outer_state=where))
+        total = p.memory_gib["total"]
+        out.append({"outer_state": where, "gpu_gib": total, "host_gib": p.host_memory_gib,
+                    "host_gib_per_node": p.host_memory_gib * cfg.gpus_per_node,
+                    "fits": None if cfg.gpu_memory_gib is None else total <= cfg.gpu_memory_gib})
+    return out
+
+
+def format_outer_state_options(cfg: PlanConfig, options: list[dict[str, Any]]) -> str:
+    """The options of :func:`outer_state_options` as lines, ending with which layout fits."""
+    lines = []
+    for o in options:
+        fit = "" if o["fits"] is None else f"  {'fits' if o['fits'] else 'does NOT fit'} {cfg.gpu_memory_gib:g} GiB"
+        host = (f" + {o['host_gib']:.2f} GiB host ({o['host_gib_per_node']:.0f} GiB per {cfg.gpus_per_node}-GPU node)"
+                if o["outer_state"] == "cpu" else "")
+        lines.append(f"  --diloco-x-outer-state {o['outer_state']}: {o['gpu_gib']:.2f} GiB GPU{host}{fit}")
+    if cfg.gpu_memory_gib is not None:
+        fitting = [o["outer_state"] for o in options if o["fits"]]
+        lines.append("  -> fits: " + (", ".join(f"outer state on the {w}" for w in fitting) if fitting else
+                                       "neither layout (the inner state alone is "
+                                       f"{plan(cfg).memory_gib['inner']:.2f} GiB; activations not counted)"))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -598,14 +652,21 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    options = outer_state_options(cfg)
     if args.json:
         out = p.to_dict()
+        out["outer_state_options"] = options
         if args.preset == "paper":
             out["assumptions"] = list(PAPER_ASSUMPTIONS)
         print(json.dumps(out, indent=1))
     else:
         print(format_table(p))
+        print("\nwhere the outer state lives (memory per GPU):")
+        print(format_outer_state_options(cfg, options))
         if args.preset == "paper":
+            bf16 = dataclasses.replace(cfg, grad_bytes=2)
+            print("with bf16 main gradients (--grad-bytes 2; Megatron --grad-reduce-in-bf16):")
+            print(format_outer_state_options(bf16, outer_state_options(bf16)))
             print("\nassumptions (not stated in the material available here):")
             print("\n".join(f"  - {a}" for a in PAPER_ASSUMPTIONS))
     return 0

@@ -161,10 +161,14 @@ def replica_local_finalize(finalize: Callable) -> Callable:
     if getattr(finalize, "_diloco_x", False):
         return finalize
 
+    cache: list = [None, None]  # [the model's collection, its replica-local copy]: built once, not every step
+
     @functools.wraps(finalize)
     def wrapped(*a, pg_collection=None, **k):
         if pg_collection is not None and getattr(pg_collection, "dp_cp", None) is not None:
-            pg_collection = _local_collection(pg_collection)
+            if cache[0] is not pg_collection:
+                cache[:] = [pg_collection, _local_collection(pg_collection)]
+            pg_collection = cache[1]
         return finalize(*a, pg_collection=pg_collection, **k)
 
     wrapped._diloco_x = True

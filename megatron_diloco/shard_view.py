@@ -35,6 +35,24 @@ class ShardView:
         """Views of a flat ``[numel]`` tensor, one per shard (flattened), in shard order."""
         return list(flat.split([v.numel() for v in self.flat_views]))
 
+    def pieces(self, lo: int, hi: int) -> list[torch.Tensor]:
+        """Views of the shards covering the flat range ``[lo, hi)``, in order (the whole
+        :attr:`flat_views` for ``[0, numel)``; a shard cut by ``lo`` or ``hi`` contributes its part)."""
+        if lo == 0 and hi == self.numel:
+            return list(self.flat_views)
+        out, start = [], 0
+        for v in self.flat_views:
+            end = start + v.numel()
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                out.append(v[a - start:b - start])
+            start = end
+        return out
+
+    def split_like(self, flat: torch.Tensor, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of ``flat`` (a chunk ``(hi - lo,)``) split as ``pieces`` (:meth:`pieces` of the chunk)."""
+        return list(flat.split([p.numel() for p in pieces]))
+
     def copy_to(self, out: torch.Tensor) -> torch.Tensor:
         """Copy the shards into the flat ``out`` (fp32, ``[numel]``) and return it. Local: no
         communication."""
@@ -49,16 +67,21 @@ class ShardView:
             torch._foreach_copy_(self.flat_views, self.split(src))
 
 
-def fingerprint(tensors: Sequence[torch.Tensor], chunk: int = 1 << 22) -> torch.Tensor:
+def fingerprint(tensors: Sequence[torch.Tensor], chunk: int = 1 << 22, start: int = 0,
+                acc: torch.Tensor | None = None) -> torch.Tensor:
     """A bitwise fingerprint of ``tensors`` (int64 ``[2]``, on their device).
 
     Two position-weighted wrap-around sums over the raw bits: equal tensors give equal fingerprints;
     any single changed bit changes the first sum. Used to check that replicas are bit-identical
     without moving parameters off the device.
+
+    ``start``, ``acc``: continue a fingerprint: ``tensors`` begin at element ``start`` of the
+    concatenation and are added into ``acc`` (in place; returned). The sums are exact (integer), so
+    pieces fingerprinted this way give the value of the whole.
     """
-    device = tensors[0].device if tensors else torch.device("cpu")
-    acc = torch.zeros(2, dtype=torch.int64, device=device)
-    offset = 0
+    device = acc.device if acc is not None else tensors[0].device if tensors else torch.device("cpu")
+    acc = torch.zeros(2, dtype=torch.int64, device=device) if acc is None else acc
+    offset = start
     for t in tensors:
         flat = t.detach().reshape(-1)
         if flat.dtype in (torch.float32, torch.int32):

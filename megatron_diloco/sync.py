@@ -74,12 +74,13 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from megatron_diloco.collectives import (
-    DaemonWorker, ExchangeHandle, ExchangeStats, bounded_all_reduce, measure_link_bandwidth, ring_allreduce_bytes,
-    start_exchange,
+    DaemonWorker, ExchangeHandle, ExchangeStats, Outbox, bounded_all_reduce, measure_link_bandwidth,
+    ring_allreduce_bytes, start_exchange,
 )
 from megatron_diloco.config import CODECS, OUTER_TIMEOUT_HEADROOM, DiLoCoXConfig
 from megatron_diloco.outer import OuterNesterov
-from megatron_diloco.shard_view import ShardView
+from megatron_diloco.outer_store import OuterStore, chunk_elements
+from megatron_diloco.shard_view import ShardView, fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +105,14 @@ def backstop_timeout_s(bound_s: float) -> float:
     return 1.25 * bound_s + 60.0
 
 
-def _squared_norm(parts: list[torch.Tensor]) -> float:
-    """Sum of the squared L2 norms of ``parts`` (fp32 norms, summed in fp64); a host sync."""
-    return float(torch.stack(torch._foreach_norm(parts, 2)).double().square().sum()) if parts else 0.0
+def _sum_of_squares(norms: list[torch.Tensor]) -> float:
+    """Sum of the squares of fp32 L2 ``norms`` (0-dim tensors), in fp64; a host sync."""
+    return float(torch.stack(norms).double().square().sum()) if norms else 0.0
+
+
+def _sum(parts: list[torch.Tensor]) -> float:
+    """Sum of 0-dim tensors (one per chunk), in fp64; a host sync."""
+    return float(torch.stack(parts).double().sum()) if parts else 0.0
 
 
 def _build_codec(config: DiLoCoXConfig, view: ShardView, shapes: list[tuple[int, ...]] | None):
@@ -190,19 +196,29 @@ class OuterSync:
         # collective runs on ``group`` itself.
         self._executor = DaemonWorker("diloco_x") if spec.matrix else None
         self.exchange_group = host_group if spec.matrix and host_group is not None else group
-        theta = torch.empty(view.numel, dtype=torch.float32, device=view.device)  # (N,) fp32
-        view.copy_to(theta)
-        self.outer = OuterNesterov(theta, config.outer_lr, config.outer_momentum, config.nesterov)
+        #: where the outer state lives (--diloco-x-outer-state): on the device, or in host memory
+        #: streamed through the device chunk by chunk at each boundary (megatron_diloco.outer_store)
+        self.store = OuterStore(view.numel, view.device, on_host=config.outer_state == "cpu",
+                                chunk=chunk_elements(config.outer_chunk_mb))
+        store = self.store
+        theta = store.empty()  # (N,) fp32, device or host
+        self.x_into(theta)
+        self.outer = OuterNesterov(theta, config.outer_lr, config.outer_momentum, config.nesterov,
+                                   momentum_buffer=store.zeros() if config.outer_momentum > 0 else None)
         # delta: the pseudo-gradient in the exchange, one buffer for both directions: this replica's
-        # delta_r goes out, the replicas' mean Delta comes back in place (N,) fp32.
-        self.delta = torch.empty_like(theta)
+        # delta_r goes out, the replicas' mean Delta comes back in place (N,) fp32. ``none``: the
+        # all-reduce buffer itself, on the device; the codecs that send an encoded payload keep it
+        # with the outer state (it holds a mean only when one is waited for: checkpoints, restarts)
+        self.delta = store.empty(held=spec.lossy)
         # e: what the lossy codec did not send yet (per replica; fp32, one per shard element).
-        self.residual = torch.zeros_like(theta) if spec.lossy else None  # (N,) fp32
+        self.residual = store.zeros() if spec.lossy else None  # (N,) fp32
         # eager only: this replica's own anchor a_r (its look-ahead; per replica) (N,) fp32
-        self.eager_anchor = theta.clone() if config.overlap == "eager" else None
+        self.eager_anchor = store.empty() if config.overlap == "eager" else None
+        if self.eager_anchor is not None:
+            self.eager_anchor.copy_(theta)
         # partial + exact merge only: x_L, the local params when the pending exchange was launched
         # (per replica) (N,) fp32
-        self.launch_point = (torch.empty_like(theta)
+        self.launch_point = (store.empty()
                              if config.overlap == "partial" and config.merge == "exact" else None)
         #: partial: inner steps after the last boundary at which the pending exchange is applied
         self.apply_at = config.local_steps if config.overlap_steps is None else config.overlap_steps
@@ -290,14 +306,41 @@ class OuterSync:
         ``theta`` (shared), or with eager the replica's own :attr:`eager_anchor`."""
         return self.eager_anchor if self.eager_anchor is not None else self.outer.theta
 
+    def x_into(self, t: torch.Tensor) -> None:
+        """``t`` <- x: the shards into a flat vector of the store (local)."""
+        for lo, hi, (c,) in self.store.stream(t, write=[t], scratch=[t]):
+            if self.view.flat_views:
+                torch.cat(self.view.pieces(lo, hi), out=c)
+
+    def x_from(self, t: torch.Tensor) -> None:
+        """x <- ``t`` (a flat vector of the store), on the shards in place (local)."""
+        for lo, hi, (c,) in self.store.stream(t):
+            xs = self.view.pieces(lo, hi)
+            if xs:
+                torch._foreach_copy_(xs, self.view.split_like(c, xs))
+
+    def fingerprint(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """:func:`megatron_diloco.shard_view.fingerprint` of flat vectors of the store (theta, m),
+        computed on the device chunk by chunk (host-held ones are streamed through it): the same
+        value, int64 ``[2]`` on the device. Local."""
+        acc = torch.zeros(2, dtype=torch.int64, device=self.view.device)
+        offset = 0
+        for t in tensors:
+            for lo, _, (c,) in self.store.stream(t):
+                fingerprint([c], start=offset + lo, acc=acc)
+            offset += t.numel()
+        return acc
+
     def _pseudo_gradient_into_x(self) -> float:
         """x <- start - x on the shards, in place; returns the squared norm (a host sync)."""
-        xs = self.view.flat_views
-        if not xs:
-            return 0.0
-        torch._foreach_neg_(xs)
-        torch._foreach_add_(xs, self.view.split(self.anchor))
-        return _squared_norm(xs)
+        norms: list[torch.Tensor] = []
+        for lo, hi, (a,) in self.store.stream(self.anchor):
+            xs = self.view.pieces(lo, hi)
+            if xs:
+                torch._foreach_neg_(xs)
+                torch._foreach_add_(xs, self.view.split_like(a, xs))
+                norms += torch._foreach_norm(xs, 2)
+        return _sum_of_squares(norms)
 
     def _any_rank_nonfinite(self, sq: float, overlap_steps: int = 0) -> tuple[bool, int]:
         """Whether any rank's pseudo-gradient shard, in any replica, stage or shard, holds a NaN/Inf.
@@ -340,19 +383,56 @@ class OuterSync:
             raise self._failure(what, self.exchange_group, handle.timeout_s, handle.elapsed_s, err) from err
         self.longest_exchange_s = max(self.longest_exchange_s, handle.stats.exchange_s)
         self.last_completed = handle.stats
-        if self.residual is not None and handle.stats.input_sq:
+        if self._executor is not None and self.residual is not None and handle.stats.input_sq:
+            # the worker updated the residual (the other codecs' is measured at the launch)
             handle.stats.residual_sq = float(torch.dot(self.residual, self.residual))
 
     def _launch(self) -> ExchangeHandle:
-        """Launch the exchange of ``delta`` (this round's pseudo-gradient); bounded by
-        :meth:`timeout_s` from now."""
-        input_sq = 0.0
-        if self.residual is not None:  # ||pseudo-gradient + residual||^2: the codec's input, not materialized
-            b, e = self.delta, self.residual
-            input_sq = float(torch.dot(b, b) + 2 * torch.dot(b, e) + torch.dot(e, e))
-        handle = start_exchange(self.delta, self.residual, self.codec, self.exchange_group,
-                                worker=self._executor, timeout_s=self.timeout_s())
-        handle.stats.input_sq = input_sq
+        """One pass over the shard (chunk by chunk through :attr:`store`) that takes this round's
+        pseudo-gradient (x holds it with none/delayed/eager; partial: theta - x), encodes it with
+        error feedback into the exchange's payload (:class:`Outbox`), builds the eager look-ahead
+        a_r <- theta_t - c w delta, remembers x_L (partial, exact), and sets x <- a_r
+        (delayed/eager); then launches the exchange, bounded by :meth:`timeout_s` from now."""
+        overlap = self.config.overlap
+        eager, partial = self.eager_anchor is not None, overlap == "partial"
+        reset_x = overlap in ("delayed", "eager")
+        resident = not self.store.held(self.delta)  # delta on the device: it is the chunk itself
+        computed = partial and resident  # partial: the prepare pass left theta - x in delta
+        c = self.config.outer_lr * ((1.0 + self.config.outer_momentum) if self.config.nesterov else 1.0)
+        w = self.config.eager_weight
+        if w is None:
+            w = 1.0 / (dist.get_world_size(self.group) if self.group is not None else 1)
+        outbox = None if self._executor is not None else Outbox(
+            self.codec, self.view.numel, self.view.device, send=self.delta if resident else None)
+        read_theta = reset_x or (partial and not computed)  # x <- theta / a_r from theta; theta - x
+        tensors = [self.theta if read_theta else None, self.delta, self.residual, self.eager_anchor,
+                   self.launch_point]
+        write_only = [self.eager_anchor, self.launch_point]
+        input_sq: list[torch.Tensor] = []
+        residual_sq: list[torch.Tensor] = []
+        for lo, hi, (th, d, e, ea, lp) in self.store.stream(
+                *tensors, write=[self.residual, *write_only], scratch=[self.delta, *write_only]):
+            xs = self.view.pieces(lo, hi)
+            if not computed and xs:  # the pseudo-gradient chunk, contiguous
+                torch.cat(xs, out=d)
+                if partial:
+                    d.neg_().add_(th)  # theta - x, the same bits as the prepare pass
+            if e is not None:  # ||pseudo-gradient + residual||^2: the codec's input, not materialized
+                input_sq.append(torch.dot(d, d) + 2 * torch.dot(d, e) + torch.dot(e, e))
+            if ea is not None:  # a_r <- theta_t - c w delta_{r,t}
+                torch.mul(d, -c * w, out=ea).add_(th)
+            if outbox is not None:
+                outbox.put(lo, d, e)
+                if e is not None:
+                    residual_sq.append(torch.dot(e, e))
+            if lp is not None and xs:
+                torch.cat(xs, out=lp)
+            if reset_x and xs:
+                torch._foreach_copy_(xs, self.view.split_like(ea if eager else th, xs))
+        handle = start_exchange(self.delta, self.residual, self.codec, self.exchange_group, worker=self._executor,
+                                timeout_s=self.timeout_s(), outbox=outbox, store=self.store)
+        handle.stats.input_sq = _sum(input_sq)
+        handle.stats.residual_sq = _sum(residual_sq)
         handle.round = self.rounds
         return handle
 
@@ -405,13 +485,12 @@ class OuterSync:
         if self.config.overlap == "none":
             with record_function("megatron_diloco::prepare"):
                 sq = self._pseudo_gradient_into_x()
-                self.view.copy_to(self.delta)
                 if self._any_rank_nonfinite(sq)[0]:
                     return self._skip(sq, completed=None)
                 handle = self._launch()
             with record_function("megatron_diloco::perform"):
                 self._complete(handle, self.outer)
-                self.view.copy_from_(self.theta)
+                self.x_from(self.theta)
             return RoundReport(self.rounds, True, handle.stats, handle.stats, sq)
 
         # delayed / eager: x holds delta_t after this; ``delta`` still holds Delta_{t-1} (in flight).
@@ -424,13 +503,9 @@ class OuterSync:
                 completed = self.pending.stats
                 self.pending = None
         with record_function("megatron_diloco::launch"):
-            self.view.copy_to(self.delta)
             if self._any_rank_nonfinite(sq)[0]:
                 return self._skip(sq, completed)
-            if self.eager_anchor is not None:  # before the launch: the exchange owns ``delta`` after it
-                self._eager_start()
-            self.pending = self._launch()
-            self.view.copy_from_(self.anchor)
+            self.pending = self._launch()  # also a_r (eager) and x <- a_r
             self.x_is_theta = self.eager_anchor is None
         return RoundReport(self.rounds, completed is not None, self.pending.stats, completed, sq)
 
@@ -442,16 +517,19 @@ class OuterSync:
         if self.pending is not None:
             completed = self.merge()
         with record_function("megatron_diloco::prepare"):
-            self.view.copy_to(self.delta)
-            self.delta.neg_().add_(self.theta)  # theta - x, the same bits as x <- theta + (-x)
-            sq = _squared_norm(self.view.split(self.delta))
+            norms: list[torch.Tensor] = []
+            for lo, hi, (th, d) in self.store.stream(self.theta, self.delta, scratch=[self.delta]):
+                xs = self.view.pieces(lo, hi)
+                if xs:
+                    torch.cat(xs, out=d)
+                    d.neg_().add_(th)  # theta - x, the same bits as x <- theta + (-x)
+                    norms += torch._foreach_norm(self.view.split_like(d, xs), 2)
+            sq = _sum_of_squares(norms)
         with record_function("megatron_diloco::launch"):
             skip, self.apply_at = self._any_rank_nonfinite(sq, self._choose_overlap_steps())
             if skip:
                 return self._skip(sq, completed)
-            if self.launch_point is not None:
-                self.view.copy_to(self.launch_point)
-            self.pending = self._launch()
+            self.pending = self._launch()  # also x_L (exact merge)
             self.x_is_theta = False
         if self.apply_at == 0:
             completed = self.merge(at_launch=True)
@@ -503,26 +581,20 @@ class OuterSync:
         handle, self.pending = self.pending, None
         with record_function("megatron_diloco::perform"):
             self._complete(handle, self.outer)
-            xs = self.view.flat_views
-            thetas = self.view.split(self.theta)
             if at_launch:
-                self.view.copy_from_(self.theta)
-            elif self.launch_point is not None:  # exact: theta_new + (x - x_L)
-                torch._foreach_sub_(xs, self.view.split(self.launch_point))
-                torch._foreach_add_(xs, thetas)
-            else:  # mix: alpha x + (1 - alpha) theta_new
-                torch._foreach_lerp_(xs, thetas, 1.0 - self.config.mix_alpha)
+                self.x_from(self.theta)
+            else:
+                for lo, hi, (th, lp) in self.store.stream(self.theta, self.launch_point):
+                    xs = self.view.pieces(lo, hi)
+                    if not xs:
+                        continue
+                    if lp is not None:  # exact: theta_new + (x - x_L)
+                        torch._foreach_sub_(xs, self.view.split_like(lp, xs))
+                        torch._foreach_add_(xs, self.view.split_like(th, xs))
+                    else:  # mix: alpha x + (1 - alpha) theta_new
+                        torch._foreach_lerp_(xs, self.view.split_like(th, xs), 1.0 - self.config.mix_alpha)
             self.x_is_theta = at_launch
         return handle.stats
-
-    def _eager_start(self) -> None:
-        """a_r <- theta_t - c w * delta_{r,t}, with delta_{r,t} in ``delta`` (copied, not yet
-        launched; see the module doc)."""
-        c = self.config.outer_lr * ((1.0 + self.config.outer_momentum) if self.config.nesterov else 1.0)
-        w = self.config.eager_weight
-        if w is None:
-            w = 1.0 / (dist.get_world_size(self.group) if self.group is not None else 1)
-        torch.mul(self.delta, -c * w, out=self.eager_anchor).add_(self.theta)
 
     def _skip(self, sq: float, completed: ExchangeStats | None) -> RoundReport:
         """Drop this round's pseudo-gradient everywhere: x <- theta, residual untouched."""
@@ -531,7 +603,7 @@ class OuterSync:
                        "every rank of every replica (local progress of this round dropped; nothing sent)", self.rounds, "this one" if not math.isfinite(sq) else "another one")
         if self.eager_anchor is not None:  # eager: no fresh pseudo-gradient to look ahead with
             self.eager_anchor.copy_(self.theta)
-        self.view.copy_from_(self.theta)
+        self.x_from(self.theta)
         self.x_is_theta = True
         return RoundReport(self.rounds, completed is not None, ExchangeStats(), completed, sq, skipped=True)
 
@@ -548,7 +620,7 @@ class OuterSync:
             self.pending = None
             if self.eager_anchor is not None:  # the look-ahead is now part of theta
                 self.eager_anchor.copy_(self.theta)
-            self.view.copy_from_(self.theta)
+            self.x_from(self.theta)
             self.x_is_theta = True
         return stats
 
@@ -604,7 +676,7 @@ class OuterSync:
         self.pending = None
         if state.get("pending_delta") is not None:
             self.delta.copy_(state["pending_delta"])
-            self.pending = ExchangeHandle.completed(self.delta)
+            self.pending = ExchangeHandle.completed(self.delta, self.store)
         # x as loaded: theta for none/delayed; eager with nothing in flight holds a_r = theta; partial
         # keeps its own progress
         self.x_is_theta = self.config.overlap in ("none", "delayed") or (

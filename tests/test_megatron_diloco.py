@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -116,12 +117,41 @@ def test_checkpoint_resume_is_exact(tmp_path, codec, overlap):
     assert got == want  # exact float equality, every iteration, both replicas
     assert summary(log3)["replicas_identical"] and summary(log3)["rounds"] == 4
     assert summary(log3)["final_loss"] == summary(log)["final_loss"]
+    if overlap == "partial":  # each round reports the exchange that landed in it (tau steps after its launch)
+        rounds = re.findall(r"\[DiLoCoX\] round +(\d+) \| step +\d+ \| (\w+) \| sent ([\d.]+) MB", log)
+        assert [(int(r), a) for r, a, _ in rounds] == [(1, "launched"), (2, "applied"), (3, "applied"),
+                                                        (4, "applied")], rounds
+        assert all(float(mb) > 0 for _, _, mb in rounds[1:]), rounds
     if codec == "int8":  # 1 byte + 4/256 bytes of scale per element, padded: 3.9x fewer bytes than fp32
         assert 3.8 < summary(log3)["compression_ratio"] < 4.0
     if codec in ("lowrank-int8", "adaptive"):  # matrices sent as factors: well above int8's ratio
         assert summary(log3)["compression_ratio"] > 4.5
     if codec == "adaptive":  # the plan's INFO line reaches the user at Megatron's default log level
         assert "adaptive compression: ranks" in log
+
+
+def test_host_outer_state_trains_alike_and_checkpoints_across_layouts(tmp_path):
+    """``--diloco-x-outer-state cpu`` (chunks of 2560 elements: several per rank's shard) trains to the
+    same losses as the device layout, bit for bit, and a checkpoint saved mid-round (exchange in
+    flight; eager anchor, int8 residual, momentum) with either layout resumes in the other exactly."""
+    base = ["--train-iters", "12", "--diloco-x-local-steps", "4", "--diloco-x-overlap", "eager",
+            "--diloco-x-compression", "int8", "--diloco-x-outer-momentum", "0.9", "--save-interval", "1000",
+            "--no-load-rng", "--diloco-x-outer-chunk-mb", "0.01"]
+    gpu, log = run_megatron(tmp_path, base + ["--diloco-x-outer-state", "gpu"])
+    cpu, log_cpu = run_megatron(tmp_path, base + ["--diloco-x-outer-state", "cpu"])
+    assert "outer_state='cpu', outer_chunk_mb=0.01" in log_cpu  # the config install() printed
+    want = losses(gpu)
+    assert losses(cpu) == want and sorted(want[1]) == list(range(1, 13))
+    assert summary(log_cpu)["replicas_identical"] and summary(log_cpu)["final_loss"] == summary(log)["final_loss"]
+    for saved, resumed in (("gpu", "cpu"), ("cpu", "gpu")):
+        ckpt = str(tmp_path / f"ckpt-{saved}")
+        run_megatron(tmp_path, base + ["--diloco-x-outer-state", saved, "--save", ckpt, "--exit-interval", "6"])
+        leg2, log2 = run_megatron(tmp_path, base + ["--diloco-x-outer-state", resumed, "--load", ckpt])
+        got = losses(leg2)
+        assert sorted(got[1]) == list(range(7, 13)), (saved, resumed)
+        for r in want:
+            assert {it: want[r][it] for it in got[r]} == got[r], (saved, resumed, r)
+        assert summary(log2)["replicas_identical"], (saved, resumed)
 
 
 def test_outer_state_is_sharded_like_the_distributed_optimizer(tmp_path):

@@ -302,9 +302,10 @@ def test_int4_none_three_replicas():
     run_world(_compressed_worker, 3, "int4", "none")
 
 
-def _nonfinite_worker(rank, world, overlap, codec):
+def _nonfinite_worker(rank, world, overlap, codec, where="gpu"):
     cfg = DiLoCoXConfig(replicas=world, local_steps=1, outer_lr=0.5, outer_momentum=0.9,
-                        overlap=overlap, compression=codec)
+                        overlap=overlap, compression=codec, outer_state=where,
+                        outer_chunk_mb=256 * 4 / 2**20)  # cpu: chunks of 256 and a tail of 44
     x = torch.linspace(0, 1, 300)
     sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
     x.sub_(0.1 * (rank + 1)); sync.boundary()  # a normal round
@@ -331,10 +332,12 @@ def _nonfinite_worker(rank, world, overlap, codec):
     assert sync.skipped_rounds == 1 and torch.isfinite(sync.theta).all()
 
 
-@pytest.mark.parametrize("overlap, codec", [("none", "none"), ("delayed", "int8"), ("delayed", "none"),
-                                            ("eager", "int8")])
-def test_nonfinite_pseudo_gradient_skips_round_everywhere(overlap, codec):
-    run_world(_nonfinite_worker, 2, overlap, codec)
+@pytest.mark.parametrize("overlap, codec, where", [("none", "none", "gpu"), ("delayed", "int8", "gpu"),
+                                                   ("delayed", "none", "gpu"), ("eager", "int8", "gpu"),
+                                                   ("eager", "int8", "cpu"), ("none", "none", "cpu")])
+def test_nonfinite_pseudo_gradient_skips_round_everywhere(overlap, codec, where):
+    """(``where``: --diloco-x-outer-state; cpu: the outer state in host memory, streamed in chunks)"""
+    run_world(_nonfinite_worker, 2, overlap, codec, where)
 
 
 def _matrix_codec_worker(rank, world, codec, overlap):

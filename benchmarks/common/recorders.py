@@ -7,6 +7,12 @@ Each writes its keys into the rank's record ``rank{R}.json``; what they hold:
   ``rank``, ``mem_after_setup_bytes`` / ``max_mem_bytes`` / ``device`` (CUDA only) and ``completed``
   (the script returned normally);
 * ``losses``: ``{iteration: loss}`` of the logging ranks;
+* ``memory``: ``mem_after_step_bytes`` (``torch.cuda.memory_allocated()`` after each ``train_step``,
+  CUDA only: the steady footprint once the optimizer state exists), ``host_rss_bytes`` /
+  ``host_hwm_bytes`` (this process's resident set at the end / its high-water mark, from
+  ``/proc/self/status``), ``outer_host_bytes`` / ``outer_staging_bytes`` (with ``--diloco-x``: the
+  outer state kept in host memory and the device staging buffers,
+  ``megatron_diloco.outer_store.OuterStore``);
 * ``rounds``: with ``--diloco-x``, this rank's per-boundary metrics (bytes, exchange and exposed
   seconds, ...), as logged in the ``[DiLoCoX] round`` lines;
 * ``boundary_check``: ``boundary_identical``: after every DiLoCoX boundary, ``[step, replicas
@@ -117,6 +123,55 @@ class LossesRecorder(Recorder):
                 it = k["iteration"] if "iteration" in k else a[2]
                 self.record["losses"][it] = float(next(iter(loss_dict.values())))
             return orig(loss_dict, *a, **k)
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """``VmRSS`` / ``VmHWM`` of this process in bytes (None where /proc is absent)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class MemoryRecorder(Recorder):
+    """Steady device memory per step, host memory, and where DiLoCoX keeps its outer state."""
+
+    name = "memory"
+    keys = ("mem_after_step_bytes", "host_rss_bytes", "host_hwm_bytes", "outer_host_bytes", "outer_staging_bytes")
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        super().__init__(record)
+        record.update(mem_after_step_bytes=[], host_rss_bytes=None, host_hwm_bytes=None,
+                      outer_host_bytes=None, outer_staging_bytes=None)
+
+    def install(self) -> None:
+        import megatron.training.training as training
+        import torch
+
+        from megatron_diloco.optimizer import DiLoCoXOptimizer
+
+        rec = self.record
+
+        @wrap(training, "train_step")
+        def train_step(orig, *a, **k):
+            out = orig(*a, **k)
+            if torch.cuda.is_available():
+                rec["mem_after_step_bytes"].append(torch.cuda.memory_allocated())
+            return out
+
+        @wrap(DiLoCoXOptimizer, "finish")
+        def finish(orig, opt):
+            orig(opt)
+            store = opt.sync.store
+            rec["outer_host_bytes"] = store.host_bytes()
+            rec["outer_staging_bytes"] = store.staging_bytes()
+
+    def finalize(self, completed: bool) -> None:
+        self.record["host_rss_bytes"] = _proc_status_bytes("VmRSS")
+        self.record["host_hwm_bytes"] = _proc_status_bytes("VmHWM")
 
 
 class RoundsRecorder(Recorder):
@@ -291,10 +346,12 @@ class WanRecorder(Recorder):
       gradient norm and the logged loss are reduced over the data-parallel group); outermost calls
       only. Without DiLoCoX this is the per-step AllReduce over the slow link; with DiLoCoX it stays
       inside the replica (at one rank per replica: local copies only).
-    * ``boundary_s``: time in DiLoCoX's round-boundary work (``OuterSync.boundary``, publishing the
-      new params, the round's metrics): pseudo-gradient, encode, the wait for an exchange, outer step.
-    * ``exposed_s`` / ``exchange_s`` / ``bytes_sent``: the exchange completed at this boundary (its
-      wait, its launch-to-completion time, its accounted bytes), from DiLoCoX's ``RoundReport``.
+    * ``boundary_s``: time in DiLoCoX's round-boundary work (``OuterSync.boundary``, ``partial``'s
+      landing ``OuterSync.merge``, publishing the new params, the round's metrics): pseudo-gradient,
+      encode, the wait for an exchange, outer step, merge.
+    * ``exposed_s`` / ``exchange_s`` / ``bytes_sent``: the exchange completed in this iteration (its
+      wait, its launch-to-completion time, its accounted bytes), from DiLoCoX's ``RoundReport`` or
+      the stats ``OuterSync.merge`` returns.
     * ``proc_cpu_s`` / ``host_busy_s``: this process's CPU time and the whole machine's busy CPU time
       (``/proc/stat``) at the end of the iteration (the CPU load of other processes in the window).
     * ``tx_bytes`` / ``rx_bytes``: the counters of ``$WAN_IFACE`` (the shaped veth; ``ip netns exec``
@@ -346,6 +403,8 @@ class WanRecorder(Recorder):
         return wrapper
 
     def timed_boundary(self, fn, record_report: bool = False):
+        from megatron_diloco.collectives import ExchangeStats
+
         acc, depth = self.acc, self.depth
 
         @functools.wraps(fn)
@@ -358,7 +417,11 @@ class WanRecorder(Recorder):
                 depth["boundary"] -= 1
             if depth["boundary"] == 0:
                 acc["boundary_s"] += time.perf_counter() - t0
-            done = getattr(out, "completed", None) if record_report else None
+            # the exchange completed here: a boundary's report, or (partial) the stats its landing
+            # tau steps later returns; outermost call only (a boundary may land a pending one itself)
+            done = None
+            if record_report and depth["boundary"] == 0:
+                done = out if isinstance(out, ExchangeStats) else getattr(out, "completed", None)
             if done is not None:
                 acc["exposed_s"] += done.exposed_s
                 acc["exchange_s"] += done.exchange_s
@@ -380,7 +443,8 @@ class WanRecorder(Recorder):
         group_cls = pgb._ParamAndGradBucketGroup
         for name in ("start_grad_sync", "finish_grad_sync", "start_param_sync", "finish_param_sync"):
             setattr(group_cls, name, self.timed_dp(getattr(group_cls, name)))
-        dx_sync.OuterSync.boundary = self.timed_boundary(dx_sync.OuterSync.boundary, record_report=True)
+        for name in ("boundary", "merge"):  # merge: partial's landing, tau steps after the boundary
+            setattr(dx_sync.OuterSync, name, self.timed_boundary(getattr(dx_sync.OuterSync, name), record_report=True))
         for name in ("_publish_params", "round_metrics"):
             setattr(dx_opt.DiLoCoXOptimizer, name, self.timed_boundary(getattr(dx_opt.DiLoCoXOptimizer, name)))
 
@@ -550,5 +614,5 @@ class CodecCaptureRecorder(Recorder):
 
 #: The catalogue the harness looks bare ``--record`` names up in.
 RECORDERS: dict[str, type[Recorder]] = {r.name: r for r in (
-    TimersRecorder, LossesRecorder, RoundsRecorder, BoundaryCheckRecorder, FixedEvalRecorder,
+    TimersRecorder, LossesRecorder, MemoryRecorder, RoundsRecorder, BoundaryCheckRecorder, FixedEvalRecorder,
     PlainDDPRecorder, LinkRecorder, WanRecorder, CodecCaptureRecorder)}

@@ -107,6 +107,49 @@ class BlockwiseCodec:
         payload = self.encode(residual, **pg)
         return self.decode(allgather(payload), residual.numel(), out=out, outer=outer)
 
+    # ---- one chunk [lo, hi) of a bucket of ``numel`` elements (megatron_diloco.outer_store) ----
+    def _chunk_bytes(self, numel: int, lo: int, hi: int) -> tuple[ref.PayloadLayout, ref.PayloadLayout,
+                                                                    slice, slice, slice, slice]:
+        """(full layout, chunk layout, then the byte ranges of the chunk's scales and values in the
+        full payload and in the chunk's own payload). ``lo`` must start a block."""
+        if lo % self.block_size or not 0 <= lo < hi <= numel or (hi < numel and hi % self.block_size):
+            raise ValueError(f"chunk [{lo}, {hi}) of {numel} elements does not fall on {self.block_size}-element "
+                             "blocks")
+        full, part = self.layout(numel), self.layout(hi - lo)
+        b0 = lo // self.block_size
+        v0, v1 = (lo // 2, -(-hi // 2)) if self.fmt == "int4" else (lo, hi)
+        return (full, part, slice(4 * b0, 4 * (b0 + part.num_blocks)), slice(0, 4 * part.num_blocks),
+                slice(full.values_offset + v0, full.values_offset + v1),
+                slice(part.values_offset, part.values_offset + part.values_bytes))
+
+    def encode_into(self, payload: torch.Tensor | None, numel: int, lo: int, residual: torch.Tensor,
+                    pseudo_grad: torch.Tensor) -> torch.Tensor:
+        """Encode the chunk ``[lo, lo + len)`` of a bucket of ``numel`` elements (``residual``,
+        ``pseudo_grad``: fp32, that chunk; the residual updated in place) into the bucket's payload:
+        the same bytes :meth:`encode` of the whole bucket writes there (blocks never straddle a
+        chunk). ``payload``: uint8 ``[P]`` of the whole bucket, zero-initialized (None for a chunk
+        that is the whole bucket: the encoded payload is returned as it is). Returns the payload."""
+        part = self.encode(residual, pseudo_grad=pseudo_grad, residual_out=residual)  # (P_chunk,)
+        if lo == 0 and residual.numel() == numel:
+            return part
+        _, _, s_full, s_part, v_full, v_part = self._chunk_bytes(numel, lo, lo + residual.numel())
+        payload[s_full].copy_(part[s_part])
+        payload[v_full].copy_(part[v_part])
+        return payload
+
+    def decode_range(self, payloads: torch.Tensor, numel: int, lo: int, hi: int, out=None, outer=None):
+        """:meth:`decode` of the chunk ``[lo, hi)`` of the ``[R, P]`` payloads of a bucket of ``numel``
+        elements: ``out`` / ``outer`` over that chunk only. Bit-identical to the chunk's part of the
+        whole decode (the same blocks, the same ordered sum)."""
+        if lo == 0 and hi == numel:
+            return self.decode(payloads, numel, out=out, outer=outer)
+        _, part, s_full, s_part, v_full, v_part = self._chunk_bytes(numel, lo, hi)
+        rows = torch.zeros(payloads.shape[0], part.total_bytes, dtype=torch.uint8,
+                           device=payloads.device)  # (R, P_chunk)
+        rows[:, s_part].copy_(payloads[:, s_full])
+        rows[:, v_part].copy_(payloads[:, v_full])
+        return self.decode(rows, hi - lo, out=out, outer=outer)
+
 
 class AdaptiveCodec:
     """``adaptive``: :class:`AdaptivePolicy` picks ranks/bits, :class:`LowRankCodec` sends them."""

@@ -1,0 +1,178 @@
+"""GPU memory and step time of one rank's DiLoCoX state: vanilla Megatron vs DiLoCoX with the outer
+state on the GPU and on the host (``--diloco-x-outer-state``), per codec, on one GPU (issue 13).
+
+    python3 benchmarks/memory/outer_state_memory.py                      # 1 GPU, ~1.2B GPT (~6 min)
+    python3 benchmarks/memory/outer_state_memory.py --runs vanilla,cpu-int8 --iters 60
+    python3 benchmarks/memory/outer_state_memory.py --cpu-smoke          # tiny GPT on CPU gloo (~1 min)
+
+One replica on one rank (``--diloco-x-replicas 1`` in a world of one: no outer collective, the
+per-rank memory and boundary work are those of any rank of a larger job, whose shard this is), a GPT
+of 24 layers x hidden 2048 (1.2B parameters, byte-level vocabulary, mock data, sequence 1024, 2
+micro-batches of 2), bf16, ``--transformer-impl local``, Megatron's distributed optimizer (Adam) in
+every run; DiLoCoX with the one-step-delayed overlap, outer momentum 0.9, H = ``--local-steps``.
+Runs one after the other (the example under the harness with the ``timers`` and ``memory``
+recorders, ``benchmarks/common``), each ``--iters`` iterations:
+
+* ``vanilla``: ``--no-diloco-x``;
+* ``<outer_state>-<codec>``: ``--diloco-x-outer-state`` gpu / cpu, ``--diloco-x-compression`` codec
+  (default runs: gpu-none, gpu-int8, cpu-none, cpu-int8, cpu-int4; any of none/int8/int4/fp8 with
+  ``--runs``).
+
+Figures per run (``benchmarks/results/memory.json``, or ``--result``):
+
+* ``peak_gb``: ``torch.cuda.max_memory_allocated()`` over the run (GiB);
+* ``steady_gb``: ``torch.cuda.memory_allocated()`` after the last iteration (optimizer state and
+  the in-flight exchange allocated);
+* ``overhead_bytes_per_param`` / ``steady_overhead_bytes_per_param``: (peak / steady - vanilla's) /
+  parameters;
+* ``step_ms``: median wall time of the inner steps (``train_step`` between device syncs; the first 5
+  iterations and every H-th, the boundary steps, excluded); ``step_overhead_pct`` vs vanilla;
+* ``boundary_ms``: median wall time of the boundary steps (the whole iteration: inner step + boundary);
+* ``host_gb``: the outer state held in host memory (pinned; 0 on the GPU); ``host_rss_gb``: the
+  process's resident set at the end; ``staging_gb``: the device staging buffers (cpu).
+
+Writes the runs' folders (logs, records) under ``--out`` (default ``/tmp/outer_state_memory``; a run
+done with the same flags there is not repeated) and prints a table. The JSON is rewritten after every
+run (a run cut short by a time limit leaves the finished ones); a run that fails is recorded as
+``{"error": ..., "log_tail": ...}`` and the next one starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled
+from benchmarks.common.gpu_bench import boundary_step_times  # noqa: E402
+from benchmarks.common.runner import ExampleJob, load_ranks, run_job  # noqa: E402
+
+#: ~1.2B parameters (12 L h^2 = 1.21B + byte-level embeddings), one GPU, bf16.
+MODEL_1B = """
+    --transformer-impl local --num-layers 24 --hidden-size 2048 --ffn-hidden-size 8192
+    --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024
+    --micro-batch-size 2 --global-batch-size 4 --bf16 --distributed-backend nccl
+""".split()
+#: The CPU smoke: a tiny GPT over gloo, fp32.
+MODEL_TINY = """
+    --transformer-impl local --num-layers 2 --hidden-size 64 --ffn-hidden-size 256
+    --num-attention-heads 2 --seq-length 64 --max-position-embeddings 64
+    --micro-batch-size 2 --global-batch-size 4 --distributed-backend gloo
+""".split()
+COMMON = """
+    --pipeline-model-parallel-size 1 --mock-data --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 5
+    --log-interval 10 --eval-iters 0 --eval-interval 100000
+""".split()
+DEFAULT_RUNS = "vanilla,gpu-int8,cpu-int8,gpu-none,cpu-none,cpu-int4"
+CODECS = ("none", "int8", "int4", "fp8")
+
+
+def run_flags(name: str, local_steps: int) -> list[str]:
+    """The example flags of run ``name`` (``vanilla`` or ``<gpu|cpu>-<codec>``)."""
+    if name == "vanilla":
+        return ["--no-diloco-x"]
+    where, _, codec = name.partition("-")
+    if where not in ("gpu", "cpu") or codec not in CODECS:
+        raise SystemExit(f"--runs: unknown run {name!r} (vanilla or <gpu|cpu>-<{'|'.join(CODECS)}>)")
+    return ["--diloco-x-replicas", "1", "--diloco-x-local-steps", str(local_steps), "--diloco-x-overlap",
+            "delayed", "--diloco-x-outer-momentum", "0.9", "--diloco-x-outer-state", where,
+            "--diloco-x-compression", codec]
+
+
+def figures(recs: list[dict], local_steps: int) -> dict:
+    """The run's figures from its one rank's record (see the module docstring)."""
+    (r,) = recs
+    gib = 2 ** 30
+    inner = boundary_step_times(recs, local_steps, False)
+    bound = boundary_step_times(recs, local_steps, True)
+    steady = r["mem_after_step_bytes"][-1] if r.get("mem_after_step_bytes") else None
+    return {
+        "params": r["params_on_rank"],
+        "peak_gb": r["max_mem_bytes"] / gib if r.get("max_mem_bytes") is not None else None,
+        "steady_gb": steady / gib if steady is not None else None,
+        "setup_gb": r["mem_after_setup_bytes"] / gib if r.get("mem_after_setup_bytes") is not None else None,
+        "step_ms": 1e3 * statistics.median(inner) if inner else None,
+        "boundary_ms": 1e3 * statistics.median(bound) if bound else None,
+        "host_gb": (r.get("outer_host_bytes") or 0) / gib,
+        "staging_gb": (r.get("outer_staging_bytes") or 0) / gib,
+        "host_rss_gb": r["host_rss_bytes"] / gib if r.get("host_rss_bytes") else None,
+        "steps": len(r["iter_s"]),
+        "card": r.get("device"),
+    }
+
+
+def _result(runs: dict[str, dict], a: argparse.Namespace, model: list[str]) -> dict:
+    """The JSON of the runs so far, with the differences to the vanilla run."""
+    ok = {n: f for n, f in runs.items() if "error" not in f}
+    base = ok.get("vanilla")
+    for name, f in ok.items():
+        if name == "vanilla" or base is None:
+            continue
+        for key, per_param in (("peak_gb", "overhead_bytes_per_param"), ("steady_gb", "steady_overhead_bytes_per_param")):
+            if f[key] is not None and base[key] is not None:
+                f[per_param] = (f[key] - base[key]) * 2 ** 30 / f["params"]
+        if f["step_ms"] and base["step_ms"]:
+            f["step_overhead_pct"] = 100 * (f["step_ms"] / base["step_ms"] - 1)
+    card = next((f.get("card") for f in ok.values() if f.get("card")), None)
+    return {"card": card or "cpu", "params": next((f["params"] for f in ok.values()), None), "commit": _commit(),
+            "iters": a.iters, "local_steps": a.local_steps, "model": " ".join(model), "runs": runs}
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("/tmp/outer_state_memory"), help="the runs' folders")
+    p.add_argument("--result", type=Path, default=None,
+                   help="JSON to write (default benchmarks/results/memory.json; --cpu-smoke: OUT/memory.json)")
+    p.add_argument("--runs", default=DEFAULT_RUNS, help=f"comma-separated (default {DEFAULT_RUNS})")
+    p.add_argument("--iters", type=int, default=70)
+    p.add_argument("--local-steps", type=int, default=20)
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny GPT on CPU gloo (checks the script end to end)")
+    a = p.parse_args(argv)
+    if a.cpu_smoke and a.iters == 70:
+        a.iters, a.local_steps = 12, 4
+    result_path = a.result or (a.out / "memory.json" if a.cpu_smoke else REPO / "benchmarks/results/memory.json")
+    model = MODEL_TINY if a.cpu_smoke else MODEL_1B
+    names = [n for n in a.runs.split(",") if n]
+    for name in names:
+        run_flags(name, a.local_steps)  # validate before the first run
+    runs: dict[str, dict] = {}
+    result: dict = {}
+    for name in names:
+        args = [*model, *COMMON, "--train-iters", str(a.iters), *run_flags(name, a.local_steps)]
+        job = ExampleJob(name, args, nproc=1, record=["timers", "memory"], estimate_s=90, timeout_s=420)
+        info = run_job(job, a.out, resume=True)
+        if info.get("ok"):
+            runs[name] = figures(load_ranks(a.out, name), a.local_steps)
+        else:
+            log = a.out / name / "log.txt"
+            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+            runs[name] = {"error": f"exit status {info.get('returncode')}, timed out {info.get('timed_out')}",
+                          "log_tail": tail}
+        print(f"[outer_state_memory] {name}: {json.dumps(runs[name])[:2000]}", flush=True)
+        result = _result(runs, a, model)
+        result_path.parent.mkdir(parents=True, exist_ok=True)
+        result_path.write_text(json.dumps(result, indent=1) + "\n")
+    params = result.get("params") or 0
+    cols = ("peak_gb", "steady_gb", "overhead_bytes_per_param", "step_ms", "step_overhead_pct", "boundary_ms", "host_gb")
+    print(f"\n{result.get('card')}, {params / 1e9:.3f} B params, commit {result.get('commit')}; written {result_path}")
+    print(f"{'run':<10}" + "".join(f"{c:>26}" for c in cols))
+    for name, f in runs.items():
+        print(f"{name:<10}" + "".join(f"{f.get(c):>26.4g}" if isinstance(f.get(c), (int, float)) else f"{'-':>26}"
+                                      for c in cols))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
