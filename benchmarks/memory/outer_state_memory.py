@@ -9,7 +9,8 @@ One replica on one rank (``--diloco-x-replicas 1`` in a world of one: no outer c
 per-rank memory and boundary work are those of any rank of a larger job, whose shard this is), a GPT
 of 24 layers x hidden 2048 (1.2B parameters, byte-level vocabulary, mock data, sequence 1024, 2
 micro-batches of 2), bf16, ``--transformer-impl local``, Megatron's distributed optimizer (Adam) in
-every run; DiLoCoX with the one-step-delayed overlap, outer momentum 0.9, H = ``--local-steps``.
+every run; DiLoCoX at the package's defaults (partial overlap with auto tau and the exact merge: the
+launch point x_L is outer state too; mu 0: no momentum buffer) but for the codec, H = ``--local-steps``.
 Runs one after the other (the example under the harness with the ``timers`` and ``memory``
 recorders, ``benchmarks/common``), each ``--iters`` iterations:
 
@@ -78,9 +79,8 @@ def run_flags(name: str, local_steps: int) -> list[str]:
     where, _, codec = name.partition("-")
     if where not in ("gpu", "cpu") or codec not in CODECS:
         raise SystemExit(f"--runs: unknown run {name!r} (vanilla or <gpu|cpu>-<{'|'.join(CODECS)}>)")
-    return ["--diloco-x-replicas", "1", "--diloco-x-local-steps", str(local_steps), "--diloco-x-overlap",
-            "delayed", "--diloco-x-outer-momentum", "0.9", "--diloco-x-outer-state", where,
-            "--diloco-x-compression", codec]
+    return ["--diloco-x-replicas", "1", "--diloco-x-local-steps", str(local_steps), "--diloco-x-outer-state",
+            where, "--diloco-x-compression", codec]  # the rest at the package's defaults
 
 
 def figures(recs: list[dict], local_steps: int) -> dict:
