@@ -39,15 +39,16 @@ the payload bandwidth: sites are symmetric, so every site finishes at the same t
 
 **Time.** Inner step ``t = flops_per_token x tokens_per_step / (gpus_per_replica x gpu_tflops)``
 (``6 N``, plus ``12 L h s`` attention when the GPT shape is given), or the measured ``step_time_s``.
-Round = ``H t + boundary + exposed``; exposed = ``max(0, exchange - H t)`` with the one-step-delay
-overlap (the exchange launched at a boundary has the next H steps to finish), the whole exchange
-without overlap. AllReduce step = ``t + comm`` (``max(t, comm)`` with ``baseline_overlap``).
+Round = ``H t + boundary + exposed``; exposed = ``max(0, exchange - H t)`` with an overlap (the
+exchange launched at a boundary has up to the next H steps to finish: ``delayed``/``eager`` always
+H, ``partial`` with auto tau the fewest steps that hide it, ``min_h``), the whole exchange without
+overlap. AllReduce step = ``t + comm`` (``max(t, comm)`` with ``baseline_overlap``).
 Speedup = (AllReduce seconds per token) / (DiLoCoX seconds per token), both over R replicas' tokens.
 
 **Memory** per GPU (bytes per parameter of the rank): inner = params (2, bf16) + main grads (4,
 fp32) + distributed-optimizer fp32 main params and Adam moments (12 / dp); outer (DiLoCoX) = theta
 (4) + momentum (4, if mu > 0) + exchange buffer (4) + error-feedback residual (4, lossy codecs) +
-eager anchor (4, ``eager``), all / dp; plus the transient payload + gather buffer of a quantized
+eager anchor (4, ``eager``) or partial's launch point x_L (4, ``partial``, exact merge), all / dp; plus the transient payload + gather buffer of a quantized
 exchange ((1 + R) x the shard's payload). With ``--outer-state cpu`` (``--diloco-x-outer-state
 cpu``) theta, momentum, residual, anchor and (quantized codecs) the exchange buffer move to host
 memory (``host_memory_gib``, per GPU); the GPU keeps the exchange's payload (``none``: the fp32
@@ -176,7 +177,7 @@ class PlanConfig:
     # ---------------- DiLoCoX ----------------
     local_steps: int = 500
     """H: inner steps per outer round."""
-    codec: str = "int8"
+    codec: str = "int4"
     """Pseudo-gradient codec (``--diloco-x-compression``)."""
     compression_ratio: float | None = None
     """4 N / payload bytes. None: the exact blockwise formula (none/int8/int4/fp8) or the measured
@@ -185,9 +186,11 @@ class PlanConfig:
     """Low-rank rank (ratio lookup in :data:`MEASURED_RATIOS`)."""
     energy: float = 0.9
     """Adaptive energy target (ratio lookup in :data:`MEASURED_RATIOS`)."""
-    overlap: str = "delayed"
-    """``delayed`` / ``eager``: exchange hidden behind the next round; ``none``: blocking."""
-    outer_momentum: float = 0.9
+    overlap: str = "partial"
+    """``partial`` (the package default, auto tau: the exchange lands the fewest steps later that
+    hide it, at most H) / ``delayed`` / ``eager``: exchange hidden behind up to one round; ``none``:
+    blocking."""
+    outer_momentum: float = 0.0
     """mu: > 0 allocates the outer momentum buffer."""
     outer_state: str = "gpu"
     """Where the outer state lives (``--diloco-x-outer-state``): ``gpu`` or ``cpu`` (host memory)."""
@@ -257,7 +260,7 @@ class PlanConfig:
             raise ValueError(f"--link-efficiency must be in (0, 1], got {self.link_efficiency!r}")
         _choice("link_scope", self.link_scope, ("cluster", "node", "gpu"))
         _choice("codec", self.codec, tuple(CODECS))
-        _choice("overlap", self.overlap, ("none", "delayed", "eager"))
+        _choice("overlap", self.overlap, ("none", "partial", "delayed", "eager"))
         _choice("recompute", self.recompute, ("none", "selective", "full"))
         _choice("baseline_algo", self.baseline_algo, ("hierarchical", "ring"))
         if self.compression_ratio is not None and not (self.compression_ratio >= 1 and
@@ -417,6 +420,7 @@ def plan(cfg: PlanConfig) -> Plan:
         "outer_exchange_buffer": 4 * shard,
         "outer_residual": 4 * shard if lossy else 0.0,
         "outer_eager_anchor": 4 * shard if cfg.overlap == "eager" else 0.0,
+        "outer_launch_point": 4 * shard if cfg.overlap == "partial" else 0.0,  # x_L (exact merge)
     }
     host = 0.0
     if cfg.outer_state == "cpu":  # on the host but the payload; fixed staging buffers on the GPU

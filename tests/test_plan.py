@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def cfg(**kw) -> PlanConfig:
     base = dict(params=1e9, step_time_s=1.0, tokens_per_step=1000, replicas=2, local_steps=10,
-                link_mbps=8000.0, link_efficiency=1.0, boundary_s=0.0, codec="none")
+                link_mbps=8000.0, link_efficiency=1.0, boundary_s=0.0, codec="none", overlap="delayed")
     base.update(kw)
     return PlanConfig(**base)
 
@@ -43,6 +43,11 @@ def test_memory_hand_computed():
     q = plan(cfg(params=8e9, tp=2, pp=2, dp=4, codec="int8", outer_momentum=0.0))
     payload = blockwise_payload_bytes(500_000_000, "int8")
     assert q.memory_gib["outer"] * gib == pytest.approx(12 * 0.5e9 + 3 * payload)
+    # partial (the package default) keeps the launch point x_L: 4 B more per shard element; its
+    # exposure is the delayed one (auto tau <= H)
+    r = plan(cfg(params=8e9, tp=2, pp=2, dp=4, codec="int8", outer_momentum=0.0, overlap="partial"))
+    assert r.memory_gib["outer"] * gib == pytest.approx(16 * 0.5e9 + 3 * payload)
+    assert r.exposed_s == q.exposed_s
 
 
 def test_host_outer_state_memory_hand_computed():
@@ -58,7 +63,7 @@ def test_host_outer_state_memory_hand_computed():
     assert on_host.host_memory_gib * gib == pytest.approx(20 * shard)
     assert on_host.memory_gib["inner"] == on_gpu.memory_gib["inner"]
     # none: the fp32 all-reduce buffer is the payload and stays on the GPU
-    raw = plan(cfg(params=8e9, tp=2, pp=2, dp=4, codec="none", outer_state="cpu"))
+    raw = plan(cfg(params=8e9, tp=2, pp=2, dp=4, codec="none", outer_state="cpu", outer_momentum=0.9))
     assert raw.host_memory_gib * gib == pytest.approx(8 * shard)  # theta, momentum
     assert raw.memory_gib["outer"] * gib == pytest.approx(4 * shard + 2 * 5 * 16 * 2**20)
 
