@@ -56,7 +56,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from benchmarks.common.harness import Recorder, wrap
+from benchmarks.common.harness import Recorder, proc_status_bytes, wrap
 
 _HOOK_ID = 7211  # our pre-hook's id on every process group
 
@@ -236,17 +236,6 @@ class TrainingRecorder(Recorder):
             return orig(loss_dict, *a, **k)
 
 
-def _status_bytes(field: str) -> int | None:
-    """``field`` (e.g. ``VmRSS``, ``VmHWM``) of /proc/self/status in bytes; None when unavailable."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def _reset_peak_rss() -> bool:
     """Reset this process's RSS high-water mark (Linux >= 4.0: ``5`` to /proc/self/clear_refs)."""
     try:
@@ -328,10 +317,10 @@ class CheckpointRecorder(Recorder):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 cuda_before = torch.cuda.memory_allocated()
-            before = _status_bytes("VmRSS")
+            before = proc_status_bytes("VmRSS")
             reset = _reset_peak_rss()
             out = orig(*a, **k)
-            peak = _status_bytes("VmHWM") if reset else None
+            peak = proc_status_bytes("VmHWM") if reset else None
             entry = {"iteration": self.iteration, "rss_before": before, "rss_peak": peak,
                      "peak_delta": (peak - before) if peak is not None and before is not None else None,
                      "torch_peak_delta": None}

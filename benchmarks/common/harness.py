@@ -148,6 +148,17 @@ def build(names: list[str], record: dict[str, Any]) -> list[Recorder]:
     return [cls(record) for cls in classes]
 
 
+def proc_status_bytes(field: str) -> int | None:
+    """``field`` of /proc/self/status (``VmRSS``, ``VmHWM``) in bytes; None where it is unavailable."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _rank() -> int | None:
     import torch.distributed as dist
 

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .harness import Recorder, wrap
+from .harness import Recorder, proc_status_bytes, wrap
 
 
 def _sync() -> None:
@@ -125,17 +125,6 @@ class LossesRecorder(Recorder):
             return orig(loss_dict, *a, **k)
 
 
-def _proc_status_bytes(field: str) -> int | None:
-    """``VmRSS`` / ``VmHWM`` of this process in bytes (None where /proc is absent)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 class MemoryRecorder(Recorder):
     """Steady device memory per step, host memory, and where DiLoCoX keeps its outer state."""
 
@@ -170,8 +159,8 @@ class MemoryRecorder(Recorder):
             rec["outer_staging_bytes"] = store.staging_bytes()
 
     def finalize(self, completed: bool) -> None:
-        self.record["host_rss_bytes"] = _proc_status_bytes("VmRSS")
-        self.record["host_hwm_bytes"] = _proc_status_bytes("VmHWM")
+        self.record["host_rss_bytes"] = proc_status_bytes("VmRSS")
+        self.record["host_hwm_bytes"] = proc_status_bytes("VmHWM")
 
 
 class RoundsRecorder(Recorder):
