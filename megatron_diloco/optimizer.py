@@ -192,17 +192,36 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         ``(update_successful, grad_norm, num_zeros_in_grad)``.
 
         Between boundaries this adds to the inner step a counter and one comparison (``partial``: the
-        step the pending exchange lands on): no device work, no host sync, no collective."""
+        step the pending exchange lands on): no device work, no host sync, no collective.
+
+        On a step that ends with outer work (a boundary, ``partial``'s landing), the inner step's own
+        parameter all-gather is deferred (Megatron's ``_defer_param_sync``): the outer work changes
+        the main params, and :meth:`_publish_params` gathers them once."""
         if self._round_started is None:
             self._round_started = time.perf_counter()
-        result = self.inner.step()  # Megatron's step runs under its own no_grad
+        since_boundary = (self.step_calls + 1) % self.diloco_config.local_steps
+        land = self.sync.merge_due(since_boundary)  # partial: the exchange lands tau steps after its launch
+        outer_work = land or since_boundary == 0
+        if outer_work:
+            self._defer_inner_param_gather(True)
+        try:
+            result = self.inner.step()  # Megatron's step runs under its own no_grad
+        finally:
+            if outer_work:
+                self._defer_inner_param_gather(False)
         self.step_calls += 1
-        since_boundary = self.step_calls % self.diloco_config.local_steps
-        if self.sync.merge_due(since_boundary):  # partial: the exchange lands tau steps after its launch
+        if land:
             self._merge()
         elif since_boundary == 0:
             self._boundary()
         return result
+
+    def _defer_inner_param_gather(self, defer: bool) -> None:
+        """Whether the inner step skips its synchronous parameter all-gather (intra-replica DP group;
+        without ``--overlap-param-gather``, where Megatron gathers in the next forward instead)."""
+        for d in self.dist_opts:
+            if not d.ddp_config.overlap_param_gather:
+                d._defer_param_sync = defer
 
     @torch.no_grad()
     def _merge(self) -> None:

@@ -10,6 +10,8 @@
     and the final summary excluded) on a process group spanning more than one replica, counted by a
     process-group pre-hook (below every Python alias), with its iteration, whether it ran inside
     ``train_step`` / the outer boundary (``OuterSync``), and the issuing thread;
+  * ``replica_gathers``: ``{iteration: n}``, all-gathers issued on groups inside one replica (the
+    intra-replica DP group's parameter gathers), counted by the same pre-hooks;
   * ``outer``: sizes of the outer state after the first step;
   * ``main_fp``: after every optimizer step, a bitwise fingerprint of each fp32 main-parameter shard;
     ``loaded_fp``: the same right after a checkpoint was loaded.
@@ -97,11 +99,11 @@ class TrainingRecorder(Recorder):
     """Losses, boundary checks, cross-replica traffic and shard fingerprints (module docstring)."""
 
     name = "training"
-    keys = ("losses", "boundary_identical", "cross_replica", "outer", "main_fp", "loaded_fp")
+    keys = ("losses", "boundary_identical", "cross_replica", "replica_gathers", "outer", "main_fp", "loaded_fp")
 
     def __init__(self, record: dict[str, Any]) -> None:
         super().__init__(record)
-        record.update(losses=[], boundary_identical=[], cross_replica=[])
+        record.update(losses=[], boundary_identical=[], cross_replica=[], replica_gathers={})
         self.ctx = {"in_train": False, "in_train_step": False, "in_boundary": False, "iteration": 0,
                     "instrumenting": False}
 
@@ -119,9 +121,14 @@ class TrainingRecorder(Recorder):
             spans = len({r // per for r in ranks}) > 1
 
             def hook(args, ranks=ranks, spans=spans) -> None:
-                if not ctx["in_train"] or ctx["instrumenting"] or not spans:
+                if not ctx["in_train"] or ctx["instrumenting"]:
                     return
                 op = str(args.name).rsplit(".", 1)[-1].lower()
+                if not spans:  # inside one replica: count the all-gathers (the params') per iteration
+                    if "gather" in op and len(ranks) > 1:
+                        it = str(ctx["iteration"])
+                        record["replica_gathers"][it] = record["replica_gathers"].get(it, 0) + 1
+                    return
                 if op in ("send", "recv"):
                     if args.root < 0 or ranks[args.root] // per == dist.get_rank() // per:
                         return

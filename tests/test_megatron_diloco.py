@@ -228,6 +228,22 @@ def test_starts_from_loaded_weights(tmp_path, precision, how):
     assert summary(log)["replicas_identical"]
 
 
+@pytest.mark.parametrize("overlap", ["delayed", "partial"])
+def test_boundary_gathers_the_params_once(tmp_path, overlap):
+    """Intra-replica DP 2, no --overlap-param-gather: a step that ends with outer work (a boundary,
+    partial's landing) all-gathers the params once, as an inner step does. The inner step's own
+    gather is deferred (the outer work changes the params it would gather)."""
+    flags = ["--pipeline-model-parallel-size", "1", "--train-iters", "8", "--diloco-x-local-steps", "4",
+             "--diloco-x-overlap", overlap, *(["--diloco-x-overlap-steps", "2"] if overlap == "partial" else [])]
+    recs, log = run_megatron(tmp_path, flags)
+    for rank, rec in enumerate(recs):
+        gathers = {int(it): n for it, n in rec["replica_gathers"].items() if int(it) > 0}
+        assert sorted(gathers) == list(range(1, 9)), (rank, gathers)
+        assert len(set(gathers.values())) == 1, (rank, gathers)  # boundary / landing steps included
+        assert [s for s, _ in rec["boundary_identical"]] == [4, 8] and all(ok for _, ok in rec["boundary_identical"])
+    assert summary(log)["replicas_identical"]
+
+
 OVERLAP_FLAGS = {
     # intra-replica DP 2 (PP 1, 2 replicas on 4 ranks): the param all-gather is real
     "grad-param-dp2": (4, ["--pipeline-model-parallel-size", "1", "--overlap-grad-reduce",
