@@ -121,6 +121,22 @@ def test_diloco_window_counts_boundaries_not_replica_local_sync():
     assert dx["accounted_bytes_per_rank_per_token"] == 2 * 2048 / (8 * 1024)
 
 
+def test_partial_landings_are_boundary_work_but_not_rounds():
+    """partial: the exchange lands tau steps after the boundary (boundary work, the exchange's
+    figures) without ending a round: per-round figures divide by the rounds (``round_end``)."""
+    iters = _iters(12, 0.25, boundary_every=4, boundary_s=1.0)
+    for i, it in enumerate(iters, start=1):
+        it["round_end"] = 1 if i % 4 == 0 else 0
+        if i % 4 == 2:  # the landing: 0.5 s of work, the exchange it completes
+            it.update(boundary_s=0.5, exchange_s=1.0, bytes_sent=2048)
+        elif i % 4 == 0:
+            it.update(exchange_s=0.0, bytes_sent=0)
+    dx = wan_bench.window_metrics(_ranks(iters), warmup=4, sync_crosses_link=False)
+    assert dx["rounds_in_window"] == 2  # not 4: two boundaries and two landings in the window
+    assert dx["exchange_per_round_s"] == 1.0 and dx["boundary_per_round_s"] == 1.5
+    assert dx["accounted_bytes_per_rank_per_token"] == 2 * 2048 / (8 * 1024)
+
+
 def test_window_uses_the_slowest_rank_and_needs_iterations():
     fast, slow = _iters(4, 0.5), _iters(4, 1.0)
     m = wan_bench.window_metrics([{"iters": fast, "tokens_per_iter": 8}, {"iters": slow, "tokens_per_iter": 8}],

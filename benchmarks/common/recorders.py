@@ -338,6 +338,8 @@ class WanRecorder(Recorder):
     * ``boundary_s``: time in DiLoCoX's round-boundary work (``OuterSync.boundary``, ``partial``'s
       landing ``OuterSync.merge``, publishing the new params, the round's metrics): pseudo-gradient,
       encode, the wait for an exchange, outer step, merge.
+    * ``round_end``: 1 where an outer round ended (``OuterSync.boundary`` ran), else 0: ``partial``'s
+      landings are boundary work but no round of their own.
     * ``exposed_s`` / ``exchange_s`` / ``bytes_sent``: the exchange completed in this iteration (its
       wait, its launch-to-completion time, its accounted bytes), from DiLoCoX's ``RoundReport`` or
       the stats ``OuterSync.merge`` returns.
@@ -357,7 +359,8 @@ class WanRecorder(Recorder):
         super().__init__(record)
         self.iface = os.environ.get("WAN_IFACE")
         self.rank = int(os.environ.get("RANK", "0"))
-        self.acc = {"dp_sync_s": 0.0, "boundary_s": 0.0, "exposed_s": 0.0, "exchange_s": 0.0, "bytes_sent": 0}
+        self.acc = {"dp_sync_s": 0.0, "boundary_s": 0.0, "exposed_s": 0.0, "exchange_s": 0.0, "bytes_sent": 0,
+                    "round_end": 0}
         self.depth = {"dp": 0, "boundary": 0}
         record.update(iters=[], params_on_rank=0, train_iters=None, tokens_per_iter=None, drain_s=None)
 
@@ -411,6 +414,8 @@ class WanRecorder(Recorder):
             done = None
             if record_report and depth["boundary"] == 0:
                 done = out if isinstance(out, ExchangeStats) else getattr(out, "completed", None)
+                if not isinstance(out, ExchangeStats):  # OuterSync.boundary: a round ended here
+                    acc["round_end"] += 1
             if done is not None:
                 acc["exposed_s"] += done.exposed_s
                 acc["exchange_s"] += done.exchange_s

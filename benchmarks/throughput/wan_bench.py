@@ -135,7 +135,7 @@ def window_metrics(ranks: list[dict], warmup: int, sync_crosses_link: bool) -> d
 
     Args:
         ranks: one record per rank as written by the harness recorder ``wan`` (``iters``: per iteration
-            ``t0``, ``t1``, ``dp_sync_s``, ``boundary_s``, ``exposed_s``, ``exchange_s``,
+            ``t0``, ``t1``, ``dp_sync_s``, ``boundary_s``, ``round_end``, ``exposed_s``, ``exchange_s``,
             ``bytes_sent``, ``tx_bytes``; ``tokens_per_iter``), in rank order.
         warmup: iterations before the window (the window starts at the end of iteration ``warmup``).
         sync_crosses_link: whether Megatron's data-parallel sync goes over the slow link
@@ -164,7 +164,8 @@ def window_metrics(ranks: list[dict], warmup: int, sync_crosses_link: bool) -> d
         exposed.append(sum(i["exposed_s"] for i in win))
         exchange.append(sum(i["exchange_s"] for i in win))
         accounted.append(sum(i["bytes_sent"] for i in win))
-        rounds = sum(1 for i in win if i["boundary_s"] > 0)
+        # rounds ended in the window (records without ``round_end``: iterations with boundary work)
+        rounds = sum(i.get("round_end", 1 if i["boundary_s"] > 0 else 0) for i in win)
         if warmup:
             own_cpu += it[-1].get("proc_cpu_s", 0.0) - it[warmup - 1].get("proc_cpu_s", 0.0)
         start_tx = it[warmup - 1]["tx_bytes"] if warmup > 0 else None
