@@ -63,6 +63,14 @@ class ExchangeStats:
     """Wall time the training loop waited for it (the part not hidden under compute)."""
 
 
+def wire_bytes(collective: str, payload_bytes: int, group_size: int) -> int:
+    """Bytes each rank sends (and receives) to exchange one ``payload_bytes`` payload over a group of
+    ``group_size``: ``all-reduce`` (ring), or ``all-gather`` (R-1 payloads out, R-1 in)."""
+    if collective == "all-reduce":
+        return ring_allreduce_bytes(payload_bytes, group_size)
+    return max(0, group_size - 1) * payload_bytes
+
+
 def ring_allreduce_bytes(payload_bytes: int, group_size: int) -> int:
     """Bytes each rank sends (and receives) in a ring all-reduce of ``payload_bytes``."""
     if group_size <= 1:
@@ -361,7 +369,7 @@ def _start_all_reduce(send: torch.Tensor, buffer: torch.Tensor, group, size: int
     ``buffer`` (:meth:`ExchangeHandle.wait`) or straight into the outer step, chunk by chunk through
     ``store``."""
     payload = send.numel() * send.element_size()
-    wire = ring_allreduce_bytes(payload, size)
+    wire = wire_bytes("all-reduce", payload, size)
     stats = ExchangeStats(bytes_sent=wire, bytes_received=wire, raw_bytes=payload, payload_bytes=payload)
     staged = host_copy(send, group)  # GPU tensor over a gloo group: its host copy crosses
     work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=True) if size > 1 else None
@@ -392,7 +400,7 @@ def _start_all_gather(buffer: torch.Tensor, payload: torch.Tensor, codec, group,
     the R payloads in replica order, into ``buffer`` or fused with the outer step, chunk by chunk
     through ``store``."""
     numel = buffer.numel()
-    wire = (size - 1) * payload.numel()  # ring all-gather: R-1 payloads out, R-1 in
+    wire = wire_bytes("all-gather", payload.numel(), size)
     stats = ExchangeStats(bytes_sent=wire, bytes_received=wire, raw_bytes=4 * numel,
                           payload_bytes=payload.numel())
     work = None

@@ -75,7 +75,7 @@ from torch.profiler import record_function
 
 from megatron_diloco.collectives import (
     DaemonWorker, ExchangeHandle, ExchangeStats, Outbox, bounded_all_reduce, measure_link_bandwidth,
-    ring_allreduce_bytes, start_exchange,
+    start_exchange, wire_bytes,
 )
 from megatron_diloco.config import CODECS, OUTER_TIMEOUT_HEADROOM, DiLoCoXConfig
 from megatron_diloco.outer import OuterNesterov
@@ -564,9 +564,8 @@ class OuterSync:
         spec = CODECS[self.config.compression]
         if spec.matrix:
             return None
-        size = self.config.replicas  # the outer group: one rank per replica
-        payload = self.codec.payload_bytes(self.view.numel)
-        return ring_allreduce_bytes(payload, size) if spec.collective == "all-reduce" else (size - 1) * payload
+        # the outer group: one rank per replica
+        return wire_bytes(spec.collective, self.codec.payload_bytes(self.view.numel), self.config.replicas)
 
     def merge_due(self, steps_since_boundary: int) -> bool:
         """Whether the pending exchange is to be applied after this inner step (``partial``: tau
