@@ -80,6 +80,10 @@ METHODS: dict[str, dict] = {
     "partial_tau5_int4": dict(overlap="partial", codec="int4", tau=5, **_O),
     "partial_tau15_int4": dict(overlap="partial", codec="int4", tau=15, **_O),
     "partial_auto_int4": dict(overlap="partial", codec="int4", tau="auto", **_O),
+    # eta > 1 at mu 0: Adam's per-replica steps on half the batch carry less signal than data
+    # parallelism's (noise-dominated: by ~1/sqrt(R)); the outer step scales it back
+    "partial_auto_int4_eta1.2": dict(overlap="partial", codec="int4", tau="auto", eta=1.2, mu=0.0),
+    "partial_auto_int4_eta1.4": dict(overlap="partial", codec="int4", tau="auto", eta=1.4, mu=0.0),
     "partial_auto_int8": dict(overlap="partial", codec="int8", tau="auto", **_O),
     # int8 at twice H: the bytes of int4 at H (codecs compared at equal bytes)
     "partial_auto_int8_h60": dict(overlap="partial", codec="int8", tau="auto", H=60, **_O),
