@@ -37,7 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from common.runner import Command, Job, done, free_port, harness_command, run_jobs  # noqa: E402
+from common.runner import Job, done, replica_worlds_job, run_jobs  # noqa: E402
 from megatron_diloco.summary import parse_summaries  # noqa: E402
 
 H = 30
@@ -128,24 +128,14 @@ def job_for(name: str, seed: int, a: argparse.Namespace, data: str) -> Job:
               "--seed", str(seed), "--data-path", data, "--split", "98,1,1",
               "--diloco-x-local-steps", str(a.local_steps), "--lr-decay-style", "cosine",
               *(["--distributed-backend", "gloo"] if a.cpu_smoke else [])]
-    run = f"{name}_seed{seed}"
-    world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-             "MASTER_ADDR": "127.0.0.1"}
-    if not communicates(METHODS[name]):  # one world: all replicas' samples per step (allreduce) or one's (single)
-        gbs = per_replica_gbs * (1 if METHODS[name].get("alone") else REPLICAS)
-        cmds = [Command(harness_command(["losses"], a.out / run / "replica0",
-                                        [*common, "--global-batch-size", str(gbs),
-                                         *method_flags(name)]),
-                        env={**world, "MASTER_PORT": str(free_port())}, log="replica0.log")]
-    else:
-        store = ["--diloco-x-outer-store", f"127.0.0.1:{free_port()}"]
-        cmds = [Command(harness_command(["losses"], a.out / run / f"replica{r}",
-                                        [*common, "--global-batch-size", str(per_replica_gbs),
-                                         *method_flags(name), *store, "--diloco-x-replica-index", str(r)]),
-                        env={**world, "MASTER_PORT": str(free_port())}, log=f"replica{r}.log")
-                for r in range(REPLICAS)]
-    return Job(run, cmds, gpus=1, env={"OMP_NUM_THREADS": "1"}, estimate_s=a.estimate_s,
-               timeout_s=a.timeout_s, fingerprint={"method": METHODS[name], "common": common})
+    method = METHODS[name]
+    # one world (allreduce: all replicas' samples per step; single: one replica's), else R replicas
+    gbs = per_replica_gbs * (REPLICAS if not communicates(method) and not method.get("alone") else 1)
+    return replica_worlds_job(f"{name}_seed{seed}", a.out, [*common, "--global-batch-size", str(gbs),
+                                                           *method_flags(name)],
+                              REPLICAS if communicates(method) else 1, ["losses"], diloco=communicates(method),
+                              estimate_s=a.estimate_s, timeout_s=a.timeout_s,
+                              fingerprint={"method": method, "common": common})
 
 
 # --- analysis -------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import contextlib
 import dataclasses
 import queue
 import threading
@@ -34,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_diloco.config import CODECS
-from megatron_diloco.outer_store import OuterStore
+from megatron_diloco.outer_store import OuterStore, pinned_empty
 
 if TYPE_CHECKING:
     from megatron_diloco.outer import OuterNesterov
@@ -207,8 +206,10 @@ class ExchangeHandle:
         t0 = time.perf_counter()
         if self._work is not None:
             wait_within(self._work, None if self.timeout_s is None else self._launched + self.timeout_s)
-            if self.buffer.is_cuda:
-                # Exposed time must include the device-side wait for the collective.
+            if self.buffer.is_cuda and not isinstance(self._work, _ThreadWork):
+                # Exposed time must include the device-side wait for the collective. (A worker
+                # thread's exchange drained its own stream before its future completed: no host
+                # sync of the training stream for it, see _ThreadWork.wait.)
                 torch.cuda.current_stream(self.buffer.device).synchronize()
         t1 = time.perf_counter()
         self.stats.exposed_s = t1 - t0
@@ -428,16 +429,27 @@ def _start_all_gather(buffer: torch.Tensor, payload: torch.Tensor, codec, group,
 
 
 class _ThreadWork:
-    """A ``dist.Work``-like view of an exchange running on a worker thread."""
+    """A ``dist.Work``-like view of an exchange running on a worker thread.
 
-    def __init__(self, future: concurrent.futures.Future) -> None:
+    ``done``: on a GPU, the event the worker recorded on its stream after its last kernel (None on
+    the CPU). :meth:`wait` makes the caller's current stream wait for it, as an NCCL ``Work.wait()``
+    does: device-side ordering, no host sync (the worker synchronized the event itself before
+    completing the future, so the wait costs nothing on the device either).
+    """
+
+    def __init__(self, future: concurrent.futures.Future, done: "torch.cuda.Event | None" = None,
+                 device: torch.device | None = None) -> None:
         self._future = future
+        self._done = done
+        self._device = device
 
     def is_completed(self) -> bool:
         return self._future.done()
 
     def wait(self) -> None:
         self._future.result()  # re-raises the worker's exception, if any
+        if self._done is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._done)
 
     def get_future(self):
         raise NotImplementedError  # completion time is recorded by the worker itself
@@ -508,18 +520,65 @@ class DaemonWorker:
         self._jobs.put(None)
 
 
-#: executor -> {device: the CUDA stream its worker runs exchanges on}
-_WORKER_STREAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+class _WorkerLane:
+    """What a :class:`DaemonWorker` keeps per CUDA device across rounds, so that its exchanges stay
+    off the training loop's stream and out of its allocations:
+
+    * ``stream``: the one CUDA stream its kernels go to. One per worker, reused every round: the
+      caching allocator keeps freed blocks per stream, so a fresh pool stream each round would
+      strand the worker's buffers of earlier rounds (up to 32 pool streams' worth) instead of
+      reusing them.
+    * ``ready``: an event on ``stream``; :meth:`sync` is the worker thread's only wait for its GPU
+      work (never a device-wide sync: the training stream is not waited for).
+    * two page-locked host buffers (uint8, ``send`` and ``recv``), the all-gathers' staging: the
+      device-to-host and host-to-device copies are asynchronous DMA on ``stream``, with no
+      pageable bounce through the driver and no host allocation per round. Each grows to the
+      largest payload seen (to a power of two, so a plan whose sizes vary does not re-pin every
+      round), then is reused.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.ready = torch.cuda.Event()
+        self._host: dict[str, torch.Tensor] = {}  # "send" / "recv" -> uint8 [capacity], pinned
+
+    def sync(self, event: "torch.cuda.Event | None" = None) -> None:
+        """Block this (the worker) thread until everything enqueued on :attr:`stream` so far ran
+        (recorded in ``event``, default :attr:`ready`)."""
+        event = self.ready if event is None else event
+        event.record(self.stream)
+        event.synchronize()
+
+    def host(self, which: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The pinned staging buffer ``which`` as a ``[numel]`` tensor of ``dtype`` (its first bytes;
+        contents undefined). Valid until the next call for the same ``which``: the caller orders its
+        copies (all on :attr:`stream`) and the collective that reads or writes it."""
+        nbytes = numel * dtype.itemsize
+        buf = self._host.get(which)
+        if buf is None or buf.numel() < nbytes:
+            if buf is not None:
+                self.sync()  # a copy out of the old buffer may still be queued: let it run first
+            buf = self._host[which] = pinned_empty(1 << max(16, (nbytes - 1).bit_length()), torch.uint8)
+        return buf[:nbytes].view(dtype)
+
+    def drop_host(self) -> None:
+        """Forget the staging buffers, once :attr:`stream` has drained (after a failed round: a
+        collective abandoned at its deadline may still hold them; the next round pins new ones)."""
+        self.sync()
+        self._host.clear()
 
 
-def _worker_stream(executor, device: torch.device) -> "torch.cuda.Stream":
-    """One CUDA stream per worker (and device), reused every round: the caching allocator keeps freed
-    blocks per stream, so a fresh pool stream each round would strand the worker's buffers of
-    earlier rounds (up to 32 pool streams' worth) instead of reusing them."""
-    streams = _WORKER_STREAMS.setdefault(executor, {})
-    if device not in streams:
-        streams[device] = torch.cuda.Stream(device)
-    return streams[device]
+#: executor -> {device: its :class:`_WorkerLane`}
+_WORKER_LANES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _worker_lane(executor, device: torch.device) -> _WorkerLane:
+    """The :class:`_WorkerLane` of ``executor`` on ``device`` (made on first use)."""
+    lanes = _WORKER_LANES.setdefault(executor, {})
+    if device not in lanes:
+        lanes[device] = _WorkerLane(device)
+    return lanes[device]
 
 
 def _start_on_worker(buffer: torch.Tensor, residual: torch.Tensor, codec, group, size: int,
@@ -528,15 +587,25 @@ def _start_on_worker(buffer: torch.Tensor, residual: torch.Tensor, codec, group,
 
     The low-rank exchange needs two dependent all-gathers (P, then Q, with compute in between), so
     it cannot be one asynchronous collective; the worker runs ``codec.exchange`` while the training
-    loop computes (gloo and NCCL release the GIL; on a GPU the worker uses its own stream and
-    finishes it before the handle completes). Only the worker touches ``buffer``, ``residual`` and
-    the group until the handle completes.
+    loop computes (gloo and NCCL release the GIL). Only the worker touches ``buffer``, ``residual``
+    and the group until the handle completes. The worker also measures what the codec left in the
+    residual (``stats.residual_sq``), so that completing the handle needs no host sync of the
+    training stream.
+
+    On a GPU (the worker's :class:`_WorkerLane`): the worker thread's current device is the
+    buffer's (never device 0 by default, which would give it a CUDA context there); every kernel
+    and copy of the exchange goes to the worker's own stream, which starts after the work the
+    training stream has queued so far (an event: ``wait_stream``); the worker waits for its stream
+    only (events), never for the device; before it completes the handle, its stream is drained (also
+    when the exchange raised), so the training loop may reuse ``buffer`` and ``residual`` at once,
+    and :meth:`_ThreadWork.wait` orders the caller's stream after the worker's event.
 
     GPU tensors travel as host copies over ``group``, which must be gloo (the host mirror of
-    :func:`megatron_diloco.topology.host_mirror_of_outer_groups`): the worker copies each payload to
-    the host, all-gathers it there and copies the result back, so it never enqueues a GPU kernel that
-    waits for another rank (a worker-thread NCCL collective can deadlock against the training loop's
-    own NCCL kernels; seen on 2 x H200).
+    :func:`megatron_diloco.topology.host_mirror_of_outer_groups`): the worker copies each payload
+    into a pinned host buffer (asynchronous DMA on its stream, then a wait on its event),
+    all-gathers it there and copies the result back asynchronously, so it never enqueues a GPU
+    kernel that waits for another rank (a worker-thread NCCL collective can deadlock against the
+    training loop's own NCCL kernels; seen on 2 x H200).
 
     ``timeout_s`` bounds the worker itself too: its collectives are issued asynchronously and polled
     from Python (:func:`wait_within`) up to the same deadline, so a worker whose peer stopped
@@ -557,37 +626,59 @@ def _start_on_worker(buffer: torch.Tensor, residual: torch.Tensor, codec, group,
 
     handle = ExchangeHandle(buffer, None, stats, finish)
     deadline = None if timeout_s is None else handle._launched + timeout_s
+    lane = _worker_lane(executor, buffer.device) if buffer.is_cuda else None
 
     def allgather(t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
         if size == 1:
             return t.unsqueeze(0)
-        src = t.cpu() if via_host else t  # waits for the worker stream's producer of t only
-        out = torch.empty(size * src.numel(), dtype=src.dtype, device=src.device)  # (R*k,)
-        wait_within(dist.all_gather_into_tensor(out, src, group=group, async_op=True), deadline)
-        return out.to(t.device).view(size, -1)
+        if lane is None:  # host tensors: gathered where they are
+            out = torch.empty(size * t.numel(), dtype=t.dtype)  # (R*k,)
+            wait_within(dist.all_gather_into_tensor(out, t, group=group, async_op=True), deadline)
+            return out.view(size, -1)
+        send = lane.host("send", t.numel(), t.dtype)  # (k,) pinned
+        recv = lane.host("recv", size * t.numel(), t.dtype)  # (R*k,) pinned
+        send.copy_(t, non_blocking=True)  # DMA on the worker stream, after t's producers
+        lane.sync()  # send holds t; the previous round trip's copy out of recv ran too
+        wait_within(dist.all_gather_into_tensor(recv, send, group=group, async_op=True), deadline)
+        out = torch.empty(size, t.numel(), dtype=t.dtype, device=t.device)  # (R, k)
+        out.view(-1).copy_(recv, non_blocking=True)  # recv is not written again before the next sync
+        return out
 
     def agree(t: torch.Tensor) -> torch.Tensor:  # the policy's small CPU tensors, over the gloo group
         if size > 1:
             wait_within(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), deadline)
         return t
 
-    stream = _worker_stream(executor, buffer.device) if buffer.is_cuda else None
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(buffer.device))
+    done = None
+    if lane is not None:
+        lane.stream.wait_stream(torch.cuda.current_stream(buffer.device))  # inputs ready
+        done = torch.cuda.Event()  # this exchange's last work on the worker stream
+
+    def exchange() -> None:
+        kwargs = {"agree": agree} if hasattr(codec, "policy") else {}
+        codec.exchange(residual, allgather, pseudo_grad=buffer, out=buffer, **kwargs)
+        if residual is not None:  # what was not sent, measured here (a sync of this stream only)
+            stats.residual_sq = float(torch.dot(residual, residual))
 
     def run() -> None:
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with torch.no_grad(), ctx:
-            kwargs = {"agree": agree} if hasattr(codec, "policy") else {}
-            codec.exchange(residual, allgather, pseudo_grad=buffer, out=buffer, **kwargs)
-            if stream is not None:
-                stream.synchronize()
+        with torch.no_grad():
+            if lane is None:
+                exchange()
+            else:
+                torch.cuda.set_device(lane.device)  # this thread's device (idempotent)
+                try:
+                    with torch.cuda.stream(lane.stream):
+                        exchange()
+                except BaseException:
+                    lane.drop_host()
+                    raise
+                finally:  # drained (also after a failure) before buffer and residual are the
+                    lane.sync(done)  # training loop's again
         payload = codec.payload_bytes()
         stats.payload_bytes = payload
         stats.bytes_sent = stats.bytes_received = (size - 1) * payload
         handle._done_at = time.perf_counter()
 
-    handle._work = _ThreadWork(executor.submit(run))
+    handle._work = _ThreadWork(executor.submit(run), done, buffer.device)
     return handle
-

@@ -38,13 +38,13 @@ import torch
 CHUNK_ALIGN = 256
 
 
-def pinned_empty(numel: int) -> torch.Tensor:
-    """An fp32 ``[numel]`` host tensor, page-locked when CUDA is available (so that the staging
-    copies are asynchronous DMA). Pinned by ``cudaHostRegister`` of an ordinary allocation, exactly
-    its size (``pin_memory=True`` goes through PyTorch's caching host allocator, which rounds a block
-    up to the next power of two: up to 2x the host memory for a multi-GB shard); unregistered when
-    the tensor is collected."""
-    t = torch.empty(numel, dtype=torch.float32)
+def pinned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A ``[numel]`` host tensor of ``dtype`` (default fp32), page-locked when CUDA is available (so
+    that the staging copies are asynchronous DMA). Pinned by ``cudaHostRegister`` of an ordinary
+    allocation, exactly its size (``pin_memory=True`` goes through PyTorch's caching host allocator,
+    which rounds a block up to the next power of two: up to 2x the host memory for a multi-GB shard);
+    unregistered when the tensor is collected."""
+    t = torch.empty(numel, dtype=dtype)
     if numel and torch.cuda.is_available():
         cudart = torch.cuda.cudart()
         torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))

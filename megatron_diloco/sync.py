@@ -371,8 +371,9 @@ class OuterSync:
     def _complete(self, handle: ExchangeHandle, outer: OuterNesterov | None = None) -> None:
         """Complete ``handle`` (not past its bound: :class:`OuterGroupError` then): the mean into
         ``delta`` (``outer`` None), or straight into ``outer``'s step
-        (:meth:`ExchangeHandle.apply`). With a lossy codec, record the squared norm of the residual
-        it left (what was not sent): relative compression error = sqrt(residual_sq / input_sq)."""
+        (:meth:`ExchangeHandle.apply`). With a lossy codec its stats hold the squared norm of the
+        residual it left (what was not sent; measured at the launch, or by the matrix codecs' worker
+        thread): relative compression error = sqrt(residual_sq / input_sq)."""
         try:
             if outer is None:
                 handle.wait()
@@ -383,9 +384,6 @@ class OuterSync:
             raise self._failure(what, self.exchange_group, handle.timeout_s, handle.elapsed_s, err) from err
         self.longest_exchange_s = max(self.longest_exchange_s, handle.stats.exchange_s)
         self.last_completed = handle.stats
-        if self._executor is not None and self.residual is not None and handle.stats.input_sq:
-            # the worker updated the residual (the other codecs' is measured at the launch)
-            handle.stats.residual_sq = float(torch.dot(self.residual, self.residual))
 
     def _launch(self) -> ExchangeHandle:
         """One pass over the shard (chunk by chunk through :attr:`store`) that takes this round's
@@ -432,7 +430,8 @@ class OuterSync:
         handle = start_exchange(self.delta, self.residual, self.codec, self.exchange_group, worker=self._executor,
                                 timeout_s=self.timeout_s(), outbox=outbox, store=self.store)
         handle.stats.input_sq = _sum(input_sq)
-        handle.stats.residual_sq = _sum(residual_sq)
+        if outbox is not None:  # (the matrix codecs' worker measures the residual it leaves itself)
+            handle.stats.residual_sq = _sum(residual_sq)
         handle.round = self.rounds
         return handle
 

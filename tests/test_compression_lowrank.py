@@ -59,12 +59,22 @@ def test_matrix_view_and_never_inflated():
 
 
 def test_shared_basis_is_seeded_and_leaves_global_rng_alone():
+    """The basis is ``torch.randn`` after ``torch.manual_seed(seed)`` (the bases of checkpoints
+    written so far), drawn without touching any global generator: the CPU one, nor (on a GPU) the
+    CUDA default generator that the training loop's dropout draws from while the worker thread
+    builds bases."""
     torch.manual_seed(0)
     before = torch.get_rng_state()
+    cuda_before = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     q1 = init_basis(50, 4, seed=7, device=torch.device("cpu"))
     assert torch.equal(torch.get_rng_state(), before)
+    if cuda_before is not None:
+        init_basis(50, 4, seed=7, device=torch.device("cuda"))
+        assert torch.equal(torch.cuda.get_rng_state(), cuda_before)
     torch.manual_seed(99)
     assert torch.equal(q1, init_basis(50, 4, seed=7, device=torch.device("cpu")))
+    torch.manual_seed(7)
+    assert torch.equal(q1, torch.randn(50, 4))
 
 
 def test_exact_rank_recovered_with_fake_collective_and_error_feedback():

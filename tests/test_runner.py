@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from benchmarks.common.runner import (
-    HARNESS, Command, ExampleJob, Job, bench_recorders, done, load_ranks, run_job, run_jobs, summary_of)
+    HARNESS, Command, ExampleJob, Job, bench_recorders, done, load_ranks, replica_worlds_job, run_job, run_jobs,
+    summary_of)
 from megatron_diloco.summary import format_summary
 
 
@@ -85,3 +86,24 @@ def test_example_job_runs_the_harness_under_torchrun(tmp_path: Path):
     assert job.gpus == 2 and job.expect_records == 2 and job.fingerprint == {"args": ["--train-iters", "4"],
                                                                                "env": env}
     assert json.loads(json.dumps(job.fingerprint)) == job.fingerprint  # stored in done.json as is
+
+
+def test_replica_worlds_job_joins_single_rank_launches_through_one_store(tmp_path: Path):
+    """R launches, each a world of one rank on the job's one GPU, with their own record folder and log;
+    DiLoCoX ones share one ``--diloco-x-outer-store`` and get their replica index; the fingerprint
+    holds the flags, not the ports."""
+    job = replica_worlds_job("r", tmp_path, ["--train-iters", "4"], 2, ["timers"], env={"E": "1"})
+    assert job.gpus == 1 and job.logs == ["replica0.log", "replica1.log"] and job.env["E"] == "1"
+    stores = set()
+    for r, cmd in enumerate(job.commands):
+        rest = cmd.argv[cmd.argv.index(str(HARNESS)) + 1:]
+        assert rest[:4] == ["--record", "timers", "--out", str(tmp_path / "r" / f"replica{r}")]
+        assert rest[rest.index("--") + 1:][:2] == ["--train-iters", "4"]
+        assert rest[-2:] == ["--diloco-x-replica-index", str(r)]
+        stores.add(rest[rest.index("--diloco-x-outer-store") + 1])
+        assert cmd.env["WORLD_SIZE"] == "1" and cmd.env["RANK"] == "0"
+    assert len(stores) == 1
+    assert job.fingerprint == replica_worlds_job("r", tmp_path, ["--train-iters", "4"], 2, ["timers"],
+                                                 env={"E": "1"}).fingerprint
+    vanilla = replica_worlds_job("v", tmp_path, ["--no-diloco-x"], 2, ["timers"], diloco=False)
+    assert all("--diloco-x-outer-store" not in c.argv for c in vanilla.commands)

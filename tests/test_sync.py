@@ -370,6 +370,60 @@ def test_matrix_codecs_replicas_identical(codec, overlap):
     run_world(_matrix_codec_worker, 2, codec, overlap)
 
 
+def _worker_thread_exchange(rank, world, codec_name, device):
+    """``start_exchange`` of a matrix codec (its worker thread; on a GPU its own stream and pinned
+    host staging over the gloo group) vs ``codec.exchange`` run on this thread with the plain gloo
+    all-gather of host copies: the same bits every round (mean, residual), the residual's squared
+    norm in the stats, the replicas identical; the caller's current device and RNG untouched."""
+    from megatron_diloco.collectives import DaemonWorker, start_exchange
+    from megatron_diloco.compression import get_codec
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)
+    group = dist.new_group(backend="gloo")
+    layout = [(0, (64, 96)), (64 * 96, (96,)), (64 * 96 + 96, (40, 3, 10))]
+    n = 64 * 96 + 96 + 1200
+
+    def host_allgather(t):  # the reference: blocking host copies, default stream
+        src = t.contiguous().cpu()
+        out = torch.empty(world * src.numel(), dtype=src.dtype)
+        dist.all_gather_into_tensor(out, src, group=group)
+        return out.to(dev).view(world, -1)
+
+    ref_codec, codec = get_codec(codec_name, layout, rank=3), get_codec(codec_name, layout, rank=3)
+    ref_res, res = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+    worker = DaemonWorker("test")
+    rng = torch.cuda.get_rng_state() if dev.type == "cuda" else torch.get_rng_state()
+    for t in range(3):
+        g = torch.Generator().manual_seed(100 * t + rank)
+        delta = (torch.randn(n, 1, generator=g) * torch.randn(1, 1, generator=g)).view(-1).to(dev)
+        kwargs = {"agree": lambda x: (dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group), x)[1]} \
+            if hasattr(ref_codec, "policy") else {}
+        ref = ref_codec.exchange(ref_res, host_allgather, pseudo_grad=delta.clone(), out=None, **kwargs)
+        buf = delta.clone()
+        handle = start_exchange(buf, res, codec, group, worker=worker)
+        mean = handle.wait()
+        assert torch.equal(mean, ref) and torch.equal(res, ref_res), (codec_name, t)
+        assert handle.stats.residual_sq == float(torch.dot(ref_res, ref_res)) > 0
+        fp = fingerprint([mean]).cpu()
+        allfp = [torch.zeros_like(fp) for _ in range(world)]
+        dist.all_gather(allfp, fp)
+        assert all(torch.equal(allfp[0], f) for f in allfp)
+    if dev.type == "cuda":
+        assert torch.cuda.current_device() == 0
+        assert torch.equal(torch.cuda.get_rng_state(), rng)
+    else:
+        assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the worker's stream and pinned staging need a CUDA GPU"))])
+@pytest.mark.parametrize("codec", ["lowrank", "lowrank-int8", "adaptive"])
+def test_worker_thread_exchange_matches_host_allgather(codec, device):
+    run_world(_worker_thread_exchange, 2, codec, device)
+
+
 def _error_worker(rank, world):
     cfg = DiLoCoXConfig(replicas=world, local_steps=1, overlap="none", compression="int4")
     torch.manual_seed(rank)

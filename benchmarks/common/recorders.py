@@ -3,7 +3,10 @@
 Each writes its keys into the rank's record ``rank{R}.json``; what they hold:
 
 * ``timers``: ``iter_s`` (each Megatron ``train_step``, timed with a device synchronization on both
-  sides, identically with and without ``--diloco-x``), ``params_on_rank``, ``pp_rank``, ``tp_rank``,
+  sides, identically with and without ``--diloco-x``), ``iter_stream_s`` (CUDA only: the same step
+  until the training thread's current stream drained, just before the closing device
+  synchronization: without the work of other streams, e.g. a DiLoCoX worker thread's),
+  ``params_on_rank``, ``pp_rank``, ``tp_rank``,
   ``rank``, ``mem_after_setup_bytes`` / ``max_mem_bytes`` / ``device`` (CUDA only) and ``completed``
   (the script returned normally);
 * ``losses``: ``{iteration: loss}`` of the logging ranks;
@@ -57,12 +60,12 @@ class TimersRecorder(Recorder):
     """Step times, parameters and device memory of the rank (see the module docstring)."""
 
     name = "timers"
-    keys = ("iter_s", "params_on_rank", "pp_rank", "tp_rank", "rank", "mem_after_setup_bytes",
+    keys = ("iter_s", "iter_stream_s", "params_on_rank", "pp_rank", "tp_rank", "rank", "mem_after_setup_bytes",
             "max_mem_bytes", "device", "completed")
 
     def __init__(self, record: dict[str, Any]) -> None:
         super().__init__(record)
-        record.update(iter_s=[], params_on_rank=0, mem_after_setup_bytes=None, completed=False)
+        record.update(iter_s=[], iter_stream_s=[], params_on_rank=0, mem_after_setup_bytes=None, completed=False)
 
     def install(self) -> None:
         import megatron.training.training as training
@@ -90,6 +93,9 @@ class TimersRecorder(Recorder):
             _sync()
             t0 = time.perf_counter()
             out = orig(*a, **k)
+            if torch.cuda.is_available():  # (ends no later than the device sync: iter_s unchanged)
+                torch.cuda.current_stream().synchronize()
+                rec["iter_stream_s"].append(time.perf_counter() - t0)
             _sync()
             rec["iter_s"].append(time.perf_counter() - t0)
             return out

@@ -178,6 +178,27 @@ class ExampleJob:
                    fingerprint=self.fingerprint)
 
 
+def replica_worlds_job(name: str, out: Path, args: list[str], replicas: int, record: list[str], *,
+                       diloco: bool = True, env: dict[str, str] | None = None, estimate_s: float = 60.0,
+                       timeout_s: float | None = None, fingerprint: dict | None = None) -> Job:
+    """R launches of the example under the harness, each a world of one rank (one per replica), all
+    on the job's one GPU: replica r writes ``OUT/name/replica{r}/rank0.json`` and logs to
+    ``replica{r}.log``. ``diloco``: they are joined only through ``--diloco-x-outer-store`` (a free
+    port on this host) with ``--diloco-x-replica-index r`` appended to ``args`` (NCCL refuses two
+    ranks of one world on one GPU); else the R launches are independent (``args`` has
+    ``--no-diloco-x``: R vanilla trainings sharing the GPU the same way). The fingerprint is the
+    flags, not the ports (or ``fingerprint``, stored in ``done.json``)."""
+    world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    store = ["--diloco-x-outer-store", f"127.0.0.1:{free_port()}"] if diloco else []
+    commands = [Command(harness_command(record, out / name / f"replica{r}",
+                                        [*args, *store, *(["--diloco-x-replica-index", str(r)] if diloco else [])]),
+                        env={**world, "MASTER_PORT": str(free_port())}, log=f"replica{r}.log")
+                for r in range(replicas)]
+    return Job(name, commands, gpus=1, env={"OMP_NUM_THREADS": "1", **(env or {})}, estimate_s=estimate_s,
+               timeout_s=timeout_s, fingerprint=fingerprint or {"args": args, "replicas": replicas,
+                                                                "diloco": diloco, "record": record, "env": env or {}})
+
+
 def bench_recorders(env: dict[str, str]) -> list[str]:
     """The recorders of a benchmark run configured by ``env``: ``timers``, ``losses``, ``rounds``;
     ``boundary_check`` with ``BENCH_CHECK_BOUNDARIES=1``; ``fixed_eval`` with ``BENCH_FIXED_EVAL=1``;

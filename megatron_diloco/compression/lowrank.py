@@ -64,11 +64,14 @@ def lowrank_pays_off(shape: Sequence[int], rank: int, min_numel: int) -> bool:
 def init_basis(n: int, rank: int, seed: int, device: torch.device) -> torch.Tensor:
     """The shared initial basis ``Q``: fp32 ``(n, rank)``, identical on every rank and device.
 
-    Drawn on CPU from ``seed`` inside ``torch.random.fork_rng`` (the global RNG streams are untouched).
+    Drawn on CPU by a generator of its own seeded with ``seed`` (the numbers of ``torch.randn`` after
+    ``torch.manual_seed(seed)``), so no global RNG is touched: the matrix codecs call this on their
+    worker thread while the training loop draws (``torch.manual_seed`` would also reseed every CUDA
+    device's default generator, the one dropout uses, and ``fork_rng`` restores the CPU one under
+    the training thread's feet).
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        q = torch.randn(n, rank, dtype=torch.float32)  # (n, r)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, rank, dtype=torch.float32, generator=gen)  # (n, r)
     return q.to(device)
 
 
