@@ -14,7 +14,6 @@ On a machine without CUDA, ``megatron_diloco.compat.cpu`` patches Megatron-Core 
 
 from __future__ import annotations
 
-import atexit
 import sys
 from functools import partial
 from pathlib import Path
@@ -51,6 +50,7 @@ from megatron.training.utils import (  # noqa: E402
 )
 
 import megatron_diloco  # noqa: E402
+from megatron_diloco.integration import destroy_process_groups_at_exit  # noqa: E402
 
 # The demo: ~1M parameters, 16 x 256 tokens per step; falls from ~5.6 to ~2 nats/byte.
 MODEL_ARGS = """
@@ -204,17 +204,9 @@ def forward_step(data_iterator, model):
     return output_tensor, partial(loss_func, loss_mask)
 
 
-def _destroy_process_groups() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
 def main() -> None:
-    # Tear the process groups down at exit, before the interpreter's own teardown: gloo threads
-    # still alive then aborted a finished run once in a while ("terminate called without an active
-    # exception", SIGABRT after training). atexit runs after callers' finally blocks (the test and
-    # benchmark runners write their records there).
-    atexit.register(_destroy_process_groups)
+    # with --diloco-x, install() registers it; vanilla runs (the benchmarks' baseline) get it too
+    destroy_process_groups_at_exit()
     sys.argv[1:] = demo_argv(sys.argv[1:])
     args = parse_and_validate_args(extra_args_provider=add_script_args)
     if args.diloco_x:

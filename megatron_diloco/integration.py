@@ -10,11 +10,14 @@ wrapping them from outside is enough:
   stock code all-reduces it across replicas every step), and records it for the summary.
 * ``train``: at the end of training drains the last exchange, checks that replicas are identical and
   prints ``DILOCOX SUMMARY {json}`` on rank 0.
+
+It also registers :func:`destroy_process_groups_at_exit`.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import logging
 import math
@@ -31,6 +34,30 @@ from megatron_diloco.summary import format_summary
 from megatron_diloco.replica_local import install_replica_local_collectives, replica_local_loss_reduction
 
 logger = logging.getLogger(__name__)
+
+
+_TEARDOWN_REGISTERED = False
+
+
+def _destroy_process_groups() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def destroy_process_groups_at_exit() -> None:
+    """Destroy every process group at interpreter exit (once per process, idempotent).
+
+    Why: gloo groups whose threads are still alive when the interpreter tears itself down aborted
+    finished runs now and then ("terminate called without an active exception", SIGABRT, exit
+    status -6 after training); a DiLoCoX run has more of them (the outer groups, their gloo
+    mirrors). Megatron's ``pretrain`` does not destroy its groups. ``atexit`` runs after the
+    callers' ``finally`` blocks, so a harness that writes records there still has its groups.
+    :func:`install` registers it, so the launcher (``megatron_diloco.launch``), the example and a
+    patched ``pretrain_gpt.py`` all get it."""
+    global _TEARDOWN_REGISTERED
+    if not _TEARDOWN_REGISTERED:
+        atexit.register(_destroy_process_groups)
+        _TEARDOWN_REGISTERED = True
 
 
 def install(args: argparse.Namespace) -> DiLoCoXConfig | None:
@@ -59,6 +86,7 @@ def install(args: argparse.Namespace) -> DiLoCoXConfig | None:
     if args.optimizer == "sgd":  # Megatron's distributed optimizer lacks SGD's state initializer
         distopt_sgd.apply()
     _Installation(config, args).patch()
+    destroy_process_groups_at_exit()
     _show_package_logs(args)
     args._diloco_x_config = config
     if os.environ.get("RANK", "0") == "0":

@@ -95,3 +95,32 @@ def test_missing_script_is_a_clear_error(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "training script not found" in proc.stderr and str(missing) in proc.stderr
+
+
+TEARDOWN_SCRIPT = """
+import atexit, sys
+import torch.distributed as dist
+# registered first, so it runs last (atexit is LIFO): what the interpreter's own teardown would meet
+atexit.register(lambda: print("groups at teardown:", dist.is_initialized(), flush=True))
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+dist.new_group(backend="gloo")  # like the outer groups and their gloo mirrors
+from megatron_diloco.integration import destroy_process_groups_at_exit
+if sys.argv[1] == "registered":
+    destroy_process_groups_at_exit()
+    destroy_process_groups_at_exit()  # install() and the example may both call it: once is enough
+"""
+
+
+@pytest.mark.parametrize("mode, left", [("registered", False), ("not registered", True)])
+def test_process_groups_are_destroyed_at_exit(mode, left):
+    """``destroy_process_groups_at_exit`` (registered by ``install``, so by the launcher, the example
+    and a patched script) leaves no gloo group for the interpreter's teardown, where live gloo
+    threads aborted finished runs now and then (SIGABRT, "terminate called without an active
+    exception"); without it the groups are still there."""
+    from tests.dist_utils import free_port
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", TEARDOWN_SCRIPT, mode, str(free_port())], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"groups at teardown: {left}" in proc.stdout, proc.stdout + proc.stderr[-3000:]
