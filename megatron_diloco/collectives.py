@@ -474,13 +474,14 @@ EXIT_JOIN_S = 2.0
 
 
 @atexit.register
-def _stop_workers_at_exit() -> None:
+def stop_workers_at_exit() -> None:
     """At interpreter exit (atexit runs before finalization starts), stop every idle worker the way
     ``ThreadPoolExecutor`` does, so that none is left for the finalizing interpreter (seen on a GPU:
     processes whose idle daemon worker had run CUDA work ended with SIGABRT, "terminate called
     without an active exception", after a successful run). A worker still busy after
     :data:`EXIT_JOIN_S` (stuck: the run is failing) is left behind, a daemon, and does not hold the
-    process."""
+    process. Idempotent: :func:`megatron_diloco.integration.destroy_process_groups_at_exit` calls it
+    before it destroys the groups the workers talk over."""
     workers = list(_LIVE_WORKERS.items())
     for _, jobs in workers:
         jobs.put(None)
@@ -505,7 +506,7 @@ class DaemonWorker:
         self._thread = threading.Thread(target=_run_jobs, args=(self._jobs,), name=name, daemon=True)
         self._thread.start()
         _LIVE_WORKERS[self._thread] = self._jobs
-        # stop the thread when the worker is dropped; at exit _stop_workers_at_exit does it (waking it
+        # stop the thread when the worker is dropped; at exit stop_workers_at_exit does it (waking it
         # any later would make it take the GIL during finalization: pthread_exit before Python 3.14)
         weakref.finalize(self, self._jobs.put, None).atexit = False
 

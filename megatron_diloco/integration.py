@@ -40,6 +40,9 @@ _TEARDOWN_REGISTERED = False
 
 
 def _destroy_process_groups() -> None:
+    from megatron_diloco.collectives import stop_workers_at_exit
+
+    stop_workers_at_exit()  # first the matrix codecs' worker threads, then the groups they use
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
