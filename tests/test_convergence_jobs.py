@@ -1,0 +1,49 @@
+"""The jobs of the convergence benchmark (``benchmarks/convergence.py``): what each method launches.
+Nothing is run. The batch rule is what makes the comparison fair: AllReduce takes all replicas'
+samples per step in one world, a DiLoCo replica its own share, ``single`` one replica's alone."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from benchmarks import convergence
+
+
+def _a(tmp_path: Path) -> argparse.Namespace:
+    return argparse.Namespace(micro_batch=16, accum=1, cpu_smoke=False, eval_iters=32, steps=3000,
+                              eval_interval=300, local_steps=30, out=tmp_path, estimate_s=400.0, timeout_s=520.0)
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def _example_args(cmd) -> list[str]:
+    return cmd.argv[cmd.argv.index("--") + 1:]
+
+
+@pytest.mark.parametrize("name, launches, batch", [("allreduce", 1, 32), ("single", 1, 16),
+                                                   ("partial_auto_int4", 2, 16), ("diloco_int4", 2, 16)])
+def test_each_method_launches_its_worlds_with_its_batch(tmp_path, name, launches, batch):
+    job = convergence.job_for(name, 2, _a(tmp_path), "/data/corpus")
+    assert job.name == f"{name}_seed2" and job.gpus == 1 and len(job.commands) == launches
+    argvs = [_example_args(c) for c in job.commands]
+    for r, argv in enumerate(argvs):
+        assert int(_flag(argv, "--global-batch-size")) == batch and _flag(argv, "--seed") == "2"
+        assert _flag(argv, "--data-path") == "/data/corpus" and _flag(argv, "--train-iters") == "3000"
+        assert job.commands[r].env["WORLD_SIZE"] == "1"
+    if launches == 1:
+        assert argvs[0][-1] == "--no-diloco-x" and "--diloco-x-outer-store" not in argvs[0]
+    else:  # R single-rank worlds joined by one outer store, each with its replica index
+        assert {_flag(a, "--diloco-x-outer-store") for a in argvs} == {_flag(argvs[0], "--diloco-x-outer-store")}
+        assert [_flag(a, "--diloco-x-replica-index") for a in argvs] == ["0", "1"]
+        m = convergence.METHODS[name]
+        assert _flag(argvs[0], "--diloco-x-overlap") == m["overlap"]
+        assert _flag(argvs[0], "--diloco-x-compression") == m["codec"]
+        assert float(_flag(argvs[0], "--diloco-x-outer-lr")) == m["eta"]
+        assert ("--diloco-x-overlap-steps" in argvs[0]) == ("tau" in m)
+    # the definition is stored with the run (done.json), so later reports use what ran
+    assert job.fingerprint["method"] == convergence.METHODS[name]
