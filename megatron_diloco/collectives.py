@@ -160,8 +160,13 @@ class ExchangeHandle:
     """
 
     def __init__(self, buffer: torch.Tensor, work, stats: ExchangeStats,
-                 finish: Callable[[OuterNesterov | None], None], store: "OuterStore | None" = None) -> None:
+                 finish: Callable[[OuterNesterov | None], None], store: "OuterStore | None" = None,
+                 device_wait: bool = True) -> None:
         self.buffer = buffer
+        #: whether completing the collective leaves device work to wait for (False: the exchange ran
+        #: on a worker thread, which drained its own stream first): the exposed time then includes a
+        #: sync of the current stream
+        self.device_wait = device_wait and buffer.is_cuda
         self.store = store  # where ``buffer`` and the outer state live (None: on the device, whole)
         self.stats = stats
         self._work = work
@@ -206,7 +211,7 @@ class ExchangeHandle:
         t0 = time.perf_counter()
         if self._work is not None:
             wait_within(self._work, None if self.timeout_s is None else self._launched + self.timeout_s)
-            if self.buffer.is_cuda and not isinstance(self._work, _ThreadWork):
+            if self.device_wait:
                 # Exposed time must include the device-side wait for the collective. (A worker
                 # thread's exchange drained its own stream before its future completed: no host
                 # sync of the training stream for it, see _ThreadWork.wait.)
@@ -625,7 +630,7 @@ def _start_on_worker(buffer: torch.Tensor, residual: torch.Tensor, codec, group,
         if outer is not None:
             outer.step(buffer)
 
-    handle = ExchangeHandle(buffer, None, stats, finish)
+    handle = ExchangeHandle(buffer, None, stats, finish, device_wait=False)
     deadline = None if timeout_s is None else handle._launched + timeout_s
     lane = _worker_lane(executor, buffer.device) if buffer.is_cuda else None
 
