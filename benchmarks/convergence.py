@@ -9,6 +9,8 @@ single-rank world per replica joined through ``--diloco-x-outer-store`` (NCCL re
 one world on one GPU; ``tests/test_separate_worlds.py`` shows the separate launches train bit for
 bit as one world does). ``allreduce`` is one world of one rank with twice the per-replica batch: the
 same samples per step as data parallelism over the 2 replicas. Several runs share the GPU at once.
+``--one-world`` launches each run as a multi-GPU user does instead: one ``torchrun`` world of R ranks,
+one GPU each, the replicas joined over NCCL (``allreduce``: data parallelism over the R ranks).
 
 Figures per run: Megatron's validation loss at every ``--eval-interval`` (a multiple of H) and after
 training (after the drain), averaged over the replicas (each evaluates its half of the same
@@ -20,6 +22,7 @@ for ``allreduce`` the modelled ring bytes of Megatron's distributed-optimizer st
     python benchmarks/convergence.py --out DIR [--methods a,b] [--seeds 1] [--parallel 8] [--budget-s 500]
     python benchmarks/convergence.py --out DIR --report-only --from DIR2 ...   # merge into DIR/convergence.json
     python benchmarks/convergence.py --out DIR --cpu-smoke                    # tiny, CPU, gloo
+    python benchmarks/convergence.py --out DIR --one-world --methods ...      # R GPUs per run, NCCL
 
 Writes ``DIR/convergence.json`` (the shape issue 12 gives) and, with matplotlib,
 ``DIR/convergence.png`` (validation loss vs tokens; final loss vs bytes).
@@ -37,7 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from common.runner import Job, done, replica_worlds_job, run_jobs  # noqa: E402
+from common.runner import ExampleJob, Job, done, replica_worlds_job, run_jobs  # noqa: E402
 from megatron_diloco.summary import parse_summaries  # noqa: E402
 
 H = 30
@@ -120,7 +123,10 @@ def method_flags(name: str) -> list[str]:
     return flags
 
 
-def job_for(name: str, seed: int, a: argparse.Namespace, data: str) -> Job:
+def job_for(name: str, seed: int, a: argparse.Namespace, data: str) -> Job | ExampleJob:
+    """The run of method ``name`` at ``seed``: R single-rank worlds sharing one GPU (DiLoCo), one
+    world of one rank (allreduce, single); with ``a.one_world``, one ``torchrun`` world of R ranks on R
+    GPUs over NCCL (DiLoCo: one rank per replica; allreduce: data parallelism over the R ranks)."""
     per_replica_gbs = a.micro_batch * a.accum
     common = [*(CPU_MODEL if a.cpu_smoke else MODEL), "--micro-batch-size", str(a.micro_batch),
               *(["--eval-iters", str(a.eval_iters)] if a.eval_iters else []),
@@ -130,6 +136,12 @@ def job_for(name: str, seed: int, a: argparse.Namespace, data: str) -> Job:
               *(["--distributed-backend", "gloo"] if a.cpu_smoke else [])]
     method = METHODS[name]
     # one world (allreduce: all replicas' samples per step; single: one replica's), else R replicas
+    if a.one_world:
+        if method.get("alone"):
+            raise SystemExit(f"--one-world: method {name!r} is one replica alone; run it without --one-world")
+        return ExampleJob(f"{name}_seed{seed}", [*common, "--global-batch-size", str(per_replica_gbs * REPLICAS),
+                                                 *method_flags(name)], REPLICAS, estimate_s=a.estimate_s,
+                          timeout_s=a.timeout_s, record=["losses"], meta={"method": method, "common": common})
     gbs = per_replica_gbs * (REPLICAS if not communicates(method) and not method.get("alone") else 1)
     return replica_worlds_job(f"{name}_seed{seed}", a.out, [*common, "--global-batch-size", str(gbs),
                                                            *method_flags(name)],
@@ -141,8 +153,10 @@ def job_for(name: str, seed: int, a: argparse.Namespace, data: str) -> Job:
 # --- analysis -------------------------------------------------------------------------------------
 
 def analyze(d: Path, tokens_per_step: int) -> dict:
-    """One run folder: validation curve (mean over the replicas' halves), final loss, bytes."""
-    logs = sorted(d.glob("replica*.log"))
+    """One run folder: validation curve (mean over the replicas' halves), final loss, bytes. The
+    logs: ``replica{r}.log`` of R separate worlds, or one world's ``log.txt`` (``--one-world``: its
+    last rank prints Megatron's evaluations)."""
+    logs = sorted(d.glob("replica*.log")) or sorted(d.glob("log.txt"))
     per_log = []
     for log in logs:
         text = log.read_text(errors="replace")
@@ -163,6 +177,7 @@ def analyze(d: Path, tokens_per_step: int) -> dict:
     info = done(d.parent, d.name) or {}
     out = {"ok": bool(info.get("ok")), "params": per_log[0]["params"],
            "final_val_loss": statistics.mean(finals) if all(f is not None for f in finals) else None,
+           "final_val_loss_per_log": finals,
            "curve": curve, "last_iteration": its[-1] if its else 0}
     s = per_log[0]["summary"]
     if s:
@@ -196,6 +211,8 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
                "local_steps": m.get("H", a.local_steps) if communicates(m) else None,
                "energy": m.get("E"),
                "final_val_loss_per_seed": [r["final_val_loss"] for r in ok.values()], "seeds": list(ok),
+               # each replica's own evaluation (its half of the batches), per seed
+               "final_val_loss_per_replica": [r["final_val_loss_per_log"] for r in ok.values()],
                "incomplete": {s: {"last_iteration": r.get("last_iteration"), "ok": r.get("ok"),
                                   "curve": r.get("curve")}
                               for s, r in runs.items() if s not in ok}}
@@ -229,7 +246,9 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
     return {"regime": {"params": params, "tokens": tokens, "epochs": tokens / a.corpus_train_tokens
                        if a.corpus_train_tokens else None, "rounds": a.steps // a.local_steps,
                        "local_steps": a.local_steps, "replicas": REPLICAS, "seeds": sorted({s for r in per_seed.values() for s in r}),
-                       "tokens_per_step": a.tokens_per_step, "corpus": a.corpus_desc},
+                       "tokens_per_step": a.tokens_per_step, "corpus": a.corpus_desc,
+                       "launch": f"one torchrun world of {REPLICAS} ranks, one GPU each (NCCL)" if a.one_world
+                       else "one single-rank world per replica, sharing one GPU"},
             "card": a.card, "default_method": a.default_method, "methods": methods}
 
 
@@ -303,6 +322,8 @@ def main() -> None:
     p.add_argument("--from", dest="more", type=Path, nargs="*", default=[])
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--card", default=None, help="report-only: the card the runs were measured on")
+    p.add_argument("--one-world", action="store_true",
+                   help="each run one torchrun world of R ranks on R GPUs (NCCL; the multi-GPU user's path)")
     a = p.parse_args()
     if a.cpu_smoke:
         a.steps, a.local_steps, a.eval_interval, a.corpus_mb = 8, 4, 4, 8

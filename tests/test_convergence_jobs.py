@@ -14,7 +14,8 @@ from benchmarks import convergence
 
 def _a(tmp_path: Path) -> argparse.Namespace:
     return argparse.Namespace(micro_batch=16, accum=1, cpu_smoke=False, eval_iters=32, steps=3000,
-                              eval_interval=300, local_steps=30, out=tmp_path, estimate_s=400.0, timeout_s=520.0)
+                              eval_interval=300, local_steps=30, out=tmp_path, estimate_s=400.0, timeout_s=520.0,
+                              one_world=False)
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -47,3 +48,30 @@ def test_each_method_launches_its_worlds_with_its_batch(tmp_path, name, launches
         assert ("--diloco-x-overlap-steps" in argvs[0]) == ("tau" in m)
     # the definition is stored with the run (done.json), so later reports use what ran
     assert job.fingerprint["method"] == convergence.METHODS[name]
+
+
+@pytest.mark.parametrize("name", ["allreduce", "partial_auto_int4", "diloco_int4"])
+def test_one_world_runs_every_method_as_r_ranks_over_r_gpus(tmp_path, name):
+    """``--one-world``: the multi-GPU user's launch, one torchrun world of R ranks, one GPU each;
+    the world's global batch is all replicas' samples (AllReduce: data parallelism over R ranks;
+    DiLoCo: R replicas of one rank, each its share), so the samples per step match the other mode."""
+    a = _a(tmp_path)
+    a.one_world = True
+    ej = convergence.job_for(name, 3, a, "/data/corpus")
+    assert ej.nproc == ej.gpus == convergence.REPLICAS and ej.name == f"{name}_seed3"
+    assert int(_flag(ej.args, "--global-batch-size")) == 16 * convergence.REPLICAS
+    assert "--diloco-x-outer-store" not in ej.args and "--diloco-x-replica-index" not in ej.args
+    assert (ej.args[-1] == "--no-diloco-x") == (name == "allreduce")
+    if name != "allreduce":
+        assert _flag(ej.args, "--diloco-x-replicas") == str(convergence.REPLICAS)
+    job = ej.job(tmp_path)
+    assert len(job.commands) == 1 and "torch.distributed.run" in job.commands[0].argv
+    assert _flag(job.commands[0].argv, "--nproc-per-node") == str(convergence.REPLICAS)
+    assert job.fingerprint["method"] == convergence.METHODS[name]
+
+
+def test_one_world_refuses_a_replica_alone(tmp_path):
+    a = _a(tmp_path)
+    a.one_world = True
+    with pytest.raises(SystemExit, match="single"):
+        convergence.job_for("single", 1, a, "/data/corpus")

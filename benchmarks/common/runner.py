@@ -156,6 +156,8 @@ class ExampleJob:
     timeout_s: float | None = None
     record: list[str] | None = None
     """Harness recorders; None: :func:`bench_recorders` of ``env``."""
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Stored with the fingerprint in ``done.json`` (e.g. the definition a sweep launched it with)."""
 
     @property
     def gpus(self) -> int:
@@ -163,7 +165,8 @@ class ExampleJob:
 
     @property
     def fingerprint(self) -> dict[str, Any]:
-        return {"args": self.args, "env": self.env} | ({"record": self.record} if self.record is not None else {})
+        return ({"args": self.args, "env": self.env} | ({"record": self.record} if self.record is not None else {})
+                | self.meta)
 
     def job(self, out: Path) -> Job:
         """The job, with a free port for its rendezvous (call it when starting the job)."""
