@@ -163,9 +163,9 @@ class ExchangeHandle:
                  finish: Callable[[OuterNesterov | None], None], store: "OuterStore | None" = None,
                  device_wait: bool = True) -> None:
         self.buffer = buffer
-        #: whether completing the collective leaves device work to wait for (False: the exchange ran
-        #: on a worker thread, which drained its own stream first): the exposed time then includes a
-        #: sync of the current stream
+        #: whether completing the collective leaves work on the device to wait for (an NCCL collective
+        #: on a GPU buffer; not one run on host copies over gloo, or on a worker thread): the exposed
+        #: time then includes a sync of the current stream
         self.device_wait = device_wait and buffer.is_cuda
         self.store = store  # where ``buffer`` and the outer state live (None: on the device, whole)
         self.stats = stats
@@ -212,9 +212,9 @@ class ExchangeHandle:
         if self._work is not None:
             wait_within(self._work, None if self.timeout_s is None else self._launched + self.timeout_s)
             if self.device_wait:
-                # Exposed time must include the device-side wait for the collective. (A worker
-                # thread's exchange drained its own stream before its future completed: no host
-                # sync of the training stream for it, see _ThreadWork.wait.)
+                # Exposed time must include the device-side wait for the collective. (Host-side
+                # ones completed on the host: a worker thread drained its own stream first, see
+                # _ThreadWork.wait; host copies over gloo are copied back asynchronously.)
                 torch.cuda.current_stream(self.buffer.device).synchronize()
         t1 = time.perf_counter()
         self.stats.exposed_s = t1 - t0
@@ -362,11 +362,22 @@ def start_exchange(buffer: torch.Tensor, residual: torch.Tensor | None, codec, g
 
 def host_copy(t: torch.Tensor, group, copy: bool = True) -> torch.Tensor:
     """``t`` itself, or, for a GPU tensor crossing a gloo group of several ranks (replicas in separate
-    worlds, whose outer groups are gloo: :func:`megatron_diloco.topology.from_outer_store`), a host
-    tensor of its shape holding a copy of it (``copy``; blocking) or nothing yet (an output)."""
+    worlds, whose outer groups are gloo: :func:`megatron_diloco.topology.from_outer_store`), a
+    page-locked host tensor of its shape holding a copy of it (``copy``: the caller's thread waits for
+    it, as for ``t.cpu()``) or nothing yet (an output).
+
+    Page-locked through PyTorch's caching host allocator, so the copy back (``dst.copy_(staged,
+    non_blocking=True)``) is only enqueued on the current stream: the training thread does not
+    stall on it (a pageable copy waits for all the work queued before it: a bubble in the inner
+    step where an exchange lands), and the allocator keeps the block until that copy has run. Its
+    blocks are reused across rounds; sizes are rounded up to a power of two."""
     if group is None or not t.is_cuda or dist.get_world_size(group) <= 1 or dist.get_backend(group) != "gloo":
         return t
-    return t.cpu() if copy else torch.empty(t.shape, dtype=t.dtype)
+    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    if copy:
+        staged.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(t.device).synchronize()  # the collective reads it on gloo's thread
+    return staged
 
 
 def _start_all_reduce(send: torch.Tensor, buffer: torch.Tensor, group, size: int,
@@ -383,7 +394,7 @@ def _start_all_reduce(send: torch.Tensor, buffer: torch.Tensor, group, size: int
 
     def finish(outer: OuterNesterov | None) -> None:
         if staged is not send:
-            send.copy_(staged)
+            send.copy_(staged, non_blocking=True)  # enqueued (page-locked source): no stall
         if outer is None:
             for _, _, (s, b) in store.stream(send, buffer, write=[buffer], scratch=[buffer]):
                 if size > 1:
@@ -397,7 +408,7 @@ def _start_all_reduce(send: torch.Tensor, buffer: torch.Tensor, group, size: int
                 s.div_(size)
             outer.over(st).step(s)
 
-    return ExchangeHandle(buffer, work, stats, finish, store)
+    return ExchangeHandle(buffer, work, stats, finish, store, device_wait=staged is send)
 
 
 def _start_all_gather(buffer: torch.Tensor, payload: torch.Tensor, codec, group, size: int,
@@ -420,7 +431,7 @@ def _start_all_gather(buffer: torch.Tensor, payload: torch.Tensor, codec, group,
 
     def finish(outer: OuterNesterov | None) -> None:
         if staged_out is not gathered:
-            gathered.copy_(staged_out)
+            gathered.copy_(staged_out, non_blocking=True)  # enqueued (page-locked source): no stall
         rows = gathered.view(size, -1)
         if outer is None:
             for lo, hi, (b,) in store.stream(buffer, write=[buffer], scratch=[buffer]):
@@ -430,7 +441,7 @@ def _start_all_gather(buffer: torch.Tensor, payload: torch.Tensor, codec, group,
         for lo, hi, st in store.stream(*state, write=state):
             codec.decode_range(rows, numel, lo, hi, outer=outer.over(st))
 
-    return ExchangeHandle(buffer, work, stats, finish, store)
+    return ExchangeHandle(buffer, work, stats, finish, store, device_wait=staged_out is gathered)
 
 
 class _ThreadWork:
