@@ -233,15 +233,20 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
             elif params:
                 row["bytes_total"] = a.steps * params * (REPLICAS - 1) / REPLICAS * (4 + 2)
         methods[name] = row
-    base = methods.get("allreduce", {}).get("final_val_loss")
-    blocking = methods.get("diloco", {}).get("final_val_loss")
+    ref = methods.get("allreduce", {})
+    ran = {n: defs[n] for n, row in methods.items() if row.get("final_val_loss")}
     for name, row in methods.items():
-        if base and row.get("final_val_loss"):
-            row["gap_vs_allreduce"] = row["final_val_loss"] / base - 1
+        if not row.get("final_val_loss"):
+            continue
+        if ref.get("final_val_loss"):
+            row["gap_vs_allreduce"], row["gap_vs_allreduce_seeds"] = paired_gap(row, ref)
             if row.get("bytes_total"):
-                row["fewer_bytes_than_allreduce"] = methods["allreduce"].get("bytes_total", 0) / row["bytes_total"]
-        if blocking and row.get("final_val_loss") and name != "diloco":
-            row["gap_vs_blocking_diloco"] = row["final_val_loss"] / blocking - 1
+                row["fewer_bytes_than_allreduce"] = ref.get("bytes_total", 0) / row["bytes_total"]
+        for key, changes in REFERENCES.items():
+            other = counterpart(name, ran, **changes)
+            if other is not None:
+                row[f"{key}_reference"] = other
+                row[f"gap_vs_{key}"], row[f"gap_vs_{key}_seeds"] = paired_gap(row, methods[other])
     tokens = a.steps * a.tokens_per_step
     return {"regime": {"params": params, "tokens": tokens, "epochs": tokens / a.corpus_train_tokens
                        if a.corpus_train_tokens else None, "rounds": a.steps // a.local_steps,
@@ -252,6 +257,36 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
             "card": a.card, "default_method": a.default_method, "methods": methods}
 
 
+def paired_gap(row: dict, ref: dict) -> tuple[float, list[int]]:
+    """``row``'s final validation loss relative to ``ref``'s, minus 1, over the seeds both ran (a
+    seed's data order and initialisation are shared by every method, so unpaired means would mix
+    seed effects into the gap); over all seeds of each when they share none. Returns the gap and
+    the seeds it is over (empty: unpaired)."""
+    mine = dict(zip(row["seeds"], row["final_val_loss_per_seed"]))
+    theirs = dict(zip(ref["seeds"], ref["final_val_loss_per_seed"]))
+    common = sorted(set(mine) & set(theirs))
+    if not common:
+        return row["final_val_loss"] / ref["final_val_loss"] - 1, []
+    return statistics.mean(mine[s] for s in common) / statistics.mean(theirs[s] for s in common) - 1, common
+
+
+def counterpart(name: str, defs: dict[str, dict], **changes) -> str | None:
+    """The method that ran whose definition is ``defs[name]`` with ``changes`` (a value of None drops
+    the key): e.g. the blocking DiLoCo at the same codec and H of an overlapped rule (issue 12: "the
+    default overlap rule within 1% of blocking DiLoCo at the same codec and H"), or the uncompressed
+    run of a codec. None when it is ``name`` itself or did not run."""
+    want = {k: v for k, v in {**defs[name], **changes}.items() if v is not None}
+    for other, d in defs.items():
+        if other != name and d == want:
+            return other
+    return None
+
+
+#: What a row is judged against besides AllReduce: (JSON key, the changes to its definition).
+REFERENCES = {"blocking": dict(overlap="none", tau=None, merge=None, eta=1.0, mu=0.0),
+              "uncompressed": dict(codec="none", E=None)}
+
+
 def _tau(row: dict) -> str:
     """tau as configured; for ``auto`` also the tau of the last round (``auto (5)``)."""
     if row.get("tau") is None:
@@ -260,16 +295,18 @@ def _tau(row: dict) -> str:
 
 
 def markdown_table(result: dict) -> str:
-    """The RESULTS.md table: one row per method, best final loss first."""
-    rows = ["| method | overlap | codec | tau | eta / mu | final val loss (per seed) | vs AllReduce | vs blocking "
-            "DiLoCo | bytes/rank | fewer bytes | rounds |", "|---" * 11 + "|"]
+    """The RESULTS.md table: one row per method, best final loss first; gaps over the seeds both
+    rows ran (:func:`paired_gap`)."""
+    rows = ["| method | overlap | codec | tau | eta / mu | final val loss (per seed) | vs AllReduce | vs blocking, "
+            "same codec | vs uncompressed | bytes/rank | fewer bytes | rounds |", "|---" * 12 + "|"]
     pct = lambda v: f"{100 * v:+.2f}%" if v is not None else "-"  # noqa: E731
     for name, r in sorted(result["methods"].items(), key=lambda kv: kv[1].get("final_val_loss") or 9):
         seeds = ", ".join(f"{v:.4f}" for v in r.get("final_val_loss_per_seed", []))
         final = f"**{r['final_val_loss']:.4f}** ({seeds})" if r.get("final_val_loss") else "incomplete"
         rows.append(f"| {name} | {r['overlap']} | {r.get('codec') or '-'} | {_tau(r)} | "
                     f"{r.get('outer_lr', '-')} / {r.get('outer_momentum', '-')} | {final} | {pct(r.get('gap_vs_allreduce'))} | "
-                    f"{pct(r.get('gap_vs_blocking_diloco'))} | {r.get('bytes_total', 0) / 1e9:.2f} GB | "
+                    f"{pct(r.get('gap_vs_blocking'))} | {pct(r.get('gap_vs_uncompressed'))} | "
+                    f"{r.get('bytes_total', 0) / 1e9:.2f} GB | "
                     f"{r.get('fewer_bytes_than_allreduce', 0):.0f}x | {r.get('rounds') or '-'} |")
     return "\n".join(rows)
 

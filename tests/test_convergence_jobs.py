@@ -75,3 +75,30 @@ def test_one_world_refuses_a_replica_alone(tmp_path):
     a.one_world = True
     with pytest.raises(SystemExit, match="single"):
         convergence.job_for("single", 1, a, "/data/corpus")
+
+
+def test_gaps_are_over_the_seeds_both_rows_ran():
+    """A method run with seeds 1-3 against AllReduce with seeds 1-2: the gap is over seeds 1-2 (a
+    seed's data order and initialisation are every method's), not the mean of 3 over the mean of 2."""
+    row = {"seeds": [1, 2, 3], "final_val_loss_per_seed": [1.1, 1.2, 2.0], "final_val_loss": 1.4333}
+    ref = {"seeds": [1, 2], "final_val_loss_per_seed": [1.0, 1.0], "final_val_loss": 1.0}
+    gap, seeds = convergence.paired_gap(row, ref)
+    assert seeds == [1, 2] and gap == pytest.approx(0.15)
+    gap, seeds = convergence.paired_gap({**row, "seeds": [4, 5, 6]}, ref)  # none shared: unpaired
+    assert seeds == [] and gap == pytest.approx(0.4333)
+
+
+def test_each_row_is_judged_against_blocking_at_its_codec_and_uncompressed_at_its_rule():
+    defs = {n: convergence.METHODS[n] for n in ("allreduce", "diloco", "diloco_int4", "partial_auto_int4",
+                                                "partial_auto_int4_eta1.2", "partial_tau5", "partial_mix_tau5",
+                                                "partial_auto_int8_h60")}
+    blocking, uncompressed = convergence.REFERENCES["blocking"], convergence.REFERENCES["uncompressed"]
+    assert convergence.counterpart("partial_auto_int4", defs, **blocking) == "diloco_int4"
+    assert convergence.counterpart("partial_auto_int4_eta1.2", defs, **blocking) == "diloco_int4"
+    assert convergence.counterpart("partial_tau5", defs, **blocking) == "diloco"
+    assert convergence.counterpart("partial_mix_tau5", defs, **blocking) == "diloco"
+    assert convergence.counterpart("diloco_int4", defs, **uncompressed) == "diloco"
+    assert convergence.counterpart("partial_auto_int4", defs, **uncompressed) is None  # partial_auto not run
+    assert convergence.counterpart("partial_auto_int8_h60", defs, **blocking) is None  # no blocking at H = 60
+    assert convergence.counterpart("diloco", defs, **blocking) is None  # itself
+    assert convergence.counterpart("allreduce", defs, **blocking) is None
