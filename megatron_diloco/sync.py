@@ -389,8 +389,8 @@ class OuterSync:
         """One pass over the shard (chunk by chunk through :attr:`store`) that takes this round's
         pseudo-gradient (x holds it with none/delayed/eager; partial: theta - x), encodes it with
         error feedback into the exchange's payload (:class:`Outbox`), builds the eager look-ahead
-        a_r <- theta_t - c w delta, remembers x_L (partial, exact), and sets x <- a_r
-        (delayed/eager); then launches the exchange, bounded by :meth:`timeout_s` from now."""
+        a_r <- theta_t - c w delta, and sets x <- a_r (delayed/eager); then launches the exchange,
+        bounded by :meth:`timeout_s` from now. (partial's x_L is taken by its prepare pass.)"""
         overlap = self.config.overlap
         eager, partial = self.eager_anchor is not None, overlap == "partial"
         reset_x = overlap in ("delayed", "eager")
@@ -403,12 +403,11 @@ class OuterSync:
         outbox = None if self._executor is not None else Outbox(
             self.codec, self.view.numel, self.view.device, send=self.delta if resident else None)
         read_theta = reset_x or (partial and not computed)  # x <- theta / a_r from theta; theta - x
-        tensors = [self.theta if read_theta else None, self.delta, self.residual, self.eager_anchor,
-                   self.launch_point]
-        write_only = [self.eager_anchor, self.launch_point]
+        tensors = [self.theta if read_theta else None, self.delta, self.residual, self.eager_anchor]
+        write_only = [self.eager_anchor]
         input_sq: list[torch.Tensor] = []
         residual_sq: list[torch.Tensor] = []
-        for lo, hi, (th, d, e, ea, lp) in self.store.stream(
+        for lo, hi, (th, d, e, ea) in self.store.stream(
                 *tensors, write=[self.residual, *write_only], scratch=[self.delta, *write_only]):
             xs = self.view.pieces(lo, hi)
             if not computed and xs:  # the pseudo-gradient chunk, contiguous
@@ -423,8 +422,6 @@ class OuterSync:
                 outbox.put(lo, d, e)
                 if e is not None:
                     residual_sq.append(torch.dot(e, e))
-            if lp is not None and xs:
-                torch.cat(xs, out=lp)
             if reset_x and xs:
                 torch._foreach_copy_(xs, self.view.split_like(ea if eager else th, xs))
         handle = start_exchange(self.delta, self.residual, self.codec, self.exchange_group, worker=self._executor,
@@ -510,17 +507,22 @@ class OuterSync:
 
     def _partial_boundary(self) -> RoundReport:
         """``partial`` (module doc): apply an exchange still pending (tau = H, or restored), take
-        delta = theta - x without touching x, agree on skip and tau, remember x_L, launch; with
-        tau = 0 apply at once."""
+        delta = theta - x and x_L (exact merge) without touching x, agree on skip and tau, launch;
+        with tau = 0 apply at once. x_L is taken in the same pass as delta: with the host layout its
+        copy out overlaps theta's copy in (a skipped round leaves it unused: nothing is pending)."""
         completed = None
         if self.pending is not None:
             completed = self.merge()
         with record_function("megatron_diloco::prepare"):
             norms: list[torch.Tensor] = []
-            for lo, hi, (th, d) in self.store.stream(self.theta, self.delta, scratch=[self.delta]):
+            lp_ = self.launch_point
+            for lo, hi, (th, d, lp) in self.store.stream(self.theta, self.delta, lp_, write=[lp_],
+                                                         scratch=[self.delta, lp_]):
                 xs = self.view.pieces(lo, hi)
                 if xs:
                     torch.cat(xs, out=d)
+                    if lp is not None:  # x_L <- x (exact merge)
+                        lp.copy_(d)
                     d.neg_().add_(th)  # theta - x, the same bits as x <- theta + (-x)
                     norms += torch._foreach_norm(self.view.split_like(d, xs), 2)
             sq = _sum_of_squares(norms)
@@ -528,7 +530,7 @@ class OuterSync:
             skip, self.apply_at = self._any_rank_nonfinite(sq, self._choose_overlap_steps())
             if skip:
                 return self._skip(sq, completed)
-            self.pending = self._launch()  # also x_L (exact merge)
+            self.pending = self._launch()
             self.x_is_theta = False
         if self.apply_at == 0:
             completed = self.merge(at_launch=True)
