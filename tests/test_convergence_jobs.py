@@ -102,3 +102,25 @@ def test_each_row_is_judged_against_blocking_at_its_codec_and_uncompressed_at_it
     assert convergence.counterpart("partial_auto_int8_h60", defs, **blocking) is None  # no blocking at H = 60
     assert convergence.counterpart("diloco", defs, **blocking) is None  # itself
     assert convergence.counterpart("allreduce", defs, **blocking) is None
+
+
+def _log(iters_losses: list[tuple[int, float]], final: float) -> str:
+    lines = [f" validation loss at iteration {it} | lm loss value: {v} | lm loss PPL: 2.0 |" for it, v in iters_losses]
+    return "\n".join(lines + [f" validation loss at iteration 3000 on validation set | lm loss value: {final} |", ""])
+
+
+def test_analysis_reads_separate_worlds_and_one_world_logs(tmp_path):
+    """R separate worlds: each replica's log, averaged; one world (``--one-world``): its ``log.txt``,
+    where Megatron already averaged the replicas' halves."""
+    sep = tmp_path / "sep" / "diloco_seed1"
+    sep.mkdir(parents=True)
+    (sep / "replica0.log").write_text(_log([(300, 1.0), (600, 0.8)], 0.7))
+    (sep / "replica1.log").write_text(_log([(300, 1.2), (600, 0.9)], 0.9))
+    got = convergence.analyze(sep, 100)
+    assert got["final_val_loss"] == pytest.approx(0.8) and got["final_val_loss_per_log"] == [0.7, 0.9]
+    assert got["curve"] == [[30000, pytest.approx(1.1)], [60000, pytest.approx(0.85)]]
+    one = tmp_path / "one" / "diloco_seed1"
+    one.mkdir(parents=True)
+    (one / "log.txt").write_text(_log([(300, 1.1)], 0.8))
+    got = convergence.analyze(one, 100)
+    assert got["final_val_loss"] == pytest.approx(0.8) and got["curve"] == [[30000, 1.1]]
