@@ -58,7 +58,7 @@ CPU_MODEL = """
     --pipeline-model-parallel-size 1
 """.split()
 #: Methods: overlap rule, codec, tau (partial), outer lr eta, outer momentum mu; optional H (local
-#: steps, default ``--local-steps``) and E (adaptive energy). No overlap: one world (allreduce, single).
+#: steps, default ``--local-steps``), E (adaptive energy) and flags (Megatron flags, e.g. the lr). No overlap: one world (allreduce, single).
 #: eta 1, mu 0 unless named: measured best at H = 30 (RESULTS.md §2: momentum amplifies a 30-step
 #: Adam trajectory like a larger inner lr; eta 0.7 / mu 0.9 diverged).
 _O = dict(eta=1.0, mu=0.0)
@@ -92,6 +92,14 @@ METHODS: dict[str, dict] = {
     "partial_auto_int8_h60": dict(overlap="partial", codec="int8", tau="auto", H=60, **_O),
     "partial_auto_adaptive_e0.99": dict(overlap="partial", codec="adaptive", tau="auto", E=0.99, **_O),
     "partial_tau5_int4_mu0.5": dict(overlap="partial", codec="int4", tau=5, eta=1.0, mu=0.5),
+    # the levers left for the gap to AllReduce (RESULTS §2.1): H = 20 (int4 still >= 100x fewer
+    # bytes), and the inner lr (every run above shares AllReduce's 1e-3; a fair test tunes both)
+    "diloco_int4_h20": dict(overlap="none", codec="int4", H=20, **_O),
+    "partial_auto_int4_h20": dict(overlap="partial", codec="int4", tau="auto", H=20, **_O),
+    "allreduce_lr2e-3": dict(flags=["--lr", "2e-3", "--min-lr", "2e-4"]),
+    "allreduce_lr5e-4": dict(flags=["--lr", "5e-4", "--min-lr", "5e-5"]),
+    "diloco_int4_lr2e-3": dict(overlap="none", codec="int4", flags=["--lr", "2e-3", "--min-lr", "2e-4"], **_O),
+    "diloco_int4_lr5e-4": dict(overlap="none", codec="int4", flags=["--lr", "5e-4", "--min-lr", "5e-5"], **_O),
 }
 #: The link the auto tau and the adaptive byte budget are sized for (Mbit/s): the issue's 1 Gbit.
 LINK_MBPS = 1000
@@ -108,7 +116,7 @@ def communicates(method: dict) -> bool:
 def method_flags(name: str) -> list[str]:
     m = METHODS[name]
     if not communicates(m):
-        return ["--no-diloco-x"]
+        return ["--no-diloco-x", *m.get("flags", [])]
     flags = ["--diloco-x", "--diloco-x-replicas", str(REPLICAS), "--diloco-x-overlap", m["overlap"],
              "--diloco-x-compression", m["codec"], "--diloco-x-outer-lr", str(m["eta"]),
              "--diloco-x-outer-momentum", str(m["mu"])]
@@ -120,7 +128,7 @@ def method_flags(name: str) -> list[str]:
         flags += ["--diloco-x-energy", str(m["E"])]
     if "H" in m:
         flags += ["--diloco-x-local-steps", str(m["H"])]
-    return flags
+    return flags + m.get("flags", [])  # Megatron flags of the method: after the common ones, so they win
 
 
 def job_for(name: str, seed: int, a: argparse.Namespace, data: str) -> Job | ExampleJob:

@@ -124,3 +124,20 @@ def test_analysis_reads_separate_worlds_and_one_world_logs(tmp_path):
     (one / "log.txt").write_text(_log([(300, 1.1)], 0.8))
     got = convergence.analyze(one, 100)
     assert got["final_val_loss"] == pytest.approx(0.8) and got["curve"] == [[30000, 1.1]]
+
+
+@pytest.mark.parametrize("name, lr", [("allreduce_lr2e-3", "2e-3"), ("diloco_int4_lr5e-4", "5e-4")])
+def test_a_methods_megatron_flags_override_the_common_ones(tmp_path, name, lr):
+    job = convergence.job_for(name, 1, _a(tmp_path), "/data/corpus")
+    argv = _example_args(job.commands[0])
+    lrs = [i for i, f in enumerate(argv) if f == "--lr"]
+    assert len(lrs) == 2 and argv[lrs[-1] + 1] == lr  # argparse: the last one wins
+    assert ("--diloco-x" in argv) == name.startswith("diloco")
+
+
+def test_h20_rows_are_judged_against_blocking_at_h20():
+    defs = {n: convergence.METHODS[n] for n in ("diloco_int4", "diloco_int4_h20", "partial_auto_int4",
+                                                "partial_auto_int4_h20")}
+    blocking = convergence.REFERENCES["blocking"]
+    assert convergence.counterpart("partial_auto_int4_h20", defs, **blocking) == "diloco_int4_h20"
+    assert convergence.counterpart("partial_auto_int4", defs, **blocking) == "diloco_int4"
