@@ -28,6 +28,8 @@ Figures per run (``benchmarks/results/memory.json``, or ``--result``):
   parameters;
 * ``step_ms``: median wall time of the inner steps (``train_step`` between device syncs; the first 5
   iterations and every H-th, the boundary steps, excluded); ``step_overhead_pct`` vs vanilla;
+  ``step_mean_ms`` / ``step_mean_overhead_pct``: their mean (it counts ``partial``'s landing step,
+  where the exchange is applied and merged: the median hides it);
 * ``boundary_ms``: median wall time of the boundary steps (the whole iteration: inner step + boundary);
 * ``host_gb``: the outer state held in host memory (pinned; 0 on the GPU); ``host_rss_gb``: the
   process's resident set at the end; ``staging_gb``: the device staging buffers (cpu).
@@ -96,6 +98,7 @@ def figures(recs: list[dict], local_steps: int) -> dict:
         "steady_gb": steady / gib if steady is not None else None,
         "setup_gb": r["mem_after_setup_bytes"] / gib if r.get("mem_after_setup_bytes") is not None else None,
         "step_ms": 1e3 * statistics.median(inner) if inner else None,
+        "step_mean_ms": 1e3 * statistics.mean(inner) if inner else None,
         "boundary_ms": 1e3 * statistics.median(bound) if bound else None,
         "host_gb": (r.get("outer_host_bytes") or 0) / gib,
         "staging_gb": (r.get("outer_staging_bytes") or 0) / gib,
@@ -117,6 +120,8 @@ def _result(runs: dict[str, dict], a: argparse.Namespace, model: list[str]) -> d
                 f[per_param] = (f[key] - base[key]) * 2 ** 30 / f["params"]
         if f["step_ms"] and base["step_ms"]:
             f["step_overhead_pct"] = 100 * (f["step_ms"] / base["step_ms"] - 1)
+        if f.get("step_mean_ms") and base.get("step_mean_ms"):
+            f["step_mean_overhead_pct"] = 100 * (f["step_mean_ms"] / base["step_mean_ms"] - 1)
     card = next((f.get("card") for f in ok.values() if f.get("card")), None)
     return {"card": card or "cpu", "params": next((f["params"] for f in ok.values()), None), "commit": _commit(),
             "iters": a.iters, "local_steps": a.local_steps, "model": " ".join(model), "runs": runs}
@@ -165,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         result_path.parent.mkdir(parents=True, exist_ok=True)
         result_path.write_text(json.dumps(result, indent=1) + "\n")
     params = result.get("params") or 0
-    cols = ("peak_gb", "steady_gb", "overhead_bytes_per_param", "step_ms", "step_overhead_pct", "boundary_ms", "host_gb")
+    cols = ("peak_gb", "steady_gb", "overhead_bytes_per_param", "step_ms", "step_overhead_pct", "step_mean_ms", "boundary_ms",
+            "host_gb")
     print(f"\n{result.get('card')}, {params / 1e9:.3f} B params, commit {result.get('commit')}; written {result_path}")
     print(f"{'run':<10}" + "".join(f"{c:>26}" for c in cols))
     for name, f in runs.items():
