@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import copy
+import functools
 import logging
 import math
 import os
@@ -36,9 +37,6 @@ from megatron_diloco.replica_local import install_replica_local_collectives, rep
 logger = logging.getLogger(__name__)
 
 
-_TEARDOWN_REGISTERED = False
-
-
 def _destroy_process_groups() -> None:
     from megatron_diloco.collectives import stop_workers_at_exit
 
@@ -47,6 +45,7 @@ def _destroy_process_groups() -> None:
         dist.destroy_process_group()
 
 
+@functools.cache  # registered once per process, however often it is called
 def destroy_process_groups_at_exit() -> None:
     """Destroy every process group at interpreter exit (once per process, idempotent).
 
@@ -57,10 +56,7 @@ def destroy_process_groups_at_exit() -> None:
     callers' ``finally`` blocks, so a harness that writes records there still has its groups.
     :func:`install` registers it, so the launcher (``megatron_diloco.launch``), the example and a
     patched ``pretrain_gpt.py`` all get it."""
-    global _TEARDOWN_REGISTERED
-    if not _TEARDOWN_REGISTERED:
-        atexit.register(_destroy_process_groups)
-        _TEARDOWN_REGISTERED = True
+    atexit.register(_destroy_process_groups)
 
 
 def install(args: argparse.Namespace) -> DiLoCoXConfig | None:

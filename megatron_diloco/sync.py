@@ -515,9 +515,9 @@ class OuterSync:
             completed = self.merge()
         with record_function("megatron_diloco::prepare"):
             norms: list[torch.Tensor] = []
-            lp_ = self.launch_point
-            for lo, hi, (th, d, lp) in self.store.stream(self.theta, self.delta, lp_, write=[lp_],
-                                                         scratch=[self.delta, lp_]):
+            x_l = self.launch_point  # None unless partial + exact
+            for lo, hi, (th, d, lp) in self.store.stream(self.theta, self.delta, x_l, write=[x_l],
+                                                         scratch=[self.delta, x_l]):
                 xs = self.view.pieces(lo, hi)
                 if xs:
                     torch.cat(xs, out=d)

@@ -118,10 +118,9 @@ def _result(runs: dict[str, dict], a: argparse.Namespace, model: list[str]) -> d
         for key, per_param in (("peak_gb", "overhead_bytes_per_param"), ("steady_gb", "steady_overhead_bytes_per_param")):
             if f[key] is not None and base[key] is not None:
                 f[per_param] = (f[key] - base[key]) * 2 ** 30 / f["params"]
-        if f["step_ms"] and base["step_ms"]:
-            f["step_overhead_pct"] = 100 * (f["step_ms"] / base["step_ms"] - 1)
-        if f.get("step_mean_ms") and base.get("step_mean_ms"):
-            f["step_mean_overhead_pct"] = 100 * (f["step_mean_ms"] / base["step_mean_ms"] - 1)
+        for key in ("step_ms", "step_mean_ms"):
+            if f.get(key) and base.get(key):
+                f[key.replace("_ms", "_overhead_pct")] = 100 * (f[key] / base[key] - 1)
     card = next((f.get("card") for f in ok.values() if f.get("card")), None)
     return {"card": card or "cpu", "params": next((f["params"] for f in ok.values()), None), "commit": _commit(),
             "iters": a.iters, "local_steps": a.local_steps, "model": " ".join(model), "runs": runs}
