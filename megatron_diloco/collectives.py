@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -149,18 +149,46 @@ def measure_link_bandwidth(group: dist.ProcessGroup | None, device: torch.device
     return float(bw.item())
 
 
+@dataclasses.dataclass
+class AfterStep:
+    """Work fused into the outer step's pass over the shard (one pass instead of two: with the host
+    layout, theta crosses PCIe once). ``fn(lo, hi, theta, extra)`` runs after the step of each chunk
+    ``[lo, hi)``: ``theta`` the new theta's chunk (on the device), ``extra`` the chunks of
+    ``tensors`` (read only: staged in, never copied back)."""
+
+    tensors: list[torch.Tensor]
+    fn: Callable[[int, int, torch.Tensor, list[torch.Tensor]], None]
+
+
+def step_chunks(outer: OuterNesterov, store: "OuterStore", lead: Sequence[torch.Tensor],
+                step: Callable[[int, int, list[torch.Tensor], OuterNesterov], None],
+                after: AfterStep | None = None) -> None:
+    """The outer step's pass: chunk by chunk through ``store``, ``step(lo, hi, lead_chunks,
+    outer_over_chunk)`` (``lead``: tensors the step reads first, e.g. the mean), then ``after``.
+    theta and m are copied back where the store holds them; nothing else is."""
+    state = outer.tensors()
+    extra = after.tensors if after is not None else []
+    n, k = len(lead), len(state)
+    for lo, hi, staged in store.stream(*lead, *state, *extra, write=state):
+        st = staged[n:n + k]
+        step(lo, hi, staged[:n], outer.over(st))
+        if after is not None:
+            after.fn(lo, hi, st[0], staged[n + k:])
+
+
 class ExchangeHandle:
     """An exchange in flight. :meth:`wait` blocks until the averaged result is in ``buffer``;
     :meth:`apply` until it entered the outer step.
 
     Args:
-        finish: ``finish(outer)`` turns what the collective delivered into the replicas' mean (divide
-            an all-reduce sum by R, or decode gathered payloads): into ``buffer`` when ``outer`` is
-            None, else straight into ``outer.step`` (``buffer`` is then scratch). Runs once.
+        finish: ``finish(outer, after)`` turns what the collective delivered into the replicas' mean
+            (divide an all-reduce sum by R, or decode gathered payloads): into ``buffer`` when
+            ``outer`` is None, else straight into ``outer.step`` (``buffer`` is then scratch),
+            followed per chunk by ``after`` (:class:`AfterStep`; None: nothing). Runs once.
     """
 
     def __init__(self, buffer: torch.Tensor, work, stats: ExchangeStats,
-                 finish: Callable[[OuterNesterov | None], None], store: "OuterStore | None" = None,
+                 finish: Callable[[OuterNesterov | None, AfterStep | None], None], store: "OuterStore | None" = None,
                  device_wait: bool = True) -> None:
         self.buffer = buffer
         #: whether completing the collective leaves work on the device to wait for (an NCCL collective
@@ -189,7 +217,7 @@ class ExchangeHandle:
     @classmethod
     def completed(cls, buffer: torch.Tensor, store: "OuterStore | None" = None) -> "ExchangeHandle":
         """A handle whose averaged result is already in ``buffer`` (restored from a checkpoint)."""
-        handle = cls(buffer, None, ExchangeStats(), lambda outer: None, store)
+        handle = cls(buffer, None, ExchangeStats(), lambda outer, after: None, store)
         handle._finished = True
         return handle
 
@@ -231,32 +259,31 @@ class ExchangeHandle:
         """
         if not self._finished:
             self._wait_collective()
-            self._finish(None)
+            self._finish(None, None)
             self._finished = True
         return self.buffer
 
-    def apply(self, outer: OuterNesterov) -> None:
+    def apply(self, outer: OuterNesterov, after: AfterStep | None = None) -> None:
         """Wait as :meth:`wait` does, then take the outer step with the mean: ``outer.step(mean)``,
         fused with the decode where the codec has a fused kernel (blockwise codecs on a GPU: one pass
         over the payloads, theta and momentum; the mean is never written, ``buffer`` is left as
-        scratch). Bit-identical to ``outer.step(self.wait())``. Once per handle."""
+        scratch), and ``after`` fused into the same pass. Bit-identical to ``outer.step(self.wait())``
+        followed by ``after`` over the shard. Once per handle."""
         if self._finished:  # the mean is already in the buffer (waited for, or restored)
-            outer_step(outer, self.buffer, self.store)
+            outer_step(outer, self.buffer, self.store, after)
         else:
             self._wait_collective()
-            self._finish(outer)
+            self._finish(outer, after)
         self._finished = True
 
 
-def outer_step(outer: OuterNesterov, delta: torch.Tensor, store: "OuterStore | None" = None) -> None:
-    """``outer.step(delta)``, chunk by chunk through ``store`` when it keeps the outer state (or
-    ``delta``) in host memory; ``delta`` is scratch (garbage afterwards where it is on the device)."""
-    if store is None:
-        outer.step(delta)
-        return
-    state = outer.tensors()
-    for _, _, (d, *staged) in store.stream(delta, *state, write=state):
-        outer.over(staged).step(d)
+def outer_step(outer: OuterNesterov, delta: torch.Tensor, store: "OuterStore | None" = None,
+               after: AfterStep | None = None) -> None:
+    """``outer.step(delta)`` (then ``after``), chunk by chunk through ``store`` when it keeps the outer
+    state (or ``delta``) in host memory; ``delta`` is scratch (garbage afterwards where it is on the
+    device)."""
+    step_chunks(outer, store or OuterStore(delta.numel(), delta.device), [delta],
+                lambda lo, hi, lead, o: o.step(lead[0]), after)
 
 
 class Outbox:
@@ -392,7 +419,7 @@ def _start_all_reduce(send: torch.Tensor, buffer: torch.Tensor, group, size: int
     work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=True) if size > 1 else None
     store = store or OuterStore(send.numel(), send.device)
 
-    def finish(outer: OuterNesterov | None) -> None:
+    def finish(outer: OuterNesterov | None, after: AfterStep | None) -> None:
         if staged is not send:
             send.copy_(staged, non_blocking=True)  # enqueued (page-locked source): no stall
         if outer is None:
@@ -402,11 +429,13 @@ def _start_all_reduce(send: torch.Tensor, buffer: torch.Tensor, group, size: int
                 if b.data_ptr() != s.data_ptr():  # buffer is not send itself
                     b.copy_(s)
             return
-        state = outer.tensors()
-        for _, _, (s, *st) in store.stream(send, *state, write=state):
+
+        def step(lo: int, hi: int, lead: list[torch.Tensor], o: OuterNesterov) -> None:
             if size > 1:
-                s.div_(size)
-            outer.over(st).step(s)
+                lead[0].div_(size)
+            o.step(lead[0])
+
+        step_chunks(outer, store, [send], step, after)
 
     return ExchangeHandle(buffer, work, stats, finish, store, device_wait=staged is send)
 
@@ -429,7 +458,7 @@ def _start_all_gather(buffer: torch.Tensor, payload: torch.Tensor, codec, group,
         gathered = staged_out = payload
     store = store or OuterStore(numel, buffer.device)
 
-    def finish(outer: OuterNesterov | None) -> None:
+    def finish(outer: OuterNesterov | None, after: AfterStep | None) -> None:
         if staged_out is not gathered:
             gathered.copy_(staged_out, non_blocking=True)  # enqueued (page-locked source): no stall
         rows = gathered.view(size, -1)
@@ -437,9 +466,8 @@ def _start_all_gather(buffer: torch.Tensor, payload: torch.Tensor, codec, group,
             for lo, hi, (b,) in store.stream(buffer, write=[buffer], scratch=[buffer]):
                 codec.decode_range(rows, numel, lo, hi, out=b)
             return
-        state = outer.tensors()
-        for lo, hi, st in store.stream(*state, write=state):
-            codec.decode_range(rows, numel, lo, hi, outer=outer.over(st))
+        step_chunks(outer, store, [], lambda lo, hi, lead, o: codec.decode_range(rows, numel, lo, hi, outer=o),
+                    after)
 
     return ExchangeHandle(buffer, work, stats, finish, store, device_wait=staged_out is gathered)
 
@@ -637,9 +665,9 @@ def _start_on_worker(buffer: torch.Tensor, residual: torch.Tensor, codec, group,
                          f"{dist.get_backend(group)!r}")
     stats = ExchangeStats(raw_bytes=4 * buffer.numel())
 
-    def finish(outer: OuterNesterov | None) -> None:  # the worker decoded into the buffer
+    def finish(outer: OuterNesterov | None, after: AfterStep | None) -> None:  # the worker decoded into the buffer
         if outer is not None:
-            outer.step(buffer)
+            outer_step(outer, buffer, None, after)
 
     handle = ExchangeHandle(buffer, None, stats, finish, device_wait=False)
     deadline = None if timeout_s is None else handle._launched + timeout_s

@@ -74,7 +74,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from megatron_diloco.collectives import (
-    DaemonWorker, ExchangeHandle, ExchangeStats, Outbox, bounded_all_reduce, measure_link_bandwidth,
+    AfterStep, DaemonWorker, ExchangeHandle, ExchangeStats, Outbox, bounded_all_reduce, measure_link_bandwidth,
     start_exchange, wire_bytes,
 )
 from megatron_diloco.config import CODECS, OUTER_TIMEOUT_HEADROOM, DiLoCoXConfig
@@ -368,9 +368,10 @@ class OuterSync:
         skip, tau = flag.tolist()
         return bool(skip), int(tau)
 
-    def _complete(self, handle: ExchangeHandle, outer: OuterNesterov | None = None) -> None:
+    def _complete(self, handle: ExchangeHandle, outer: OuterNesterov | None = None,
+                  after: AfterStep | None = None) -> None:
         """Complete ``handle`` (not past its bound: :class:`OuterGroupError` then): the mean into
-        ``delta`` (``outer`` None), or straight into ``outer``'s step
+        ``delta`` (``outer`` None), or straight into ``outer``'s step, ``after`` fused into its pass
         (:meth:`ExchangeHandle.apply`). With a lossy codec its stats hold the squared norm of the
         residual it left (what was not sent; measured at the launch, or by the matrix codecs' worker
         thread): relative compression error = sqrt(residual_sq / input_sq)."""
@@ -378,7 +379,7 @@ class OuterSync:
             if outer is None:
                 handle.wait()
             else:
-                handle.apply(outer)
+                handle.apply(outer, after)
         except (RuntimeError, TimeoutError) as err:
             what = f"the exchange of round {handle.round}" if handle.round != self.rounds else "the exchange"
             raise self._failure(what, self.exchange_group, handle.timeout_s, handle.elapsed_s, err) from err
@@ -579,20 +580,24 @@ class OuterSync:
         outer group, bounded) and merge it into x (module doc). ``at_launch``: no inner step since
         the launch (tau = 0): x <- theta. Returns the completed exchange's stats."""
         handle, self.pending = self.pending, None
+
+        def merge_chunk(lo: int, hi: int, th: torch.Tensor, extra: list[torch.Tensor]) -> None:
+            xs = self.view.pieces(lo, hi)
+            if not xs:
+                return
+            if extra:  # exact: theta_new + (x - x_L)
+                torch._foreach_sub_(xs, self.view.split_like(extra[0], xs))
+                torch._foreach_add_(xs, self.view.split_like(th, xs))
+            else:  # mix: alpha x + (1 - alpha) theta_new
+                torch._foreach_lerp_(xs, self.view.split_like(th, xs), 1.0 - self.config.mix_alpha)
+
         with record_function("megatron_diloco::perform"):
-            self._complete(handle, self.outer)
             if at_launch:
+                self._complete(handle, self.outer)
                 self.x_from(self.theta)
-            else:
-                for lo, hi, (th, lp) in self.store.stream(self.theta, self.launch_point):
-                    xs = self.view.pieces(lo, hi)
-                    if not xs:
-                        continue
-                    if lp is not None:  # exact: theta_new + (x - x_L)
-                        torch._foreach_sub_(xs, self.view.split_like(lp, xs))
-                        torch._foreach_add_(xs, self.view.split_like(th, xs))
-                    else:  # mix: alpha x + (1 - alpha) theta_new
-                        torch._foreach_lerp_(xs, self.view.split_like(th, xs), 1.0 - self.config.mix_alpha)
+            else:  # the merge in the outer step's own pass (the host layout: theta crosses PCIe once)
+                lp = self.launch_point
+                self._complete(handle, self.outer, AfterStep([] if lp is None else [lp], merge_chunk))
             self.x_is_theta = at_launch
         return handle.stats
 
