@@ -149,8 +149,8 @@ class DiLoCoXConfig:
 
     outer_chunk_mb: float = 16.0
     """``--diloco-x-outer-state cpu``: MiB of fp32 per staged chunk (``--diloco-x-outer-chunk-mb``;
-    rounded down to whole 256-element blocks). The device holds two chunks per tensor a pass touches
-    (at most 5): 160 MiB at the default, whatever the model size. Larger chunks mean fewer, longer
+    rounded down to whole 256-element blocks). The device holds three chunks per tensor a pass touches
+    (at most 5): 240 MiB at the default, whatever the model size. Larger chunks mean fewer, longer
     copies (16 MiB already moves at full PCIe speed)."""
 
     # ---------------- fault handling ----------------

@@ -11,9 +11,14 @@ them with :meth:`OuterStore.stream`:
 * ``cpu``: the vectors live in host memory (pinned when CUDA is available); ``stream`` yields
   fixed-size chunks ``[lo, hi)`` (``--diloco-x-outer-chunk-mb``), each tensor staged in a device
   buffer: read tensors copied in (host to device), written ones copied back after the chunk's
-  compute. Two staging slots alternate (double buffering) and the copies run on two side CUDA
-  streams (in and out), so chunk k+1 arrives and chunk k-1 leaves while chunk k is computed. On a
-  machine without CUDA the same chunking runs with synchronous copies (the tests exercise it).
+  compute. Three staging slots rotate and the copies run on two side CUDA streams (in and out),
+  so chunk k+1 arrives and chunk k-1 leaves while chunk k is computed. The work is *submitted* in
+  the order a single hardware queue needs (``CUDA_DEVICE_MAX_CONNECTIONS=1``, which Megatron sets,
+  dispatches every stream's work in submission order, and a wait at the head stalls what follows):
+  after chunk k's compute come chunk k+2's copy in, then chunk k's copy out (which waits for the
+  compute), then chunk k+1's compute; so a copy out never holds back the next compute or the next
+  copy in. On a machine without CUDA the same chunking runs with synchronous copies (the tests
+  exercise it).
 
 All arithmetic runs on the compute device in both layouts, on the same elements with the same
 operations, so the results are bit-identical (every operation of a boundary is elementwise, or
@@ -21,8 +26,8 @@ blockwise over blocks of 256 that chunk boundaries never split; the chunk size i
 :data:`CHUNK_ALIGN`). Tensors not allocated by the store (the model's shards, the exchange's device
 buffers) are used in place, as views ``[lo, hi)``.
 
-Device memory of the ``cpu`` layout: 2 slots x (tensors in the widest pass, at most 5) x chunk
-bytes, whatever the model size (16 MiB chunks: at most 160 MiB).
+Device memory of the ``cpu`` layout: 3 slots x (tensors in the widest pass, at most 5) x chunk
+bytes, whatever the model size (16 MiB chunks: at most 240 MiB).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import torch
 #: chunk boundaries fall on multiples of this many elements: the blockwise codecs' block (256
 #: elements per scale, compression.reference.DEFAULT_BLOCK_SIZE; int4 packs pairs within a block)
 CHUNK_ALIGN = 256
+#: staging slots per tensor: chunk k is computed while k + 1 is copied in and k - 1 copied out
+SLOTS = 3
 
 
 def pinned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -142,11 +149,11 @@ class OuterStore:
         cuda = self._cuda and self._streams is not None
         compute = torch.cuda.current_stream(self.device) if cuda else None
         h2d, d2h = self._streams if cuda else (None, None)
-        freed = [None, None]  # per slot: event after the last use of its buffers (compute + copy out)
+        freed: list = [None] * SLOTS  # per slot: event after the last use of its buffers (compute + copy out)
 
         def stage_in(k: int) -> tuple[list, object]:
             lo, hi = ranges[k]
-            slot = k % 2
+            slot = k % SLOTS
             staged = []
             ctx = torch.cuda.stream(h2d) if cuda else contextlib.nullcontext()
             with ctx:
@@ -168,27 +175,32 @@ class OuterStore:
                 ready.record(h2d)
             return staged, ready
 
-        pending = stage_in(0)
-        for k, (lo, hi) in enumerate(ranges):
-            staged, ready = pending
-            if cuda:
-                compute.wait_event(ready)
-            if k + 1 < len(ranges):  # prefetch the next chunk into the other slot
-                pending = stage_in(k + 1)
-            yield lo, hi, staged
-            slot = k % 2
-            if cuda:
-                done = torch.cuda.Event()
-                done.record(compute)
-                d2h.wait_event(done)
+        def stage_out(k: int, staged: list, done) -> None:
+            lo, hi = ranges[k]
             ctx = torch.cuda.stream(d2h) if cuda else contextlib.nullcontext()
             with ctx:
+                if cuda:
+                    d2h.wait_event(done)
                 for i, t in enumerate(tensors):
                     if held[i] and is_write[i]:
                         t[lo:hi].copy_(staged[i], non_blocking=True)
             if cuda:
-                freed[slot] = torch.cuda.Event()
-                freed[slot].record(d2h)
+                freed[k % SLOTS] = torch.cuda.Event()
+                freed[k % SLOTS].record(d2h)
+
+        pending = {k: stage_in(k) for k in range(min(SLOTS - 1, len(ranges)))}
+        for k, (lo, hi) in enumerate(ranges):
+            staged, ready = pending.pop(k)
+            if cuda:
+                compute.wait_event(ready)
+            yield lo, hi, staged
+            done = None
+            if cuda:
+                done = torch.cuda.Event()
+                done.record(compute)
+            if k + SLOTS - 1 < len(ranges):  # the slot of chunk k - 1, whose copy out was submitted before
+                pending[k + SLOTS - 1] = stage_in(k + SLOTS - 1)
+            stage_out(k, staged, done)
         if cuda:
             d2h.synchronize()  # the host vectors hold the results before anyone reads them
             compute.wait_stream(d2h)

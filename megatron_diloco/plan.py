@@ -52,7 +52,7 @@ eager anchor (4, ``eager``) or partial's launch point x_L (4, ``partial``, exact
 exchange ((1 + R) x the shard's payload). With ``--outer-state cpu`` (``--diloco-x-outer-state
 cpu``) theta, momentum, residual, anchor and (quantized codecs) the exchange buffer move to host
 memory (``host_memory_gib``, per GPU); the GPU keeps the exchange's payload (``none``: the fp32
-all-reduce buffer, 4) and the fixed staging buffers (2 slots x 5 tensors x ``outer_chunk_mb``). The
+all-reduce buffer, 4) and the fixed staging buffers (3 slots x 5 tensors x ``outer_chunk_mb``). The
 AllReduce job shards its optimizer over ``R dp``. Activations (of the first pipeline stage, the
 fullest) are estimated only when the GPT shape and micro-batch are given (:func:`activation_bytes`),
 otherwise they are left out and the output says so.
@@ -427,7 +427,7 @@ def plan(cfg: PlanConfig) -> Plan:
         on_gpu = {"outer_exchange_buffer"} if not lossy else set()
         host = sum(v for k, v in outer.items() if k not in on_gpu)
         outer = {k: (v if k in on_gpu else 0.0) for k, v in outer.items()}
-        outer["outer_staging"] = min(2 * 5 * cfg.outer_chunk_mb * 2**20, 2 * 5 * 4 * shard)
+        outer["outer_staging"] = min(3 * 5 * cfg.outer_chunk_mb * 2**20, 3 * 5 * 4 * shard)  # outer_store.SLOTS
     mem = {
         "params": cfg.param_bytes * per_gpu,
         "main_grads": cfg.grad_bytes * per_gpu,

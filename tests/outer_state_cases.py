@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_diloco.config import DiLoCoXConfig
-from megatron_diloco.outer_store import CHUNK_ALIGN, chunk_elements
+from megatron_diloco.outer_store import CHUNK_ALIGN, SLOTS, chunk_elements
 from megatron_diloco.shard_view import ShardView, fingerprint
 from megatron_diloco.sync import OuterSync
 
@@ -72,8 +72,8 @@ def _trajectory(rank: int, device: str, cfg: DiLoCoXConfig, resume: DiLoCoXConfi
     # the replicas' check streams host-held state through the device: the fingerprint of the whole
     state = sync.outer.tensors()
     assert torch.equal(sync.fingerprint(state).cpu(), fingerprint([t.cpu() for t in state]))
-    if sync.config.outer_state == "cpu":  # two slots x at most 5 tensors x one chunk
-        assert 0 < sync.store.staging_bytes() <= 2 * 5 * chunk_elements(CHUNK_MB) * 4
+    if sync.config.outer_state == "cpu":  # three slots x at most 5 tensors x one chunk
+        assert 0 < sync.store.staging_bytes() <= SLOTS * 5 * chunk_elements(CHUNK_MB) * 4
     return out
 
 

@@ -59,22 +59,22 @@ def test_host_outer_state_memory_hand_computed():
     on_gpu, on_host = plan(cfg(**kw)), plan(cfg(**kw, outer_state="cpu", outer_chunk_mb=16.0))
     assert on_gpu.memory_gib["outer"] * gib == pytest.approx(20 * shard + 3 * payload)  # 5 vectors + anchor
     assert on_gpu.host_memory_gib == 0
-    assert on_host.memory_gib["outer"] * gib == pytest.approx(2 * 5 * 16 * 2**20 + 3 * payload)
+    assert on_host.memory_gib["outer"] * gib == pytest.approx(3 * 5 * 16 * 2**20 + 3 * payload)
     assert on_host.host_memory_gib * gib == pytest.approx(20 * shard)
     assert on_host.memory_gib["inner"] == on_gpu.memory_gib["inner"]
     # none: the fp32 all-reduce buffer is the payload and stays on the GPU
     raw = plan(cfg(params=8e9, tp=2, pp=2, dp=4, codec="none", outer_state="cpu", outer_momentum=0.9))
     assert raw.host_memory_gib * gib == pytest.approx(8 * shard)  # theta, momentum
-    assert raw.memory_gib["outer"] * gib == pytest.approx(4 * shard + 2 * 5 * 16 * 2**20)
+    assert raw.memory_gib["outer"] * gib == pytest.approx(4 * shard + 3 * 5 * 16 * 2**20)
 
 
 def test_paper_preset_prints_both_outer_states_and_which_fits(capsys):
     assert main(["--preset", "paper"]) == 0
     text = capsys.readouterr().out
     assert "--diloco-x-outer-state gpu: 113.41 GiB GPU  does NOT fit 80 GiB" in text
-    assert "--diloco-x-outer-state cpu: 93.64 GiB GPU + 19.93 GiB host" in text
+    assert "--diloco-x-outer-state cpu: 93.72 GiB GPU + 19.93 GiB host" in text
     assert "-> fits: neither layout" in text  # fp32 main grads: the inner state alone is 89.69 GiB
-    assert "--diloco-x-outer-state cpu: 68.73 GiB GPU + 19.93 GiB host (159 GiB per 8-GPU node)  fits 80 GiB" in text
+    assert "--diloco-x-outer-state cpu: 68.80 GiB GPU + 19.93 GiB host (159 GiB per 8-GPU node)  fits 80 GiB" in text
     assert "-> fits: outer state on the cpu" in text  # bf16 main grads: only the host layout fits
     assert main(["--preset", "paper", "--json"]) == 0
     options = json.loads(capsys.readouterr().out)["outer_state_options"]
