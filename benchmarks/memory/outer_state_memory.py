@@ -126,6 +126,53 @@ def _result(runs: dict[str, dict], a: argparse.Namespace, model: list[str]) -> d
             "iters": a.iters, "local_steps": a.local_steps, "model": " ".join(model), "runs": runs}
 
 
+#: the figures that vary from pass to pass (the memory figures are the same bytes every pass)
+TIMES = ("step_ms", "step_mean_ms", "boundary_ms")
+
+
+def merge(passes: list[dict], commit: str | None = None) -> dict:
+    """One JSON from several passes of the same runs (``--merge``; e.g. two calls in opposite orders,
+    so that no run always goes first). Per run: the memory figures of the first pass (a differing
+    ``peak_gb`` is recorded as ``peak_gb_per_pass``); each time figure the mean over the passes, with
+    ``<figure>_per_pass``; ``step_overhead_pct`` / ``step_mean_overhead_pct`` the mean of each pass's
+    own ratio to that pass's vanilla run (side by side in one call, not across calls); for a host
+    run ``cpu-<codec>``, ``boundary_vs_gpu``: the mean of each pass's boundary ratio to ``gpu-<codec>``."""
+    if not passes:
+        raise SystemExit("--merge: no passes given")
+    names = list(dict.fromkeys(n for p in passes for n in p["runs"]))
+    runs: dict[str, dict] = {}
+    for name in names:
+        ok = [p for p in passes if name in p["runs"] and "error" not in p["runs"][name]]
+        if not ok:
+            runs[name] = passes[0]["runs"].get(name) or next(p["runs"][name] for p in passes if name in p["runs"])
+            continue
+        f = {k: v for k, v in ok[0]["runs"][name].items() if not k.endswith("_pct")}
+        peaks = [p["runs"][name]["peak_gb"] for p in ok]
+        if len(set(peaks)) > 1:
+            f["peak_gb_per_pass"] = peaks
+        for key in TIMES:
+            vals = [p["runs"][name][key] for p in ok if p["runs"][name].get(key) is not None]
+            if vals:
+                f[key], f[f"{key}_per_pass"] = statistics.mean(vals), vals
+            base = [(p["runs"][name].get(key), p["runs"].get("vanilla", {}).get(key)) for p in ok]
+            ratios = [100 * (v / b - 1) for v, b in base if v and b and name != "vanilla"]
+            if ratios and key != "boundary_ms":
+                f[key.replace("_ms", "_overhead_pct")] = statistics.mean(ratios)
+                f[key.replace("_ms", "_overhead_pct_per_pass")] = ratios
+        gpu = "gpu-" + name.partition("-")[2]
+        ratios = [p["runs"][name]["boundary_ms"] / p["runs"][gpu]["boundary_ms"] for p in ok if name.startswith("cpu-")
+                  and p["runs"].get(gpu, {}).get("boundary_ms") and p["runs"][name].get("boundary_ms")]
+        if ratios:  # issue 13's boundary target: the host path <= 2x the GPU path, each pass side by side
+            f["boundary_vs_gpu"], f["boundary_vs_gpu_per_pass"] = statistics.mean(ratios), ratios
+        f["passes"] = len(ok)
+        runs[name] = f
+    first = passes[0]
+    return {"card": first.get("card"), "params": first.get("params"),
+            "commit": commit or first.get("commit"), "iters": first.get("iters"),
+            "local_steps": first.get("local_steps"), "model": first.get("model"), "passes": len(passes),
+            "runs": runs}
+
+
 def _commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
@@ -143,7 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=70)
     p.add_argument("--local-steps", type=int, default=20)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny GPT on CPU gloo (checks the script end to end)")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="PASS_JSON",
+                   help="write one JSON (--result) from these passes' JSONs instead of running (see merge())")
+    p.add_argument("--commit", default=None,
+                   help="the commit to record (default: git HEAD; for a copy of the tree without its history)")
     a = p.parse_args(argv)
+    if a.merge:
+        result = merge([json.loads(f.read_text()) for f in a.merge], a.commit)
+        result_path = a.result or REPO / "benchmarks/results/memory.json"
+        result_path.parent.mkdir(parents=True, exist_ok=True)
+        result_path.write_text(json.dumps(result, indent=1) + "\n")
+        _print_table(result, result_path)
+        return 0
     if a.cpu_smoke and a.iters == 70:
         a.iters, a.local_steps = 12, 4
     result_path = a.result or (a.out / "memory.json" if a.cpu_smoke else REPO / "benchmarks/results/memory.json")
@@ -166,17 +224,23 @@ def main(argv: list[str] | None = None) -> int:
                           "log_tail": tail}
         print(f"[outer_state_memory] {name}: {json.dumps(runs[name])[:2000]}", flush=True)
         result = _result(runs, a, model)
+        if a.commit:
+            result["commit"] = a.commit
         result_path.parent.mkdir(parents=True, exist_ok=True)
         result_path.write_text(json.dumps(result, indent=1) + "\n")
+    _print_table(result, result_path)
+    return 0
+
+
+def _print_table(result: dict, result_path: Path) -> None:
     params = result.get("params") or 0
     cols = ("peak_gb", "steady_gb", "overhead_bytes_per_param", "step_ms", "step_overhead_pct", "step_mean_ms", "boundary_ms",
             "host_gb")
     print(f"\n{result.get('card')}, {params / 1e9:.3f} B params, commit {result.get('commit')}; written {result_path}")
     print(f"{'run':<10}" + "".join(f"{c:>26}" for c in cols))
-    for name, f in runs.items():
+    for name, f in result.get("runs", {}).items():
         print(f"{name:<10}" + "".join(f"{f.get(c):>26.4g}" if isinstance(f.get(c), (int, float)) else f"{'-':>26}"
                                       for c in cols))
-    return 0
 
 
 if __name__ == "__main__":
