@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_diloco.config import DiLoCoXConfig
-from megatron_diloco.outer_store import CHUNK_ALIGN, chunk_elements
+from megatron_diloco.outer_store import CHUNK_ALIGN, SLOTS, OuterStore, chunk_elements
 from tests.dist_utils import run_world
 from tests.outer_state_cases import compare_layouts
 
@@ -44,3 +44,45 @@ def test_chunk_elements_fall_on_blocks():
     assert chunk_elements(16.0) == 4 << 20
     assert chunk_elements(0.001) == CHUNK_ALIGN  # never less than one block
     assert chunk_elements(1.5) % CHUNK_ALIGN == 0
+
+
+class _CopyLog(torch.overrides.TorchFunctionMode):
+    """Records each ``copy_`` into or out of the host vector ``t`` as ("in" | "out", chunk)."""
+
+    def __init__(self, t: torch.Tensor, chunk: int, log: list) -> None:
+        super().__init__()
+        self.base, self.end, self.chunk, self.log = t.data_ptr(), t.data_ptr() + 4 * t.numel(), chunk, log
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            dst, src = args[0], args[1]
+            for kind, ptr in (("out", dst.data_ptr()), ("in", src.data_ptr())):
+                if self.base <= ptr < self.end:
+                    self.log.append((kind, (ptr - self.base) // 4 // self.chunk))
+        return func(*args, **(kwargs or {}))
+
+
+def test_stream_submits_each_copy_out_after_the_next_copy_in():
+    """The host layout's submission order (what one hardware queue, CUDA_DEVICE_MAX_CONNECTIONS=1,
+    dispatches in): chunks k and k+1 copied in before chunk k is computed; after chunk k's compute,
+    chunk k+2's copy in and then chunk k's copy out. (On the CPU the copies are synchronous, so the
+    order they ran in is the order they were submitted in.) The values land where they belong."""
+    chunk, n = CHUNK_ALIGN, 5
+    store = OuterStore(n * chunk, torch.device("cpu"), on_host=True, chunk=chunk)
+    t = store.empty()
+    t.copy_(torch.arange(n * chunk, dtype=torch.float32))
+    log: list = []
+    with _CopyLog(t, chunk, log):
+        for k, (lo, hi, (c,)) in enumerate(store.stream(t, write=[t])):
+            log.append(("compute", k))
+            c.mul_(2).add_(k)
+    expected = [("in", 0), ("in", 1)]
+    for k in range(n):
+        expected.append(("compute", k))
+        if k + 2 < n:
+            expected.append(("in", k + 2))
+        expected.append(("out", k))
+    assert log == expected
+    assert SLOTS == 3 and store.staging_bytes() == SLOTS * chunk * 4
+    want = torch.arange(n * chunk, dtype=torch.float32) * 2 + torch.arange(n).repeat_interleave(chunk)
+    assert torch.equal(t, want)
