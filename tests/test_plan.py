@@ -16,6 +16,7 @@ import torch
 
 from megatron_diloco.collectives import ring_allreduce_bytes
 from megatron_diloco.compression import get_codec
+from megatron_diloco.outer_store import SLOTS
 import megatron_diloco.plan as plan_mod
 from megatron_diloco.plan import PlanConfig, blockwise_payload_bytes, main, plan
 
@@ -59,13 +60,13 @@ def test_host_outer_state_memory_hand_computed():
     on_gpu, on_host = plan(cfg(**kw)), plan(cfg(**kw, outer_state="cpu", outer_chunk_mb=16.0))
     assert on_gpu.memory_gib["outer"] * gib == pytest.approx(20 * shard + 3 * payload)  # 5 vectors + anchor
     assert on_gpu.host_memory_gib == 0
-    assert on_host.memory_gib["outer"] * gib == pytest.approx(3 * 5 * 16 * 2**20 + 3 * payload)
+    assert on_host.memory_gib["outer"] * gib == pytest.approx(SLOTS * 5 * 16 * 2**20 + 3 * payload)
     assert on_host.host_memory_gib * gib == pytest.approx(20 * shard)
     assert on_host.memory_gib["inner"] == on_gpu.memory_gib["inner"]
     # none: the fp32 all-reduce buffer is the payload and stays on the GPU
     raw = plan(cfg(params=8e9, tp=2, pp=2, dp=4, codec="none", outer_state="cpu", outer_momentum=0.9))
     assert raw.host_memory_gib * gib == pytest.approx(8 * shard)  # theta, momentum
-    assert raw.memory_gib["outer"] * gib == pytest.approx(4 * shard + 3 * 5 * 16 * 2**20)
+    assert raw.memory_gib["outer"] * gib == pytest.approx(4 * shard + SLOTS * 5 * 16 * 2**20)
 
 
 def test_paper_preset_prints_both_outer_states_and_which_fits(capsys):

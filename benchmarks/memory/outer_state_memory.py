@@ -4,6 +4,7 @@ state on the GPU and on the host (``--diloco-x-outer-state``), per codec, on one
     python3 benchmarks/memory/outer_state_memory.py                      # 1 GPU, ~1.2B GPT (~6 min)
     python3 benchmarks/memory/outer_state_memory.py --runs vanilla,cpu-int8 --iters 60
     python3 benchmarks/memory/outer_state_memory.py --cpu-smoke          # tiny GPT on CPU gloo (~1 min)
+    python3 benchmarks/memory/outer_state_memory.py --merge A.json B.json  # passes in opposite orders -> one JSON
 
 One replica on one rank (``--diloco-x-replicas 1`` in a world of one: no outer collective, the
 per-rank memory and boundary work are those of any rank of a larger job, whose shard this is), a GPT
