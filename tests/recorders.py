@@ -13,6 +13,10 @@
   * ``replica_gathers``: ``{iteration: n}``, all-gathers issued on groups inside one replica (the
     intra-replica DP group's parameter gathers), counted by the same pre-hooks;
   * ``outer``: sizes of the outer state after the first step;
+  * ``step_ops``: per optimizer step, ``[step_calls, n, outer_work]``: ``n`` the tensor operations
+    (aten ops, counted by a dispatch mode on the training thread) that ``DiLoCoXOptimizer.step``
+    dispatched outside the inner optimizer's own step, and whether the step ran outer work (a
+    boundary or ``partial``'s landing);
   * ``main_fp``: after every optimizer step, a bitwise fingerprint of each fp32 main-parameter shard;
     ``loaded_fp``: the same right after a checkpoint was loaded.
 
@@ -57,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.common.harness import Recorder, proc_status_bytes, wrap
 
@@ -99,11 +104,12 @@ class TrainingRecorder(Recorder):
     """Losses, boundary checks, cross-replica traffic and shard fingerprints (module docstring)."""
 
     name = "training"
-    keys = ("losses", "boundary_identical", "cross_replica", "replica_gathers", "outer", "main_fp", "loaded_fp")
+    keys = ("losses", "boundary_identical", "cross_replica", "replica_gathers", "outer", "main_fp", "loaded_fp",
+            "step_ops")
 
     def __init__(self, record: dict[str, Any]) -> None:
         super().__init__(record)
-        record.update(losses=[], boundary_identical=[], cross_replica=[], replica_gathers={})
+        record.update(losses=[], boundary_identical=[], cross_replica=[], replica_gathers={}, step_ops=[])
         self.ctx = {"in_train": False, "in_train_step": False, "in_boundary": False, "iteration": 0,
                     "instrumenting": False}
 
@@ -215,7 +221,29 @@ class TrainingRecorder(Recorder):
 
         @wrap(DiLoCoXOptimizer, "step")
         def opt_step(orig, opt):
-            out = orig(opt)
+            counter, outer_work = _OpCounter(), []
+            inner_step, boundary, merge = opt.inner.step, opt._boundary, opt._merge
+
+            def paused(*a, **k):  # the inner optimizer's own step is Megatron's, not counted
+                counter.active = False
+                try:
+                    return inner_step(*a, **k)
+                finally:
+                    counter.active = True
+
+            def outer(fn):
+                def run(*a, **k):
+                    outer_work.append(fn.__name__)
+                    return fn(*a, **k)
+                return run
+
+            opt.inner.step, opt._boundary, opt._merge = paused, outer(boundary), outer(merge)
+            try:
+                with counter:
+                    out = orig(opt)
+            finally:
+                del opt.inner.step, opt._boundary, opt._merge  # the class's methods again
+            record["step_ops"].append([opt.step_calls, counter.n, bool(outer_work)])
             if "outer" not in record:
                 theta = opt.sync.theta
                 record["outer"] = {
@@ -241,6 +269,19 @@ class TrainingRecorder(Recorder):
                 iteration = k["iteration"] if "iteration" in k else a[2]
                 record["losses"].append([iteration, {key: float(v) for key, v in loss_dict.items()}])
             return orig(loss_dict, *a, **k)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched on this thread while :attr:`active`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n, self.active = 0, True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.active:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _reset_peak_rss() -> bool:

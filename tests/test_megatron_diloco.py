@@ -51,11 +51,12 @@ def main_thread_traffic(rec: dict) -> dict[int, list[str]]:
     return out
 
 
-@pytest.mark.parametrize("overlap,precision", [("none", []), ("delayed", []), ("delayed", ["--bf16"])],
-                         ids=["none", "delayed", "delayed-bf16"])
+@pytest.mark.parametrize("overlap,precision", [("none", []), ("delayed", []), ("delayed", ["--bf16"]), ("partial", [])],
+                         ids=["none", "delayed", "delayed-bf16", "partial"])
 def test_replicas_identical_and_no_cross_replica_traffic(tmp_path, overlap, precision):
     """With Megatron's default flags, over the whole training loop (counted per process group):
-    no op crosses replicas in an inner step, and every boundary issues the same few. bf16 matters:
+    no op crosses replicas in an inner step, and every boundary issues the same few; between
+    boundaries DiLoCoX's step dispatches no tensor op besides the inner optimizer's. bf16 matters:
     Megatron's Float16Module wrapper keeps its own ``pg_collection``, which ``train_step`` reads for
     the per-step loss all-reduce."""
     recs, log = run_megatron(tmp_path, ["--train-iters", "12", "--diloco-x-local-steps", "4",
@@ -74,6 +75,13 @@ def test_replicas_identical_and_no_cross_replica_traffic(tmp_path, overlap, prec
         after_step = [c for c in rec["cross_replica"] if not c["in_train_step"] and c["iteration"] == 8]
         assert len(after_step) == 2, (rank, after_step)  # duration all-reduce + signal all-gather
         assert {c["iteration"] for c in rec["cross_replica"] if c["in_boundary"]} == {4, 8, 12}
+        # per inner step nothing but a counter: no tensor op of DiLoCoX's outside the outer work
+        steps = rec["step_ops"]  # partial (auto tau): also the steps its exchanges land on
+        assert {s for s, _, outer in steps if outer} >= {4, 8, 12}, (rank, steps)
+        landings = [s for s, _, outer in steps if outer and s % 4]
+        assert bool(landings) == (overlap == "partial"), (rank, steps)  # tau < H lands between boundaries
+        assert all(n == 0 for _, n, outer in steps if not outer), (rank, steps)
+        assert all(n > 0 for _, n, outer in steps if outer), (rank, steps)  # the counter sees outer work
     s = summary(log)
     assert s["rounds"] == 3 and s["replicas_identical"] and s["replicas"] == 2
     assert s["final_loss"] < s["first_loss"]
