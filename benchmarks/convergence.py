@@ -100,6 +100,8 @@ METHODS: dict[str, dict] = {
     "allreduce_lr5e-4": dict(flags=["--lr", "5e-4", "--min-lr", "5e-5"]),
     "diloco_int4_lr2e-3": dict(overlap="none", codec="int4", flags=["--lr", "2e-3", "--min-lr", "2e-4"], **_O),
     "diloco_int4_lr5e-4": dict(overlap="none", codec="int4", flags=["--lr", "5e-4", "--min-lr", "5e-5"], **_O),
+    "partial_auto_int4_lr5e-4": dict(overlap="partial", codec="int4", tau="auto",
+                                     flags=["--lr", "5e-4", "--min-lr", "5e-5"], **_O),
 }
 #: The link the auto tau and the adaptive byte budget are sized for (Mbit/s): the issue's 1 Gbit.
 LINK_MBPS = 1000
