@@ -334,7 +334,9 @@ def _nonfinite_worker(rank, world, overlap, codec, where="gpu"):
 
 @pytest.mark.parametrize("overlap, codec, where", [("none", "none", "gpu"), ("delayed", "int8", "gpu"),
                                                    ("delayed", "none", "gpu"), ("eager", "int8", "gpu"),
-                                                   ("eager", "int8", "cpu"), ("none", "none", "cpu")])
+                                                   ("eager", "int8", "cpu"), ("none", "none", "cpu"),
+                                                   ("partial", "int4", "gpu"), ("partial", "int4", "cpu"),
+                                                   ("partial", "none", "cpu")])
 def test_nonfinite_pseudo_gradient_skips_round_everywhere(overlap, codec, where):
     """(``where``: --diloco-x-outer-state; cpu: the outer state in host memory, streamed in chunks)"""
     run_world(_nonfinite_worker, 2, overlap, codec, where)
@@ -627,6 +629,30 @@ def _partial_worker(rank: int, world: int, tau: int, merge: str, momentum: float
         ref = [x0[:3].clone().view(3, 1), x0[3:].clone()]
         blocking = _run_schedule(OuterSync(ShardView(ref), none_cfg, dist.group.WORLD), ref, rank, world)
         assert all(torch.equal(g, w) for g, w in zip(got, blocking))
+
+
+def _partial_compressed_worker(rank: int, world: int, codec: str, where: str) -> None:
+    def run(overlap: str) -> tuple[list[torch.Tensor], OuterSync]:
+        cfg = DiLoCoXConfig(compression=codec, replicas=world, local_steps=H, outer_lr=0.7, outer_momentum=0.9,
+                            overlap=overlap, overlap_steps=0 if overlap == "partial" else None, outer_state=where,
+                            outer_chunk_mb=256 * 4 / 2**20)  # cpu: chunks of one block
+        x0 = torch.linspace(-1, 1, 7)
+        params = [x0[:3].clone().view(3, 1), x0[3:].clone()]
+        sync = OuterSync(ShardView(params), cfg, dist.group.WORLD)
+        return _run_schedule(sync, params, rank, world), sync
+
+    got, partial = run("partial")
+    want, blocking = run("none")
+    assert len(got) == len(want) == ROUNDS and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert torch.equal(partial.residual, blocking.residual) and partial.residual.abs().sum() > 0
+
+
+@pytest.mark.parametrize("codec, where", [("int4", "gpu"), ("int4", "cpu"), ("int8", "gpu")])
+def test_partial_compressed_at_tau_0_is_blocking_bit_for_bit(codec, where):
+    """partial encodes in its prepare pass, e_new into delta's buffer, the two swapping roles once
+    the round goes ahead; at tau = 0 that is blocking DiLoCo with the same codec bit for bit, the
+    error-feedback residual included (``where``: --diloco-x-outer-state)."""
+    run_world(_partial_compressed_worker, 2, codec, where)
 
 
 @pytest.mark.parametrize("tau,merge,momentum", [(0, "exact", 0.9), (1, "exact", 0.9), (2, "exact", 0.0),
