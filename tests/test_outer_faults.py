@@ -169,11 +169,17 @@ def _scenario_worker_frozen(rank: int, world: int, event) -> None:
     torch.manual_seed(0)
     w = torch.randn(32, 48)
     sync = OuterSync(ShardView([w]), cfg, dist.group.WORLD, shapes=[(32, 48)], host_group=mirror)
+    if rank == 1:  # the worker's second exchange (round 2's) freezes. Counted, not swapped in at round
+        real, calls = sync.codec.exchange, []  # 2: round 1's delayed exchange may not have started by then
+
+        def exchange(*a, **k):
+            calls.append(1)
+            return _freeze() if len(calls) == 2 else real(*a, **k)
+
+        sync.codec.exchange = exchange
     for rnd in (1, 2, 3):
         if rnd == 2:
             sync.config.outer_timeout_minutes = BOUND_S / 60
-            if rank == 1:
-                sync.codec.exchange = _freeze
         w.sub_(0.01 * (rank + 1))
         event(kind="boundary", round=rnd)
         sync.boundary()
