@@ -635,7 +635,7 @@ def _partial_compressed_worker(rank: int, world: int, codec: str, where: str) ->
     def run(overlap: str) -> tuple[list[torch.Tensor], OuterSync]:
         cfg = DiLoCoXConfig(compression=codec, replicas=world, local_steps=H, outer_lr=0.7, outer_momentum=0.9,
                             overlap=overlap, overlap_steps=0 if overlap == "partial" else None, outer_state=where,
-                            outer_chunk_mb=256 * 4 / 2**20)  # cpu: chunks of one block
+                            outer_chunk_mb=256 * 4 / 2**20)  # cpu: the 7 elements staged as one chunk
         x0 = torch.linspace(-1, 1, 7)
         params = [x0[:3].clone().view(3, 1), x0[3:].clone()]
         sync = OuterSync(ShardView(params), cfg, dist.group.WORLD)
@@ -649,9 +649,9 @@ def _partial_compressed_worker(rank: int, world: int, codec: str, where: str) ->
 
 @pytest.mark.parametrize("codec, where", [("int4", "gpu"), ("int4", "cpu"), ("int8", "gpu")])
 def test_partial_compressed_at_tau_0_is_blocking_bit_for_bit(codec, where):
-    """partial encodes in its prepare pass, e_new into delta's buffer, the two swapping roles once
-    the round goes ahead; at tau = 0 that is blocking DiLoCo with the same codec bit for bit, the
-    error-feedback residual included (``where``: --diloco-x-outer-state)."""
+    """partial with a blockwise codec at tau = 0 is blocking DiLoCo with the same codec bit for bit,
+    the error-feedback residual included, whichever pass encodes and whichever buffer receives e_new
+    (``where``: --diloco-x-outer-state)."""
     run_world(_partial_compressed_worker, 2, codec, where)
 
 
