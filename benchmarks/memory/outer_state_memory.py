@@ -109,37 +109,54 @@ def figures(recs: list[dict], local_steps: int) -> dict:
     }
 
 
-def _result(runs: dict[str, dict], a: argparse.Namespace, model: list[str]) -> dict:
-    """The JSON of the runs so far, with the differences to the vanilla run."""
+def _within_pass(runs: dict[str, dict]) -> dict[str, dict]:
+    """Each run's figures relative to the other runs of its pass (side by side in one call), in place:
+    bytes per parameter and step overheads against ``vanilla``; for ``cpu-<codec>``,
+    ``boundary_vs_gpu`` against ``gpu-<codec>`` (issue 13's boundary target: <= 2x). Returns the
+    runs that did not fail."""
     ok = {n: f for n, f in runs.items() if "error" not in f}
     base = ok.get("vanilla")
     for name, f in ok.items():
+        gpu = ok.get("gpu-" + name.partition("-")[2]) if name.startswith("cpu-") else None
+        if gpu is not None and f.get("boundary_ms") and gpu.get("boundary_ms"):
+            f["boundary_vs_gpu"] = f["boundary_ms"] / gpu["boundary_ms"]
         if name == "vanilla" or base is None:
             continue
         for key, per_param in (("peak_gb", "overhead_bytes_per_param"), ("steady_gb", "steady_overhead_bytes_per_param")):
-            if f[key] is not None and base[key] is not None:
+            if f.get(key) is not None and base.get(key) is not None:
                 f[per_param] = (f[key] - base[key]) * 2 ** 30 / f["params"]
         for key in ("step_ms", "step_mean_ms"):
             if f.get(key) and base.get(key):
                 f[key.replace("_ms", "_overhead_pct")] = 100 * (f[key] / base[key] - 1)
+    return ok
+
+
+def _result(runs: dict[str, dict], a: argparse.Namespace, model: list[str]) -> dict:
+    """The JSON of the runs so far, with the differences to the vanilla run."""
+    ok = _within_pass(runs)
     card = next((f.get("card") for f in ok.values() if f.get("card")), None)
     return {"card": card or "cpu", "params": next((f["params"] for f in ok.values()), None), "commit": _commit(),
             "iters": a.iters, "local_steps": a.local_steps, "model": " ".join(model), "runs": runs}
 
 
-#: the figures that vary from pass to pass (the memory figures are the same bytes every pass)
+#: the figures that vary from pass to pass (the memory figures are the same bytes every pass), and
+#: those taken within a pass (:func:`_within_pass`): merge() averages both over the passes
 TIMES = ("step_ms", "step_mean_ms", "boundary_ms")
+RATIOS = ("step_overhead_pct", "step_mean_overhead_pct", "boundary_vs_gpu")
 
 
 def merge(passes: list[dict], commit: str | None = None) -> dict:
     """One JSON from several passes of the same runs (``--merge``; e.g. two calls in opposite orders,
     so that no run always goes first). Per run: the memory figures of the first pass (a differing
-    ``peak_gb`` is recorded as ``peak_gb_per_pass``); each time figure the mean over the passes, with
-    ``<figure>_per_pass``; ``step_overhead_pct`` / ``step_mean_overhead_pct`` the mean of each pass's
-    own ratio to that pass's vanilla run (side by side in one call, not across calls); for a host
-    run ``cpu-<codec>``, ``boundary_vs_gpu``: the mean of each pass's boundary ratio to ``gpu-<codec>``."""
+    ``peak_gb`` is recorded as ``peak_gb_per_pass``); each time figure, and each figure taken within
+    a pass (step overheads against that pass's vanilla, ``boundary_vs_gpu``; recomputed from the
+    pass's times), the mean over the passes, with ``<figure>_per_pass``."""
     if not passes:
         raise SystemExit("--merge: no passes given")
+    passes = [dict(p, runs={n: {k: v for k, v in f.items() if k not in RATIOS} for n, f in p["runs"].items()})
+              for p in passes]  # the within-pass figures recomputed from each pass's own times
+    for p in passes:
+        _within_pass(p["runs"])
     names = list(dict.fromkeys(n for p in passes for n in p["runs"]))
     runs: dict[str, dict] = {}
     for name in names:
@@ -147,24 +164,14 @@ def merge(passes: list[dict], commit: str | None = None) -> dict:
         if not ok:
             runs[name] = passes[0]["runs"].get(name) or next(p["runs"][name] for p in passes if name in p["runs"])
             continue
-        f = {k: v for k, v in ok[0]["runs"][name].items() if not k.endswith("_pct")}
+        f = dict(ok[0]["runs"][name])
         peaks = [p["runs"][name]["peak_gb"] for p in ok]
         if len(set(peaks)) > 1:
             f["peak_gb_per_pass"] = peaks
-        for key in TIMES:
+        for key in (*TIMES, *RATIOS):
             vals = [p["runs"][name][key] for p in ok if p["runs"][name].get(key) is not None]
             if vals:
                 f[key], f[f"{key}_per_pass"] = statistics.mean(vals), vals
-            base = [(p["runs"][name].get(key), p["runs"].get("vanilla", {}).get(key)) for p in ok]
-            ratios = [100 * (v / b - 1) for v, b in base if v and b and name != "vanilla"]
-            if ratios and key != "boundary_ms":
-                f[key.replace("_ms", "_overhead_pct")] = statistics.mean(ratios)
-                f[key.replace("_ms", "_overhead_pct_per_pass")] = ratios
-        gpu = "gpu-" + name.partition("-")[2]
-        ratios = [p["runs"][name]["boundary_ms"] / p["runs"][gpu]["boundary_ms"] for p in ok if name.startswith("cpu-")
-                  and p["runs"].get(gpu, {}).get("boundary_ms") and p["runs"][name].get("boundary_ms")]
-        if ratios:  # issue 13's boundary target: the host path <= 2x the GPU path, each pass side by side
-            f["boundary_vs_gpu"], f["boundary_vs_gpu_per_pass"] = statistics.mean(ratios), ratios
         f["passes"] = len(ok)
         runs[name] = f
     first = passes[0]
