@@ -246,7 +246,10 @@ class ExchangeHandle:
                 torch.cuda.current_stream(self.buffer.device).synchronize()
         t1 = time.perf_counter()
         self.stats.exposed_s = t1 - t0
-        self.stats.exchange_s = (self._done_at if self._done_at is not None else t1) - self._launched
+        # no collective (one replica): it completed at its launch, not when it is waited for (auto tau,
+        # sized by this duration, would otherwise keep asking for the steps it last waited)
+        done = self._done_at if self._done_at is not None else t1 if self._work is not None else self._launched
+        self.stats.exchange_s = done - self._launched
         self._work = None
 
     def wait(self) -> torch.Tensor:

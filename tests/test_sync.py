@@ -712,6 +712,32 @@ def test_partial_auto_overlap_steps_hides_the_last_exchange():
     assert fixed._choose_overlap_steps() == 4
 
 
+def test_partial_auto_tau_of_one_replica_is_one_step():
+    """One replica (no collective): its exchange completes at its launch, so after the first round
+    (nothing measured: tau = H) auto tau is one step, however long the landing waited for it.
+    Timing the exchange to its wait (H steps) would keep tau at H for the whole run."""
+    import time
+
+    cfg = DiLoCoXConfig(compression="int8", replicas=1, local_steps=H, overlap="partial")
+    params = [torch.linspace(-1, 1, 7)]
+    sync = OuterSync(ShardView(params), cfg, None)
+    sync.set_step_time(0.001)
+    landings, taus = [], []
+    for t in range(3):
+        for k in range(1, H + 1):
+            time.sleep(0.005)  # an inner step of 5 step times: the wait comes >= 5 H ms after a launch
+            params[0].sub_(0.01)
+            if sync.merge_due(k % H):
+                landings.append((t, k))
+                sync.merge()
+            elif k == H:
+                sync.boundary()
+                taus.append(sync.apply_at)
+    sync.drain()
+    assert taus == [H, 1, 1] and landings == [(2, 1)], (taus, landings)
+    assert sync.last_completed.exchange_s < 0.005
+
+
 def _auto_worker(rank: int, world: int) -> None:
     cfg = DiLoCoXConfig(replicas=world, local_steps=H, overlap="partial", compression="int8")
     x0 = torch.linspace(-1, 1, 7)
