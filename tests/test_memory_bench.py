@@ -44,3 +44,25 @@ def test_merge_cli_writes_the_result(tmp_path: Path):
     assert main(["--merge", *map(str, files), "--result", str(out), "--commit", "abc1234"]) == 0
     m = json.loads(out.read_text())
     assert m["commit"] == "abc1234" and m["runs"]["cpu-none"]["boundary_vs_gpu"] == pytest.approx(2.5)
+
+
+def test_time_figures_leave_out_the_warm_up_rounds():
+    """A run's step, boundary and per-round outer times come from the rounds after the warm-up (the
+    first two boundaries carry Triton's compilation and the first landing); ``outer_ms`` counts a
+    round's outer work wherever it falls: the boundary and the landing tau steps later."""
+    from benchmarks.memory.outer_state_memory import WARM_ROUNDS, figures
+
+    H, n, step, prep, land = 10, 40, 0.3, 0.05, 0.2  # 4 boundaries: 2 warm-up, 2 steady (the median of all 4 is not)
+    iter_s = [step] * n
+    for i in range(1, n + 1):
+        if i % H == 0:
+            iter_s[i - 1] += prep if i > WARM_ROUNDS * H else 1.0  # compiling in the warm-up
+        elif i % H == 1 and i > WARM_ROUNDS * H:
+            iter_s[i - 1] += land  # tau 1: the landing one step after the boundary
+    iter_s[4] += 2.0  # a slow early step (warm-up)
+    rec = {"params_on_rank": 10, "max_mem_bytes": 2 ** 30, "iter_s": iter_s}
+    f = figures([rec], H)
+    assert f["step_ms"] == pytest.approx(1e3 * step)
+    assert f["boundary_ms"] == pytest.approx(1e3 * (step + prep))  # not the compiling boundaries
+    assert f["outer_ms"] == pytest.approx(1e3 * (prep + land)) and f["steady_rounds"] == 1  # boundary 30 (40's is cut)
+    assert f["step_mean_ms"] == pytest.approx(1e3 * (step + land * 2 / 18))  # 18 inner steps, 2 landings (21, 31)
