@@ -315,11 +315,13 @@ class Outbox:
         if self.all_reduce:
             self.send = send if send is not None else torch.empty(numel, dtype=torch.float32, device=device)
 
-    def put(self, lo: int, pseudo_grad: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+    def put(self, lo: int, pseudo_grad: torch.Tensor, residual: torch.Tensor | None = None,
+            residual_out: torch.Tensor | None = None) -> None:
         """Add the chunk ``[lo, lo + len)`` of the pseudo-gradient (fp32, on the device): copied into
         the all-reduce buffer (nothing when it is that buffer's view), or encoded with error feedback
-        into the payload (``residual``: that chunk of e, updated in place). Chunks start on blocks of
-        the codec (:data:`megatron_diloco.outer_store.CHUNK_ALIGN`)."""
+        into the payload (``residual``: that chunk of e, updated in place, or e_new written into
+        ``residual_out``, which may be ``pseudo_grad`` itself: each element is read before it is
+        written). Chunks start on blocks of the codec (:data:`megatron_diloco.outer_store.CHUNK_ALIGN`)."""
         hi = lo + pseudo_grad.numel()
         if self.all_reduce:
             dst = self.send[lo:hi]
@@ -329,7 +331,7 @@ class Outbox:
         if self.payload is None and not (lo == 0 and hi == self.numel):
             self.payload = torch.zeros(self.codec.payload_bytes(self.numel), dtype=torch.uint8,
                                        device=self.device)  # (P,)
-        self.payload = self.codec.encode_into(self.payload, self.numel, lo, residual, pseudo_grad)
+        self.payload = self.codec.encode_into(self.payload, self.numel, lo, residual, pseudo_grad, residual_out)
 
     def launch(self, buffer: torch.Tensor, group: dist.ProcessGroup | None, *, store: "OuterStore | None" = None,
                timeout_s: float | None = None) -> ExchangeHandle:

@@ -425,6 +425,13 @@ class OuterSync:
                     residual_sq.append(torch.dot(e, e))
             if reset_x and xs:
                 torch._foreach_copy_(xs, self.view.split_like(ea if eager else th, xs))
+        return self._start(outbox, input_sq, residual_sq)
+
+    def _start(self, outbox: Outbox | None, input_sq: list[torch.Tensor],
+               residual_sq: list[torch.Tensor]) -> ExchangeHandle:
+        """Launch the exchange of the round whose payload ``outbox`` holds (None: a matrix codec, whose
+        worker encodes), bounded by :meth:`timeout_s` from now; the squared norms of the codec's input
+        and of the residual it left, as chunk parts."""
         handle = start_exchange(self.delta, self.residual, self.codec, self.exchange_group, worker=self._executor,
                                 timeout_s=self.timeout_s(), outbox=outbox, store=self.store)
         handle.stats.input_sq = _sum(input_sq)
@@ -510,15 +517,25 @@ class OuterSync:
         """``partial`` (module doc): apply an exchange still pending (tau = H, or restored), take
         delta = theta - x and x_L (exact merge) without touching x, agree on skip and tau, launch;
         with tau = 0 apply at once. x_L is taken in the same pass as delta: with the host layout its
-        copy out overlaps theta's copy in (a skipped round leaves it unused: nothing is pending)."""
+        copy out overlaps theta's copy in (a skipped round leaves it unused: nothing is pending).
+
+        With a blockwise codec the same pass also encodes (one pass over the shard, not two: with
+        the host layout the shard crosses PCIe once): e_new is written into delta's buffer, not over
+        e, so that a skipped round leaves the residual intact; when the round goes ahead the two
+        buffers swap roles (e <- e_new; delta is scratch until the mean comes back)."""
         completed = None
         if self.pending is not None:
             completed = self.merge()
         with record_function("megatron_diloco::prepare"):
             norms: list[torch.Tensor] = []
             x_l = self.launch_point  # None unless partial + exact
-            for lo, hi, (th, d, lp) in self.store.stream(self.theta, self.delta, x_l, write=[x_l],
-                                                         scratch=[self.delta, x_l]):
+            e_in = self.residual if self._executor is None else None  # encode here (blockwise codecs)
+            outbox = Outbox(self.codec, self.view.numel, self.view.device) if e_in is not None else None
+            input_sq: list[torch.Tensor] = []
+            residual_sq: list[torch.Tensor] = []
+            for lo, hi, (th, d, lp, e) in self.store.stream(
+                    self.theta, self.delta, x_l, e_in, write=[x_l, self.delta if e_in is not None else None],
+                    scratch=[self.delta, x_l]):
                 xs = self.view.pieces(lo, hi)
                 if xs:
                     torch.cat(xs, out=d)
@@ -526,12 +543,20 @@ class OuterSync:
                         lp.copy_(d)
                     d.neg_().add_(th)  # theta - x, the same bits as x <- theta + (-x)
                     norms += torch._foreach_norm(self.view.split_like(d, xs), 2)
+                if e is not None:  # ||pseudo-gradient + residual||^2, then the encode: e_new into d
+                    input_sq.append(torch.dot(d, d) + 2 * torch.dot(d, e) + torch.dot(e, e))
+                    outbox.put(lo, d, e, residual_out=d)
+                    residual_sq.append(torch.dot(d, d))
             sq = _sum_of_squares(norms)
         with record_function("megatron_diloco::launch"):
             skip, self.apply_at = self._any_rank_nonfinite(sq, self._choose_overlap_steps())
             if skip:
-                return self._skip(sq, completed)
-            self.pending = self._launch()
+                return self._skip(sq, completed)  # e untouched; the payload and e_new are dropped
+            if outbox is not None:
+                self.residual, self.delta = self.delta, self.residual
+                self.pending = self._start(outbox, input_sq, residual_sq)
+            else:
+                self.pending = self._launch()
             self.x_is_theta = False
         if self.apply_at == 0:
             completed = self.merge(at_launch=True)

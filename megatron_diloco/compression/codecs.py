@@ -123,13 +123,15 @@ class BlockwiseCodec:
                 slice(part.values_offset, part.values_offset + part.values_bytes))
 
     def encode_into(self, payload: torch.Tensor | None, numel: int, lo: int, residual: torch.Tensor,
-                    pseudo_grad: torch.Tensor) -> torch.Tensor:
+                    pseudo_grad: torch.Tensor, residual_out: torch.Tensor | None = None) -> torch.Tensor:
         """Encode the chunk ``[lo, lo + len)`` of a bucket of ``numel`` elements (``residual``,
-        ``pseudo_grad``: fp32, that chunk; the residual updated in place) into the bucket's payload:
+        ``pseudo_grad``: fp32, that chunk; e_new into ``residual_out``, default the residual itself,
+        in place) into the bucket's payload:
         the same bytes :meth:`encode` of the whole bucket writes there (blocks never straddle a
         chunk). ``payload``: uint8 ``[P]`` of the whole bucket, zero-initialized (None for a chunk
         that is the whole bucket: the encoded payload is returned as it is). Returns the payload."""
-        part = self.encode(residual, pseudo_grad=pseudo_grad, residual_out=residual)  # (P_chunk,)
+        part = self.encode(residual, pseudo_grad=pseudo_grad,
+                           residual_out=residual if residual_out is None else residual_out)  # (P_chunk,)
         if lo == 0 and residual.numel() == numel:
             return part
         _, _, s_full, s_part, v_full, v_part = self._chunk_bytes(numel, lo, lo + residual.numel())
