@@ -414,9 +414,10 @@ def host_copy(t: torch.Tensor, group, copy: bool = True) -> torch.Tensor:
 
 def _start_all_reduce(send: torch.Tensor, buffer: torch.Tensor, group, size: int,
                       store: "OuterStore | None") -> ExchangeHandle:
-    """fp32 all-reduce (SUM) of ``send`` (device) in place, asynchronous; the mean is the sum / R, into
+    """fp32 all-reduce (SUM) of ``send`` in place, asynchronous; the mean is the sum / R, into
     ``buffer`` (:meth:`ExchangeHandle.wait`) or straight into the outer step, chunk by chunk through
-    ``store``."""
+    ``store``. ``send`` is on the device, or (a gloo group) may be held in host memory by ``store``:
+    the collective then runs on it in place and the finish streams it through the device."""
     payload = send.numel() * send.element_size()
     wire = wire_bytes("all-reduce", payload, size)
     stats = ExchangeStats(bytes_sent=wire, bytes_received=wire, raw_bytes=payload, payload_bytes=payload)
@@ -428,11 +429,15 @@ def _start_all_reduce(send: torch.Tensor, buffer: torch.Tensor, group, size: int
         if staged is not send:
             send.copy_(staged, non_blocking=True)  # enqueued (page-locked source): no stall
         if outer is None:
+            if buffer is send:  # the mean in place (on the device, or streamed through it when held)
+                for _, _, (s,) in store.stream(send, write=[send]):
+                    if size > 1:
+                        s.div_(size)
+                return
             for _, _, (s, b) in store.stream(send, buffer, write=[buffer], scratch=[buffer]):
                 if size > 1:
                     s.div_(size)
-                if b.data_ptr() != s.data_ptr():  # buffer is not send itself
-                    b.copy_(s)
+                b.copy_(s)
             return
 
         def step(lo: int, hi: int, lead: list[torch.Tensor], o: OuterNesterov) -> None:

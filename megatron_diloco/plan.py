@@ -52,7 +52,7 @@ eager anchor (4, ``eager``) or partial's launch point x_L (4, ``partial``, exact
 exchange ((1 + R) x the shard's payload). With ``--outer-state cpu`` (``--diloco-x-outer-state
 cpu``) theta, momentum, residual, anchor and (quantized codecs) the exchange buffer move to host
 memory (``host_memory_gib``, per GPU); the GPU keeps the exchange's payload (``none``: the fp32
-all-reduce buffer, 4) and the fixed staging buffers (3 slots x 5 tensors x ``outer_chunk_mb``). The
+all-reduce buffer, 4, as in one NCCL world; replicas in separate worlds over gloo hold it on the host) and the fixed staging buffers (3 slots x 5 tensors x ``outer_chunk_mb``). The
 AllReduce job shards its optimizer over ``R dp``. Activations (of the first pipeline stage, the
 fullest) are estimated only when the GPT shape and micro-batch are given (:func:`activation_bytes`),
 otherwise they are left out and the output says so.

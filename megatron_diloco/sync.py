@@ -105,6 +105,13 @@ def backstop_timeout_s(bound_s: float) -> float:
     return 1.25 * bound_s + 60.0
 
 
+def _reduces_on_host(group: dist.ProcessGroup | None) -> bool:
+    """Whether a collective over ``group`` runs on host memory: a gloo group of several ranks (GPU
+    tensors cross it as host copies, :func:`megatron_diloco.collectives.host_copy`)."""
+    return (group is not None and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo")
+
+
 def _sum_of_squares(norms: list[torch.Tensor]) -> float:
     """Sum of the squares of fp32 L2 ``norms`` (0-dim tensors), in fp64; a host sync."""
     return float(torch.stack(norms).double().square().sum()) if norms else 0.0
@@ -207,9 +214,15 @@ class OuterSync:
                                    momentum_buffer=store.zeros() if config.outer_momentum > 0 else None)
         # delta: the pseudo-gradient in the exchange, one buffer for both directions: this replica's
         # delta_r goes out, the replicas' mean Delta comes back in place (N,) fp32. ``none``: the
-        # all-reduce buffer itself, on the device; the codecs that send an encoded payload keep it
-        # with the outer state (it holds a mean only when one is waited for: checkpoints, restarts)
-        self.delta = store.empty(held=spec.lossy)
+        # all-reduce buffer itself, on the device where the collective needs it there (NCCL); over a
+        # gloo outer group (replicas in separate worlds) the all-reduce runs on the host, so with the
+        # host layout it is held with the outer state (no device payload; the same PCIe bytes as a
+        # host copy of a device buffer). The codecs that send an encoded payload keep it with the
+        # outer state (it holds a mean only when one is waited for: checkpoints, restarts)
+        self.delta = store.empty(held=spec.lossy or (config.outer_state == "cpu" and _reduces_on_host(group)))
+        #: ``none`` with delta held on the host: the launch writes this replica's delta_r there and
+        #: the all-reduce (gloo) runs on it in place
+        self._host_all_reduce = not spec.lossy and store.held(self.delta)
         # e: what the lossy codec did not send yet (per replica; fp32, one per shard element).
         self.residual = store.zeros() if spec.lossy else None  # (N,) fp32
         # eager only: this replica's own anchor a_r (its look-ahead; per replica) (N,) fp32
@@ -396,20 +409,22 @@ class OuterSync:
         eager, partial = self.eager_anchor is not None, overlap == "partial"
         reset_x = overlap in ("delayed", "eager")
         resident = not self.store.held(self.delta)  # delta on the device: it is the chunk itself
-        computed = partial and resident  # partial: the prepare pass left theta - x in delta
+        host_send = self._host_all_reduce  # delta is the host all-reduce buffer: the pass writes it back
+        computed = partial and (resident or host_send)  # partial: the prepare pass left theta - x in delta
         c = self.config.outer_lr * ((1.0 + self.config.outer_momentum) if self.config.nesterov else 1.0)
         w = self.config.eager_weight
         if w is None:
             w = 1.0 / (dist.get_world_size(self.group) if self.group is not None else 1)
         outbox = None if self._executor is not None else Outbox(
-            self.codec, self.view.numel, self.view.device, send=self.delta if resident else None)
+            self.codec, self.view.numel, self.view.device, send=self.delta if resident or host_send else None)
         read_theta = reset_x or (partial and not computed)  # x <- theta / a_r from theta; theta - x
         tensors = [self.theta if read_theta else None, self.delta, self.residual, self.eager_anchor]
-        write_only = [self.eager_anchor]
+        write_only = [self.eager_anchor, self.delta if host_send else None]
         input_sq: list[torch.Tensor] = []
         residual_sq: list[torch.Tensor] = []
-        for lo, hi, (th, d, e, ea) in self.store.stream(
-                *tensors, write=[self.residual, *write_only], scratch=[self.delta, *write_only]):
+        passes = not (computed and host_send)  # else nothing is left to do on the shard
+        for lo, hi, (th, d, e, ea) in (self.store.stream(
+                *tensors, write=[self.residual, *write_only], scratch=[self.delta, *write_only]) if passes else ()):
             xs = self.view.pieces(lo, hi)
             if not computed and xs:  # the pseudo-gradient chunk, contiguous
                 torch.cat(xs, out=d)
@@ -419,7 +434,7 @@ class OuterSync:
                 input_sq.append(torch.dot(d, d) + 2 * torch.dot(d, e) + torch.dot(e, e))
             if ea is not None:  # a_r <- theta_t - c w delta_{r,t}
                 torch.mul(d, -c * w, out=ea).add_(th)
-            if outbox is not None:
+            if outbox is not None and not host_send:  # (host_send: the store copies d back into delta)
                 outbox.put(lo, d, e)
                 if e is not None:
                     residual_sq.append(torch.dot(e, e))
@@ -533,9 +548,11 @@ class OuterSync:
             outbox = Outbox(self.codec, self.view.numel, self.view.device) if e_in is not None else None
             input_sq: list[torch.Tensor] = []
             residual_sq: list[torch.Tensor] = []
-            for lo, hi, (th, d, lp, e) in self.store.stream(
-                    self.theta, self.delta, x_l, e_in, write=[x_l, self.delta if e_in is not None else None],
-                    scratch=[self.delta, x_l]):
+            # delta is copied back where it is held: it receives e_new (blockwise), or it is the host
+            # all-reduce buffer (none over gloo) and holds delta_r
+            d_out = self.delta if e_in is not None or self._host_all_reduce else None
+            for lo, hi, (th, d, lp, e) in self.store.stream(self.theta, self.delta, x_l, e_in, write=[x_l, d_out],
+                                                            scratch=[self.delta, x_l]):
                 xs = self.view.pieces(lo, hi)
                 if xs:
                     torch.cat(xs, out=d)

@@ -12,7 +12,8 @@
     ``train_step`` / the outer boundary (``OuterSync``), and the issuing thread;
   * ``replica_gathers``: ``{iteration: n}``, all-gathers issued on groups inside one replica (the
     intra-replica DP group's parameter gathers), counted by the same pre-hooks;
-  * ``outer``: sizes of the outer state after the first step;
+  * ``outer``: sizes of the outer state after the first step, and whether the exchange buffer
+    (delta) is held in host memory;
   * ``step_ops``: per optimizer step, ``[step_calls, n, outer_work]``: ``n`` the tensor operations
     (aten ops, counted by a dispatch mode on the training thread) that ``DiLoCoXOptimizer.step``
     dispatched outside the inner optimizer's own step, and whether the step ran outer work (a
@@ -251,6 +252,7 @@ class TrainingRecorder(Recorder):
                     "momentum_numel": (opt.sync.outer.momentum_buffer.numel()
                                        if opt.sync.outer.momentum_buffer is not None else 0),
                     "main_shard_numel": sum(t.numel() for t in opt.view.shards),
+                    "delta_held": opt.sync.store.held(opt.sync.delta),  # the exchange buffer in host memory
                     "model_params_on_rank": sum(p.numel() for d in opt.dist_opts for c in d.model_chunks
                                                 for p in c.parameters()),
                 }

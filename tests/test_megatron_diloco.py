@@ -164,6 +164,20 @@ def test_host_outer_state_trains_alike_and_checkpoints_across_layouts(tmp_path):
         assert summary(log2)["replicas_identical"], (saved, resumed)
 
 
+def test_host_outer_state_all_reduces_none_on_the_host(tmp_path):
+    """``none`` over a gloo outer group with ``--diloco-x-outer-state cpu``: the all-reduce buffer is
+    held in host memory with the outer state (no device payload) and the collective runs on it in
+    place; the default overlap (partial, tau fixed at 2 so that both runs land alike) trains to the
+    device layout's losses bit for bit."""
+    base = ["--train-iters", "8", "--diloco-x-local-steps", "4", "--diloco-x-compression", "none",
+            "--diloco-x-overlap-steps", "2", "--diloco-x-outer-chunk-mb", "0.01"]
+    gpu, _ = run_megatron(tmp_path, base + ["--diloco-x-outer-state", "gpu"])
+    cpu, log = run_megatron(tmp_path, base + ["--diloco-x-outer-state", "cpu"])
+    assert [r["outer"]["delta_held"] for r in gpu] == [False] * 4
+    assert [r["outer"]["delta_held"] for r in cpu] == [True] * 4
+    assert losses(cpu) == losses(gpu) and summary(log)["rounds"] == 2
+
+
 def test_outer_state_is_sharded_like_the_distributed_optimizer(tmp_path):
     """PP 1, 2 replicas x intra-replica DP 2 on 4 ranks: each rank's outer state (theta, momentum) is
     fp32 and covers exactly its inner optimizer's main shard, half of the model. The run gives

@@ -58,7 +58,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled
-from benchmarks.common.runner import ExampleJob, load_ranks, run_job  # noqa: E402
+from benchmarks.common.runner import ExampleJob, load_ranks, replica_worlds_job, run_job  # noqa: E402
 
 #: ~1.2B parameters (12 L h^2 = 1.21B + byte-level embeddings), one GPU, bf16.
 MODEL_1B = """
@@ -80,14 +80,14 @@ DEFAULT_RUNS = "vanilla,gpu-int8,cpu-int8,gpu-none,cpu-none,cpu-int4"
 CODECS = ("none", "int8", "int4", "fp8")
 
 
-def run_flags(name: str, local_steps: int) -> list[str]:
+def run_flags(name: str, local_steps: int, replicas: int = 1) -> list[str]:
     """The example flags of run ``name`` (``vanilla`` or ``<gpu|cpu>-<codec>``)."""
     if name == "vanilla":
         return ["--no-diloco-x"]
     where, _, codec = name.partition("-")
     if where not in ("gpu", "cpu") or codec not in CODECS:
         raise SystemExit(f"--runs: unknown run {name!r} (vanilla or <gpu|cpu>-<{'|'.join(CODECS)}>)")
-    return ["--diloco-x-replicas", "1", "--diloco-x-local-steps", str(local_steps), "--diloco-x-outer-state",
+    return ["--diloco-x-replicas", str(replicas), "--diloco-x-local-steps", str(local_steps), "--diloco-x-outer-state",
             where, "--diloco-x-compression", codec]  # the rest at the package's defaults
 
 
@@ -111,8 +111,12 @@ def steady_times(iter_s: list[float], local_steps: int) -> tuple[list[float], li
 
 
 def figures(recs: list[dict], local_steps: int) -> dict:
-    """The run's figures from its one rank's record (see the module docstring)."""
-    (r,) = recs
+    """The run's figures from its one rank's record (see the module docstring); with several
+    replicas (``--replicas``), replica 0's, and ``peak_gb_per_replica``."""
+    r = recs[0]
+    if len(recs) > 1:
+        return {**figures([r], local_steps), "peak_gb_per_replica": [
+            x["max_mem_bytes"] / 2 ** 30 if x.get("max_mem_bytes") is not None else None for x in recs]}
     gib = 2 ** 30
     inner, bound, rounds = steady_times(r["iter_s"], local_steps)
     step = statistics.median(inner) if inner else None
@@ -164,7 +168,8 @@ def _result(runs: dict[str, dict], a: argparse.Namespace, model: list[str]) -> d
     ok = _within_pass(runs)
     card = next((f.get("card") for f in ok.values() if f.get("card")), None)
     return {"card": card or "cpu", "params": next((f["params"] for f in ok.values()), None), "commit": _commit(),
-            "iters": a.iters, "local_steps": a.local_steps, "model": " ".join(model), "runs": runs}
+            "iters": a.iters, "local_steps": a.local_steps, "replicas": a.replicas, "model": " ".join(model),
+            "runs": runs}
 
 
 #: the figures that vary from pass to pass (the memory figures are the same bytes every pass), and
@@ -226,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=80, help="per run (>= 50 inner steps after the warm-up rounds)")
     p.add_argument("--local-steps", type=int, default=10)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny GPT on CPU gloo (checks the script end to end)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="R > 1: R replicas as separate launches sharing the GPU, joined over gloo "
+                        "(--diloco-x-outer-store, as separate clusters are); memory per replica process")
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="PASS_JSON",
                    help="write one JSON (--result) from these passes' JSONs instead of running (see merge())")
     p.add_argument("--commit", default=None,
@@ -244,18 +252,25 @@ def main(argv: list[str] | None = None) -> int:
     model = MODEL_TINY if a.cpu_smoke else MODEL_1B
     names = [n for n in a.runs.split(",") if n]
     for name in names:
-        run_flags(name, a.local_steps)  # validate before the first run
+        run_flags(name, a.local_steps, a.replicas)  # validate before the first run
     runs: dict[str, dict] = {}
     result: dict = {}
     for name in names:
-        args = [*model, *COMMON, "--train-iters", str(a.iters), *run_flags(name, a.local_steps)]
-        job = ExampleJob(name, args, nproc=1, record=["timers", "memory"], estimate_s=90, timeout_s=420)
-        info = run_job(job, a.out, resume=True)
-        if info.get("ok"):
-            runs[name] = figures(load_ranks(a.out, name), a.local_steps)
+        args = [*model, *COMMON, "--train-iters", str(a.iters), *run_flags(name, a.local_steps, a.replicas)]
+        if a.replicas > 1:
+            job = replica_worlds_job(name, a.out, args, a.replicas, ["timers", "memory"], diloco=name != "vanilla",
+                                     estimate_s=90 * a.replicas, timeout_s=420 * a.replicas)
         else:
-            log = a.out / name / "log.txt"
-            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+            job = ExampleJob(name, args, nproc=1, record=["timers", "memory"], estimate_s=90, timeout_s=420)
+        info = run_job(job, a.out, resume=True)
+        recs = ([json.loads(f.read_text()) for f in sorted((a.out / name).glob("replica*/rank0.json"))]
+                if a.replicas > 1 else load_ranks(a.out, name))
+        if info.get("ok") and recs:
+            runs[name] = figures(recs, a.local_steps)
+        else:
+            logs = [a.out / name / f for f in (["log.txt"] if a.replicas == 1 else
+                                               [f"replica{r}.log" for r in range(a.replicas)])]
+            tail = "".join(x.read_text(errors="replace")[-3000:] for x in logs if x.exists())
             runs[name] = {"error": f"exit status {info.get('returncode')}, timed out {info.get('timed_out')}",
                           "log_tail": tail}
         print(f"[outer_state_memory] {name}: {json.dumps(runs[name])[:2000]}", flush=True)
