@@ -13,10 +13,10 @@ from benchmarks.memory.outer_state_memory import main, merge
 
 def one_pass(vanilla_ms: float, gpu_boundary: float, cpu_boundary: float, cpu_step: float, peak: float = 30.0) -> dict:
     run = lambda step, boundary, peak_gb: {"params": 10, "peak_gb": peak_gb, "step_ms": step, "step_mean_ms": step,  # noqa: E731
-                                           "boundary_ms": boundary, "overhead_bytes_per_param": 1.0,
-                                           "step_overhead_pct": 99.0}
+                                           "boundary_ms": boundary, "outer_ms": boundary - step,
+                                           "overhead_bytes_per_param": 1.0, "step_overhead_pct": 99.0}
     return {"card": "card", "params": 10, "commit": "old", "iters": 70, "local_steps": 20, "model": "m",
-            "runs": {"vanilla": run(vanilla_ms, vanilla_ms, 25.0), "gpu-none": run(vanilla_ms, gpu_boundary, 38.0),
+            "runs": {"vanilla": run(vanilla_ms, vanilla_ms + 20.0, 25.0), "gpu-none": run(vanilla_ms, gpu_boundary, 38.0),
                      "cpu-none": run(cpu_step, cpu_boundary, peak), "cpu-int4": {"error": "exit status 1"}}}
 
 
@@ -30,6 +30,9 @@ def test_merge_pairs_each_ratio_within_its_pass():
     assert cpu["step_overhead_pct_per_pass"] == pytest.approx([10.0, 30.0])
     assert cpu["step_overhead_pct"] == pytest.approx(20.0)  # not 175 / 150 - 1 = 16.7%
     assert cpu["boundary_vs_gpu_per_pass"] == pytest.approx([3.0, 2.0]) and cpu["boundary_vs_gpu"] == pytest.approx(2.5)
+    # outer work net of vanilla's floor (20 ms): pass A 660 / 80, pass B 150 / 30
+    assert cpu["outer_net_ms_per_pass"] == pytest.approx([660.0, 150.0])
+    assert cpu["outer_vs_gpu_per_pass"] == pytest.approx([8.25, 5.0]) and cpu["outer_vs_gpu"] == pytest.approx(6.625)
     assert cpu["peak_gb"] == 30.0 and cpu["peak_gb_per_pass"] == [30.0, 30.5]
     assert "step_overhead_pct" not in m["runs"]["vanilla"] and "boundary_vs_gpu" not in m["runs"]["gpu-none"]
     assert m["runs"]["cpu-int4"] == {"error": "exit status 1"}  # failed in every pass: kept as it was

@@ -36,7 +36,8 @@ Figures per run (``benchmarks/results/memory.json``, or ``--result``):
 * ``outer_ms``: all the outer work of a round, wherever it falls (the boundary, and ``partial``'s
   landing tau steps later): per round after the warm-up, the wall time of its H steps from its
   boundary on minus H x ``step_ms``; the median over those rounds (vanilla's: the noise floor, ~0);
-* ``boundary_vs_gpu`` / ``outer_vs_gpu`` (``cpu-<codec>``): ``boundary_ms`` / ``outer_ms`` over
+* ``outer_net_ms``: ``outer_ms`` less vanilla's of the same pass (its noise floor: slow steps);
+* ``boundary_vs_gpu`` / ``outer_vs_gpu`` (``cpu-<codec>``): ``boundary_ms`` / ``outer_net_ms`` over
   ``gpu-<codec>``'s of the same pass;
 * ``host_gb``: the outer state held in host memory (pinned; 0 on the GPU); ``host_rss_gb``: the
   process's resident set at the end; ``staging_gb``: the device staging buffers (cpu).
@@ -143,13 +144,19 @@ def figures(recs: list[dict], local_steps: int) -> dict:
 def _within_pass(runs: dict[str, dict]) -> dict[str, dict]:
     """Each run's figures relative to the other runs of its pass (side by side in one call), in place:
     bytes per parameter and step overheads against ``vanilla``; for ``cpu-<codec>``,
-    ``boundary_vs_gpu`` and ``outer_vs_gpu`` against ``gpu-<codec>`` (issue 13's boundary target:
-    <= 2x). Returns the runs that did not fail."""
+    ``outer_net_ms``, ``outer_ms`` less vanilla's (the same sum where there is no outer work: the
+    slow steps' share, ~H x (mean - median) of an inner step); for ``cpu-<codec>``,
+    ``boundary_vs_gpu`` and ``outer_vs_gpu`` (of ``outer_net_ms``) against ``gpu-<codec>`` (issue 13's
+    boundary target: <= 2x). Returns the runs that did not fail."""
     ok = {n: f for n, f in runs.items() if "error" not in f}
     base = ok.get("vanilla")
+    if base is not None and base.get("outer_ms") is not None:
+        for name, f in ok.items():
+            if name != "vanilla" and f.get("outer_ms") is not None:
+                f["outer_net_ms"] = f["outer_ms"] - base["outer_ms"]
     for name, f in ok.items():
         gpu = ok.get("gpu-" + name.partition("-")[2]) if name.startswith("cpu-") else None
-        for key, ratio in (("boundary_ms", "boundary_vs_gpu"), ("outer_ms", "outer_vs_gpu")):
+        for key, ratio in (("boundary_ms", "boundary_vs_gpu"), ("outer_net_ms", "outer_vs_gpu")):
             if gpu is not None and f.get(key) and gpu.get(key):
                 f[ratio] = f[key] / gpu[key]
         if name == "vanilla" or base is None:
@@ -175,7 +182,7 @@ def _result(runs: dict[str, dict], a: argparse.Namespace, model: list[str]) -> d
 #: the figures that vary from pass to pass (the memory figures are the same bytes every pass), and
 #: those taken within a pass (:func:`_within_pass`): merge() averages both over the passes
 TIMES = ("step_ms", "step_mean_ms", "boundary_ms", "outer_ms")
-RATIOS = ("step_overhead_pct", "step_mean_overhead_pct", "boundary_vs_gpu", "outer_vs_gpu")
+RATIOS = ("step_overhead_pct", "step_mean_overhead_pct", "outer_net_ms", "boundary_vs_gpu", "outer_vs_gpu")
 
 
 def merge(passes: list[dict], commit: str | None = None) -> dict:
@@ -286,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
 def _print_table(result: dict, result_path: Path) -> None:
     params = result.get("params") or 0
     cols = ("peak_gb", "steady_gb", "overhead_bytes_per_param", "step_ms", "step_overhead_pct", "step_mean_ms", "boundary_ms",
-            "outer_ms", "host_gb")
+            "outer_net_ms", "host_gb")
     print(f"\n{result.get('card')}, {params / 1e9:.3f} B params, commit {result.get('commit')}; written {result_path}")
     print(f"{'run':<10}" + "".join(f"{c:>26}" for c in cols))
     for name, f in result.get("runs", {}).items():
