@@ -141,10 +141,10 @@ class DiLoCoXConfig:
     the device: 8-20 B per shard element there) or ``cpu`` (in host memory, pinned when CUDA is
     available; each boundary streams them through the device in chunks of
     ``--diloco-x-outer-chunk-mb``, the copies overlapping the compute on side CUDA streams). With
-    ``cpu`` the device keeps the staging buffers (fixed size) and the exchange's payload: the fp32
-    all-reduce buffer for ``none`` (4 B per element; in host memory instead where the outer group is
-    gloo, replicas in separate worlds, whose all-reduce runs on the host), the encoded payload for the blockwise codecs
-    (about 1 B int8/fp8, 0.5 B int4, plus the R payloads gathered while in flight). Same bits as
+    ``cpu`` the device keeps the staging buffers (fixed size) and the exchange's payload: none for
+    ``none`` (its fp32 all-reduce runs in host memory, over the outer group's gloo mirror in one
+    world, over the gloo outer group of replicas in separate worlds), the encoded payload for the
+    blockwise codecs (about 1 B int8/fp8, 0.5 B int4, plus the R payloads gathered while in flight). Same bits as
     ``gpu``; the boundary moves the state over the host link (PCIe) instead. The matrix codecs
     (``lowrank``, ``lowrank-int8``, ``adaptive``) need ``gpu``."""
 

@@ -193,8 +193,10 @@ class _Installation:
             for chunk in model_chunks:
                 make_gradient_reduction_replica_local(chunk, self.config.replicas)
             # low-rank / adaptive exchanges run on a worker thread: they talk over gloo mirrors of the
-            # outer groups, never over a group the training loop uses
-            host_mirror = CODECS[self.config.compression].matrix
+            # outer groups, never over a group the training loop uses; so does ``none``'s all-reduce
+            # with the outer state on the host (in host memory: no device buffer for it)
+            spec = CODECS[self.config.compression]
+            host_mirror = spec.matrix or (self.config.outer_state == "cpu" and not spec.lossy)
             topology = from_parallel_state(self.config.replicas, host_mirror=host_mirror)
         self.optimizer = opt = DiLoCoXOptimizer(inner, self.config, topology, on_round=self.log_round)
         install_replica_local_collectives(

@@ -51,8 +51,9 @@ fp32) + distributed-optimizer fp32 main params and Adam moments (12 / dp); outer
 eager anchor (4, ``eager``) or partial's launch point x_L (4, ``partial``, exact merge), all / dp; plus the transient payload + gather buffer of a quantized
 exchange ((1 + R) x the shard's payload). With ``--outer-state cpu`` (``--diloco-x-outer-state
 cpu``) theta, momentum, residual, anchor and (quantized codecs) the exchange buffer move to host
-memory (``host_memory_gib``, per GPU); the GPU keeps the exchange's payload (``none``: the fp32
-all-reduce buffer, 4, as in one NCCL world; replicas in separate worlds over gloo hold it on the host) and the fixed staging buffers (3 slots x 5 tensors x ``outer_chunk_mb``). The
+memory (``host_memory_gib``, per GPU), and so does ``none``'s fp32 all-reduce buffer (its all-reduce
+runs on host memory over gloo); the GPU keeps the quantized exchange's payload and the fixed staging
+buffers (3 slots x 5 tensors x ``outer_chunk_mb``). The
 AllReduce job shards its optimizer over ``R dp``. Activations (of the first pipeline stage, the
 fullest) are estimated only when the GPT shape and micro-batch are given (:func:`activation_bytes`),
 otherwise they are left out and the output says so.
@@ -423,10 +424,9 @@ def plan(cfg: PlanConfig) -> Plan:
         "outer_launch_point": 4 * shard if cfg.overlap == "partial" else 0.0,  # x_L (exact merge)
     }
     host = 0.0
-    if cfg.outer_state == "cpu":  # on the host but the payload; fixed staging buffers on the GPU
-        on_gpu = {"outer_exchange_buffer"} if not lossy else set()
-        host = sum(v for k, v in outer.items() if k not in on_gpu)
-        outer = {k: (v if k in on_gpu else 0.0) for k, v in outer.items()}
+    if cfg.outer_state == "cpu":  # all on the host (none's all-reduce too); fixed staging buffers on the GPU
+        host = sum(outer.values())
+        outer = {k: 0.0 for k in outer}
         outer["outer_staging"] = min(3 * 5 * cfg.outer_chunk_mb * 2**20, 3 * 5 * 4 * shard)  # outer_store.SLOTS
     mem = {
         "params": cfg.param_bytes * per_gpu,

@@ -106,10 +106,12 @@ def backstop_timeout_s(bound_s: float) -> float:
 
 
 def _reduces_on_host(group: dist.ProcessGroup | None) -> bool:
-    """Whether a collective over ``group`` runs on host memory: a gloo group of several ranks (GPU
-    tensors cross it as host copies, :func:`megatron_diloco.collectives.host_copy`)."""
-    return (group is not None and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo")
+    """Whether an all-reduce over ``group`` can run on host memory: none at all (no group, or one
+    rank: one replica) or a gloo group (GPU tensors cross it as host copies anyway,
+    :func:`megatron_diloco.collectives.host_copy`); not NCCL, which needs the buffer on the device."""
+    if group is None or dist.get_world_size(group) <= 1:
+        return True
+    return dist.get_backend(group) == "gloo"
 
 
 def _sum_of_squares(norms: list[torch.Tensor]) -> float:
@@ -168,7 +170,9 @@ class OuterSync:
         config: DiLoCoX hyperparameters (eta, mu, nesterov, overlap, outer timeout).
         group: the outer process group (one rank per replica, same shard). Every boundary, drain
             and checkpoint call is collective over it: all its ranks must call them in the same order.
-        host_group: the gloo mirror of ``group`` for the low-rank / adaptive worker thread (GPU).
+        host_group: the gloo mirror of ``group``: the low-rank / adaptive worker thread's (GPU), and
+            ``none``'s all-reduce with ``--diloco-x-outer-state cpu`` (on host memory, so that the
+            device keeps no fp32 buffer for it).
         decision_group: the group that agrees on skipping a round (a NaN/Inf pseudo-gradient
             anywhere): it must span **every rank of the model** (all replicas, stages and shards), so
             that no stage applies a round that another skips; every boundary is collective over it.
@@ -200,9 +204,12 @@ class OuterSync:
         # that one stuck in a collective with a peer that stopped answering never keeps the process
         # from exiting. It runs them on the gloo mirror of ``group`` when given (GPU tensors travel as
         # host copies; megatron_diloco.topology.host_mirror_of_outer_groups); the other codecs' one
-        # collective runs on ``group`` itself.
+        # collective runs on ``group`` itself, but ``none`` with the host layout: its fp32 all-reduce
+        # runs on the mirror too, in host memory (the outer link is the slow one: NCCL's speed buys
+        # nothing there, and its buffer would be 4 B/param of device memory).
         self._executor = DaemonWorker("diloco_x") if spec.matrix else None
-        self.exchange_group = host_group if spec.matrix and host_group is not None else group
+        host_none = config.outer_state == "cpu" and not spec.lossy
+        self.exchange_group = host_group if (spec.matrix or host_none) and host_group is not None else group
         #: where the outer state lives (--diloco-x-outer-state): on the device, or in host memory
         #: streamed through the device chunk by chunk at each boundary (megatron_diloco.outer_store)
         self.store = OuterStore(view.numel, view.device, on_host=config.outer_state == "cpu",
@@ -214,12 +221,13 @@ class OuterSync:
                                    momentum_buffer=store.zeros() if config.outer_momentum > 0 else None)
         # delta: the pseudo-gradient in the exchange, one buffer for both directions: this replica's
         # delta_r goes out, the replicas' mean Delta comes back in place (N,) fp32. ``none``: the
-        # all-reduce buffer itself, on the device where the collective needs it there (NCCL); over a
-        # gloo outer group (replicas in separate worlds) the all-reduce runs on the host, so with the
-        # host layout it is held with the outer state (no device payload; the same PCIe bytes as a
+        # all-reduce buffer itself, on the device where the collective needs it there (an NCCL
+        # exchange group); with the host layout the all-reduce runs on the host (a gloo group: the
+        # outer group of replicas in separate worlds, or the mirror; or no collective, one replica),
+        # so it is held with the outer state (no device payload; over gloo the same PCIe bytes as a
         # host copy of a device buffer). The codecs that send an encoded payload keep it with the
         # outer state (it holds a mean only when one is waited for: checkpoints, restarts)
-        self.delta = store.empty(held=spec.lossy or (config.outer_state == "cpu" and _reduces_on_host(group)))
+        self.delta = store.empty(held=spec.lossy or (host_none and _reduces_on_host(self.exchange_group)))
         #: ``none`` with delta held on the host: the launch writes this replica's delta_r there and
         #: the all-reduce (gloo) runs on it in place
         self._host_all_reduce = not spec.lossy and store.held(self.delta)
@@ -284,7 +292,7 @@ class OuterSync:
         if group is not None and any(group is g for g in self.decision_groups) and group is not self.group:
             return f"the skip-decision group (all {dist.get_world_size(group)} ranks)"
         ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
-        mirror = (" (its gloo mirror, worker thread)"
+        mirror = ((" (its gloo mirror, worker thread)" if self._executor is not None else " (its gloo mirror)")
                   if group is self.exchange_group and group is not self.group else "")
         return f"outer group [ranks {', '.join(map(str, ranks))}]{mirror}"
 

@@ -253,6 +253,8 @@ class TrainingRecorder(Recorder):
                                        if opt.sync.outer.momentum_buffer is not None else 0),
                     "main_shard_numel": sum(t.numel() for t in opt.view.shards),
                     "delta_held": opt.sync.store.held(opt.sync.delta),  # the exchange buffer in host memory
+                    # the exchange runs on the outer group's gloo mirror, not on the outer group itself
+                    "exchange_on_mirror": opt.sync.exchange_group is not opt.sync.group,
                     "model_params_on_rank": sum(p.numel() for d in opt.dist_opts for c in d.model_chunks
                                                 for p in c.parameters()),
                 }

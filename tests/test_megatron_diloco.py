@@ -165,16 +165,19 @@ def test_host_outer_state_trains_alike_and_checkpoints_across_layouts(tmp_path):
 
 
 def test_host_outer_state_all_reduces_none_on_the_host(tmp_path):
-    """``none`` over a gloo outer group with ``--diloco-x-outer-state cpu``: the all-reduce buffer is
-    held in host memory with the outer state (no device payload) and the collective runs on it in
-    place; the default overlap (partial, tau fixed at 2 so that both runs land alike) trains to the
-    device layout's losses bit for bit."""
+    """``none`` with ``--diloco-x-outer-state cpu`` in one world of 2 replicas: the all-reduce buffer
+    is held in host memory with the outer state (no device payload) and the collective runs on it in
+    place, over the outer group's gloo mirror (on GPUs the outer group is NCCL; the mirror is what
+    lets the buffer leave the device there); the default overlap (partial, tau fixed at 2 so that
+    both runs land alike) trains to the device layout's losses bit for bit."""
     base = ["--train-iters", "8", "--diloco-x-local-steps", "4", "--diloco-x-compression", "none",
             "--diloco-x-overlap-steps", "2", "--diloco-x-outer-chunk-mb", "0.01"]
     gpu, _ = run_megatron(tmp_path, base + ["--diloco-x-outer-state", "gpu"])
     cpu, log = run_megatron(tmp_path, base + ["--diloco-x-outer-state", "cpu"])
     assert [r["outer"]["delta_held"] for r in gpu] == [False] * 4
     assert [r["outer"]["delta_held"] for r in cpu] == [True] * 4
+    assert [r["outer"]["exchange_on_mirror"] for r in gpu] == [False] * 4
+    assert [r["outer"]["exchange_on_mirror"] for r in cpu] == [True] * 4
     assert losses(cpu) == losses(gpu) and summary(log)["rounds"] == 2
 
 

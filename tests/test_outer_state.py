@@ -13,12 +13,13 @@ from tests.dist_utils import run_world
 from tests.outer_state_cases import compare_layouts
 
 
-@pytest.mark.parametrize("codec", ["none", "int8", "int4"])
-def test_host_outer_state_is_bit_identical(codec):
+@pytest.mark.parametrize("replicas,codec", [(2, "none"), (2, "int8"), (2, "int4"), (1, "none")])
+def test_host_outer_state_is_bit_identical(replicas, codec):
     """Every overlap mode, chunks of one block cutting tensors, a tail chunk: the params after every
     boundary, theta, m and the residual equal the device layout's bit for bit (both on the CPU here:
-    the chunked path against the whole-shard one)."""
-    run_world(compare_layouts, 2, codec, "cpu")
+    the chunked path against the whole-shard one). One replica: ``none``'s buffer is held on the
+    host without a collective."""
+    run_world(compare_layouts, replicas, codec, "cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -489,6 +489,37 @@ def test_host_mirror_of_outer_groups():
     run_world(_mirror_worker, 4)
 
 
+def _host_none_worker(rank, world):
+    from unittest import mock
+
+    from megatron_diloco.topology import host_mirror_of_outer_groups
+
+    mirror = host_mirror_of_outer_groups(2)  # outer groups {0,2}, {1,3}
+    outer = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]  # every rank creates both
+    real = dist.get_backend
+    as_nccl = lambda g=None: "nccl" if g is outer else real(g)  # noqa: E731  (the outer group of one NCCL world)
+    x0 = torch.linspace(-1, 1, 40)
+    with mock.patch.object(dist, "get_backend", as_nccl):
+        for where, host_group, held in (("gpu", mirror, False), ("cpu", None, False), ("cpu", mirror, True)):
+            cfg = DiLoCoXConfig(replicas=2, local_steps=H, compression="none", outer_state=where,
+                                outer_lr=1.0, outer_momentum=0.0)
+            x = x0.clone()
+            sync = OuterSync(ShardView([x]), cfg, outer, host_group=host_group)
+            assert sync.store.held(sync.delta) == held, (where, host_group)
+            assert (sync.exchange_group is mirror) == held  # NCCL's device buffer, or the mirror on the host
+            x.sub_(0.1 * (rank // 2 + 1))  # replica r's progress; the mean 0.15
+            sync.boundary()
+            sync.drain()
+            torch.testing.assert_close(sync.theta, x0 - 0.15, msg=where)
+
+
+def test_host_layout_all_reduces_none_on_the_mirror_of_an_nccl_outer_group():
+    """``none`` with ``--diloco-x-outer-state cpu`` in one world whose outer group is NCCL: its fp32
+    all-reduce runs on the gloo mirror in host memory (the device keeps no buffer for it); without a
+    mirror (or with the device layout) the buffer stays on the device, as NCCL needs."""
+    run_world(_host_none_worker, 4)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the fused Triton decode + outer kernel needs a CUDA GPU"))])
 @pytest.mark.parametrize("name", ["none", "int8", "int4", "lowrank-int8"])
