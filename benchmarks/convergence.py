@@ -102,6 +102,13 @@ METHODS: dict[str, dict] = {
     "diloco_int4_lr5e-4": dict(overlap="none", codec="int4", flags=["--lr", "5e-4", "--min-lr", "5e-5"], **_O),
     "partial_auto_int4_lr5e-4": dict(overlap="partial", codec="int4", tau="auto",
                                      flags=["--lr", "5e-4", "--min-lr", "5e-5"], **_O),
+    # a warm-up of shorter rounds (H0 = 10 for the first 300 steps, then H): the gap forms early
+    # (+10% at step 300, then flat) and H = 20 halved blocking's; 120 rounds, ~146x fewer bytes
+    "diloco_int4_hwarm": dict(overlap="none", codec="int4",
+                              flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "300"], **_O),
+    "partial_auto_int4_hwarm": dict(overlap="partial", codec="int4", tau="auto",
+                                    flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "300"],
+                                    **_O),
 }
 #: The link the auto tau and the adaptive byte budget are sized for (Mbit/s): the issue's 1 Gbit.
 LINK_MBPS = 1000

@@ -26,6 +26,11 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "--use-tp-pp-dp-mapping so each replica is a contiguous block of ranks.")
     group.add_argument("--diloco-x-local-steps", type=int, default=defaults["local_steps"].default,
                        help="H: inner optimizer steps per outer round.")
+    group.add_argument("--diloco-x-warmup-local-steps", type=int, default=None,
+                       help="H0: rounds of H0 inner steps (1..H) during the first --diloco-x-warmup-iters "
+                            "steps, then rounds of H (default: no warm-up).")
+    group.add_argument("--diloco-x-warmup-iters", type=int, default=0,
+                       help="with --diloco-x-warmup-local-steps: inner steps of the warm-up, a multiple of H0.")
     group.add_argument("--diloco-x-outer-lr", type=float, default=defaults["outer_lr"].default,
                        help="eta: outer learning rate (default 1.0: with mu 0 the outer step is the "
                             "replicas' mean).")
@@ -104,6 +109,8 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
     return DiLoCoXConfig(
         replicas=args.diloco_x_replicas,
         local_steps=args.diloco_x_local_steps,
+        warmup_local_steps=getattr(args, "diloco_x_warmup_local_steps", None),
+        warmup_iters=getattr(args, "diloco_x_warmup_iters", 0),
         outer_lr=args.diloco_x_outer_lr,
         outer_momentum=args.diloco_x_outer_momentum,
         nesterov=not args.diloco_x_no_nesterov,

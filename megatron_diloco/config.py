@@ -64,6 +64,15 @@ class DiLoCoXConfig:
     local_steps: int = 500
     """H: inner optimizer ``step()`` calls per outer round (counted in calls, not successful steps)."""
 
+    warmup_local_steps: int | None = None
+    """H0: the round length during the first :attr:`warmup_iters` inner steps
+    (``--diloco-x-warmup-local-steps``, 1 <= H0 <= H; None: no warm-up). Short rounds early, where
+    DiLoCo's gap to AllReduce forms (benchmarks/RESULTS.md §2.1), then H."""
+
+    warmup_iters: int = 0
+    """Inner steps run in rounds of H0 before the rounds of H (``--diloco-x-warmup-iters``; a
+    multiple of H0; 0: no warm-up)."""
+
     outer_lr: float = 1.0
     """eta: outer learning rate applied to the averaged pseudo-gradient. 1.0 with mu = 0 makes the
     outer step the replicas' mean (theta <- mean_r x_r): the best measured at H = 30
@@ -193,6 +202,18 @@ class DiLoCoXConfig:
                 f"--diloco-x-local-steps (H) must be an integer >= 1, got {self.local_steps!r}; "
                 "H is the number of inner optimizer steps between outer synchronizations"
             )
+        if self.warmup_local_steps is not None or self.warmup_iters:
+            h0, w = self.warmup_local_steps, self.warmup_iters
+            if not isinstance(h0, int) or not 1 <= h0 <= self.local_steps:
+                raise ValueError(
+                    f"--diloco-x-warmup-local-steps (H0) must be an integer in [1, H = {self.local_steps}] "
+                    f"(--diloco-x-local-steps) with --diloco-x-warmup-iters, got {h0!r}"
+                )
+            if not isinstance(w, int) or w < 1 or w % h0:
+                raise ValueError(
+                    f"--diloco-x-warmup-iters must be a positive multiple of --diloco-x-warmup-local-steps "
+                    f"({h0}), got {w!r}: the warm-up ends on a boundary"
+                )
         if not (self.outer_lr > 0.0) or self.outer_lr != self.outer_lr or self.outer_lr == float("inf"):
             raise ValueError(
                 f"--diloco-x-outer-lr must be a finite number > 0, got {self.outer_lr!r} "
@@ -216,10 +237,12 @@ class DiLoCoXConfig:
                     f"--diloco-x-overlap-steps applies to --diloco-x-overlap partial only (got overlap "
                     f"{self.overlap!r}); drop the flag or use --diloco-x-overlap partial"
                 )
-            if not isinstance(self.overlap_steps, int) or not 0 <= self.overlap_steps <= self.local_steps:
+            shortest = self.round_steps(0)
+            if not isinstance(self.overlap_steps, int) or not 0 <= self.overlap_steps <= shortest:
                 raise ValueError(
-                    f"--diloco-x-overlap-steps must be 'auto' or an integer in [0, H = "
-                    f"{self.local_steps}] (--diloco-x-local-steps), got {self.overlap_steps!r}"
+                    f"--diloco-x-overlap-steps must be 'auto' or an integer in [0, {shortest}] (H, "
+                    f"--diloco-x-local-steps, or H0 with --diloco-x-warmup-local-steps: the shortest "
+                    f"round), got {self.overlap_steps!r}"
                 )
         if self.merge not in MERGE_RULES:
             raise ValueError(f"--diloco-x-merge must be one of {', '.join(MERGE_RULES)}, got {self.merge!r}")
@@ -269,6 +292,19 @@ class DiLoCoXConfig:
                 "--diloco-x-outer-state gpu with it")
         if not (0.0 < self.outer_chunk_mb < float("inf")):
             raise ValueError(f"--diloco-x-outer-chunk-mb must be a finite number > 0, got {self.outer_chunk_mb!r}")
+
+    def steps_since_boundary(self, steps: int) -> int:
+        """Inner steps since the last boundary after ``steps`` inner steps (0: ``steps`` ends a round,
+        or is 0): rounds of H0 during the warm-up, then of H."""
+        w = self.warmup_iters if self.warmup_local_steps is not None else 0
+        if steps <= w:
+            return steps % self.warmup_local_steps if w else steps % self.local_steps
+        return (steps - w) % self.local_steps
+
+    def round_steps(self, steps: int) -> int:
+        """Inner steps of the round that starts after ``steps`` inner steps (at a boundary)."""
+        w = self.warmup_iters if self.warmup_local_steps is not None else 0
+        return self.warmup_local_steps if steps < w else self.local_steps
 
     def outer_timeout_s(self, step_time_s: float | None = None, longest_exchange_s: float = 0.0) -> float:
         """T in seconds: ``--diloco-x-outer-timeout-minutes`` when given, else the derived rule of

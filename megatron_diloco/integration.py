@@ -200,7 +200,7 @@ class _Installation:
             topology = from_parallel_state(self.config.replicas, host_mirror=host_mirror)
         self.optimizer = opt = DiLoCoXOptimizer(inner, self.config, topology, on_round=self.log_round)
         install_replica_local_collectives(
-            self.args, at_boundary=lambda: opt.step_calls % self.config.local_steps == 0)
+            self.args, at_boundary=lambda: self.config.steps_since_boundary(opt.step_calls) == 0)
         return self.optimizer
 
     def replica_data_loader(self, build):

@@ -199,7 +199,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         the main params, and :meth:`_publish_params` gathers them once."""
         if self._round_started is None:
             self._round_started = time.perf_counter()
-        since_boundary = (self.step_calls + 1) % self.diloco_config.local_steps
+        since_boundary = self.diloco_config.steps_since_boundary(self.step_calls + 1)
         land = self.sync.merge_due(since_boundary)  # partial: the exchange lands tau steps after its launch
         outer_work = land or since_boundary == 0
         if outer_work:
@@ -232,9 +232,12 @@ class DiLoCoXOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def _boundary(self) -> None:
-        # mean inner-step time of this round (boundary work excluded): the adaptive byte budget
+        # mean inner-step time of this round (boundary work excluded): the adaptive byte budget; and
+        # the next round's length (auto tau and the budget hide the exchange within it)
         now = time.perf_counter()
-        self.sync.set_step_time((now - self._round_started) / self.diloco_config.local_steps)
+        cfg = self.diloco_config
+        self.sync.set_step_time((now - self._round_started) / cfg.round_steps(self.step_calls - 1),
+                                next_round_steps=cfg.round_steps(self.step_calls))
         if not self._start_checked:
             self._check_replicas_started_alike()
         report = self.sync.boundary()

@@ -257,6 +257,8 @@ class OuterSync:
         self._link_measured = False
         #: mean inner-step time of the last round (:meth:`set_step_time`; None until known)
         self.step_time_s: float | None = None
+        #: inner steps of the round the next boundary starts (:meth:`set_step_time`; H but during a warm-up)
+        self.next_round_steps: int = config.local_steps
         #: the longest completed exchange so far, launch to completion (s); enters the derived timeout
         self.longest_exchange_s = 0.0
         self._backstop_s: float | None = None  # the groups' own timeout as last set
@@ -463,9 +465,12 @@ class OuterSync:
         handle.round = self.rounds
         return handle
 
-    def set_step_time(self, step_time_s: float) -> None:
-        """Inner-step time measured by the caller, before each boundary: sets the adaptive codec's
-        byte budget to link bandwidth x H x step time (no-op unless adaptive).
+    def set_step_time(self, step_time_s: float, next_round_steps: int | None = None) -> None:
+        """Inner-step time measured by the caller, before each boundary, and the inner steps of the
+        round that boundary starts (``next_round_steps``; default H: it differs during a warm-up of
+        shorter rounds, :attr:`DiLoCoXConfig.warmup_local_steps`): sets the adaptive codec's byte
+        budget to link bandwidth x those steps x step time (no-op unless adaptive); auto tau hides
+        the exchange within them.
 
         Also the step time of the derived outer timeout (:meth:`timeout_s`), for every codec.
 
@@ -475,6 +480,7 @@ class OuterSync:
         a resume, whose pending exchange was completed before the checkpoint). The measured value is
         checkpointed (:meth:`state_dict`), so a resumed run keeps the same budget."""
         self.step_time_s = step_time_s
+        self.next_round_steps = next_round_steps or self.config.local_steps
         policy = getattr(self.codec, "policy", None)
         if policy is None:
             return
@@ -499,7 +505,7 @@ class OuterSync:
             return
         from megatron_diloco.compression import byte_budget
 
-        policy.budget_bytes = byte_budget(self.link_bytes_per_s, self.config.local_steps, step_time_s)
+        policy.budget_bytes = byte_budget(self.link_bytes_per_s, self.next_round_steps, step_time_s)
 
     @torch.no_grad()
     def boundary(self) -> RoundReport:
@@ -595,7 +601,7 @@ class OuterSync:
         measured; the bytes of the last completed exchange, or before any completed, of this one
         where the codec's payload size is fixed), else the last exchange's measured duration. H while
         neither is known (the first exchange of a run without a known link)."""
-        H = self.config.local_steps
+        H = self.next_round_steps  # the steps the exchange can hide behind (tau = H: the next boundary)
         if self.config.overlap_steps is not None:
             return self.config.overlap_steps
         last = self.last_completed

@@ -33,6 +33,14 @@ def megatron_args(**kw) -> argparse.Namespace:
     (["--diloco-x-overlap", "eager", "--diloco-x-eager-weight", "0"], "--diloco-x-eager-weight"),
     (["--diloco-x-overlap", "eager", "--diloco-x-eager-weight", "1.5"], "--diloco-x-eager-weight"),
     (["--diloco-x-overlap", "delayed", "--diloco-x-eager-weight", "1"], "--diloco-x-eager-weight"),
+    (["--diloco-x-warmup-iters", "20"], "--diloco-x-warmup-local-steps"),
+    (["--diloco-x-warmup-local-steps", "5"], "--diloco-x-warmup-iters"),
+    (["--diloco-x-local-steps", "30", "--diloco-x-warmup-local-steps", "40", "--diloco-x-warmup-iters", "40"],
+     "--diloco-x-warmup-local-steps"),
+    (["--diloco-x-local-steps", "30", "--diloco-x-warmup-local-steps", "5", "--diloco-x-warmup-iters", "22"],
+     "--diloco-x-warmup-iters"),
+    (["--diloco-x-local-steps", "30", "--diloco-x-warmup-local-steps", "5", "--diloco-x-warmup-iters", "20",
+      "--diloco-x-overlap-steps", "6"], "--diloco-x-overlap-steps"),
 ])
 def test_bad_values_name_their_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):
@@ -45,6 +53,18 @@ def test_argparse_rejects_unknown_choices(argv, capsys):
     with pytest.raises(SystemExit):
         parse(*argv)
     assert argv[0] in capsys.readouterr().err
+
+
+def test_warmup_schedule_rounds():
+    """Rounds of H0 during the warm-up, then of H; without a warm-up every H-th step ends a round."""
+    warm = config_from_args(parse("--diloco-x-local-steps", "30", "--diloco-x-warmup-local-steps", "5",
+                                  "--diloco-x-warmup-iters", "20"))
+    assert [s for s in range(1, 111) if warm.steps_since_boundary(s) == 0] == [5, 10, 15, 20, 50, 80, 110]
+    assert warm.steps_since_boundary(23) == 3 and warm.steps_since_boundary(0) == 0
+    assert [warm.round_steps(b) for b in (0, 5, 15, 20, 50)] == [5, 5, 5, 30, 30]  # the round after step b
+    plain = config_from_args(parse("--diloco-x-local-steps", "30"))
+    assert [s for s in range(1, 100) if plain.steps_since_boundary(s) == 0] == [30, 60, 90]
+    assert plain.round_steps(0) == plain.round_steps(30) == 30
 
 
 def test_defaults_are_the_measured_best():

@@ -141,3 +141,19 @@ def test_h20_rows_are_judged_against_blocking_at_h20():
     blocking = convergence.REFERENCES["blocking"]
     assert convergence.counterpart("partial_auto_int4_h20", defs, **blocking) == "diloco_int4_h20"
     assert convergence.counterpart("partial_auto_int4", defs, **blocking) == "diloco_int4"
+
+
+def test_every_method_is_a_valid_package_config():
+    """Each method's ``--diloco-x*`` flags, at the harness's H, pass the package's own validation
+    (a warm-up longer than H, or a tau beyond the shortest round, would fail the run at start)."""
+    import argparse
+
+    from megatron_diloco.arguments import add_diloco_x_args, config_from_args
+
+    for name, m in convergence.METHODS.items():
+        if not convergence.communicates(m):
+            continue
+        argv = ["--diloco-x-local-steps", str(convergence.H), *convergence.method_flags(name)]
+        args, _ = add_diloco_x_args(argparse.ArgumentParser()).parse_known_args(argv)
+        cfg = config_from_args(args)
+        assert cfg.overlap == m["overlap"] and cfg.compression == m["codec"], name

@@ -89,6 +89,36 @@ def test_replicas_identical_and_no_cross_replica_traffic(tmp_path, overlap, prec
     assert s["final_loss"] < s["first_loss"]
 
 
+def test_warmup_rounds_then_h(tmp_path):
+    """``--diloco-x-warmup-local-steps 2 --diloco-x-warmup-iters 4`` with H = 4 over 12 iterations:
+    boundaries at 2, 4, 8 and 12 (partial, tau fixed at 1 so that runs land alike), the replicas
+    bit-identical at each, no cross-replica op between them, the round count 4; a checkpoint saved
+    inside the warm-up (iteration 3) resumes on the same schedule, bit for bit. With H0 = H the
+    warm-up changes nothing: the losses of the plain run, bit for bit."""
+    base = ["--train-iters", "12", "--diloco-x-local-steps", "4", "--diloco-x-overlap-steps", "1",
+            "--save-interval", "1000", "--no-load-rng", *MEGATRON_DEFAULTS]
+    warm = base + ["--diloco-x-warmup-local-steps", "2", "--diloco-x-warmup-iters", "4"]
+    recs, log = run_megatron(tmp_path, warm)
+    for rank, rec in enumerate(recs):
+        assert [s for s, _ in rec["boundary_identical"]] == [2, 4, 8, 12], rank
+        assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
+        traffic = main_thread_traffic(rec)
+        traffic.pop(0, None)
+        assert set(traffic) == {2, 4, 8, 12}, (rank, traffic)
+        assert {s for s, _, outer in rec["step_ops"] if outer} == {2, 3, 4, 5, 8, 9, 12}, rank  # + landings
+        assert all(n == 0 for _, n, outer in rec["step_ops"] if not outer), rank
+    s = summary(log)
+    assert s["rounds"] == 4 and s["replicas_identical"]
+    ckpt = str(tmp_path / "ckpt")
+    leg1, _ = run_megatron(tmp_path, warm + ["--save", ckpt, "--exit-interval", "3"])
+    leg2, _ = run_megatron(tmp_path, warm + ["--load", ckpt])
+    want = losses(recs)
+    assert {r: {**losses(leg1)[r], **losses(leg2)[r]} for r in want} == want
+    same, _ = run_megatron(tmp_path, base + ["--diloco-x-warmup-local-steps", "4", "--diloco-x-warmup-iters", "4"])
+    plain, _ = run_megatron(tmp_path, base)
+    assert losses(same) == losses(plain)
+
+
 @pytest.mark.parametrize("codec,overlap", [("none", "delayed"), ("int8", "delayed"), ("lowrank-int8", "delayed"),
                                            ("adaptive", "delayed"), ("int4", "partial")],
                          ids=["none", "int8", "lowrank-int8", "adaptive", "partial-int4"])

@@ -743,6 +743,23 @@ def test_partial_auto_overlap_steps_hides_the_last_exchange():
     assert fixed._choose_overlap_steps() == 4
 
 
+def test_partial_auto_tau_fits_the_next_round():
+    """auto tau is capped by the round the boundary starts (a warm-up's shorter rounds), not by H:
+    an exchange slower than that round lands at the next boundary (tau = its length)."""
+    from megatron_diloco.collectives import ExchangeStats
+
+    cfg = DiLoCoXConfig(compression="none", replicas=1, local_steps=10, overlap="partial",
+                        warmup_local_steps=2, warmup_iters=4)
+    sync = OuterSync(ShardView([torch.zeros(8)]), cfg, None)
+    sync.last_completed = ExchangeStats(bytes_sent=0, exchange_s=0.35)
+    sync.set_step_time(0.1, next_round_steps=2)
+    assert sync._choose_overlap_steps() == 2
+    sync.set_step_time(0.1, next_round_steps=10)
+    assert sync._choose_overlap_steps() == 4
+    sync.set_step_time(0.1)  # default: H
+    assert sync.next_round_steps == 10
+
+
 def test_partial_auto_tau_of_one_replica_is_one_step():
     """One replica (no collective): its exchange completes at its launch, so after the first round
     (nothing measured: tau = H) auto tau is one step, however long the landing waited for it.
