@@ -296,8 +296,9 @@ class Outbox:
     :class:`megatron_diloco.outer_store.OuterStore`) launch the single-collective codecs.
 
     Device memory: the exchange's payload only: ``none``, the fp32 ``[N]`` all-reduce buffer
-    (``send``, or allocated); blockwise codecs, the encoded ``[P]`` payload (and, with R > 1,
-    the ``[R, P]`` all-gather output at the launch).
+    (``send``, or allocated; none when ``send`` is held in host memory by the store, all-reduced
+    over gloo); blockwise codecs, the encoded ``[P]`` payload (and, with R > 1, the ``[R, P]``
+    all-gather output at the launch).
 
     Args:
         codec: a ``none`` or blockwise codec (matrix codecs run on the worker: :func:`start_exchange`).
