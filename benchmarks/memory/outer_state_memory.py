@@ -143,11 +143,11 @@ def figures(recs: list[dict], local_steps: int) -> dict:
 
 def _within_pass(runs: dict[str, dict]) -> dict[str, dict]:
     """Each run's figures relative to the other runs of its pass (side by side in one call), in place:
-    bytes per parameter and step overheads against ``vanilla``; for ``cpu-<codec>``,
-    ``outer_net_ms``, ``outer_ms`` less vanilla's (the same sum where there is no outer work: the
-    slow steps' share, ~H x (mean - median) of an inner step); for ``cpu-<codec>``,
-    ``boundary_vs_gpu`` and ``outer_vs_gpu`` (of ``outer_net_ms``) against ``gpu-<codec>`` (issue 13's
-    boundary target: <= 2x). Returns the runs that did not fail."""
+    bytes per parameter, step overheads and ``outer_net_ms`` (``outer_ms`` less vanilla's: the same
+    sum where there is no outer work, the slow steps' share, ~H x (mean - median) of an inner step)
+    against ``vanilla``; for ``cpu-<codec>``, ``boundary_vs_gpu`` and ``outer_vs_gpu`` (of
+    ``outer_net_ms``) against ``gpu-<codec>`` (issue 13's boundary target: <= 2x). Returns the runs
+    that did not fail."""
     ok = {n: f for n, f in runs.items() if "error" not in f}
     base = ok.get("vanilla")
     if base is not None and base.get("outer_ms") is not None:
