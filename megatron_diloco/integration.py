@@ -306,6 +306,8 @@ class _Installation:
             summary: dict[str, Any] = {
                 "rounds": opt.sync.rounds,
                 "local_steps": self.config.local_steps,
+                **({"warmup_local_steps": self.config.warmup_local_steps, "warmup_iters": self.config.warmup_iters}
+                   if self.config.warmup_local_steps is not None else {}),
                 "replicas": self.config.replicas,
                 "overlap": self.config.overlap,
                 **({"eager_weight": self.config.eager_weight} if self.config.eager_weight is not None else {}),

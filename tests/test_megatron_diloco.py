@@ -109,6 +109,7 @@ def test_warmup_rounds_then_h(tmp_path):
         assert all(n == 0 for _, n, outer in rec["step_ops"] if not outer), rank
     s = summary(log)
     assert s["rounds"] == 4 and s["replicas_identical"]
+    assert (s["local_steps"], s["warmup_local_steps"], s["warmup_iters"]) == (4, 2, 4)
     ckpt = str(tmp_path / "ckpt")
     leg1, _ = run_megatron(tmp_path, warm + ["--save", ckpt, "--exit-interval", "3"])
     leg2, _ = run_megatron(tmp_path, warm + ["--load", ckpt])
