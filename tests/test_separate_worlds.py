@@ -30,7 +30,10 @@ def _dataset_sizes(log: str) -> list[int]:
 @pytest.mark.parametrize("flags", [
     ["--diloco-x-overlap", "partial", "--diloco-x-overlap-steps", "1", "--diloco-x-compression", "int8"],
     ["--diloco-x-overlap", "delayed", "--diloco-x-compression", "none"],
-], ids=["partial-int8", "delayed-fp32"])
+    # the default codec with a warm-up of shorter rounds (boundaries 2, 4, 8)
+    ["--diloco-x-overlap", "partial", "--diloco-x-overlap-steps", "1", "--diloco-x-compression", "int4",
+     "--diloco-x-warmup-local-steps", "2", "--diloco-x-warmup-iters", "4"],
+], ids=["partial-int8", "delayed-fp32", "partial-int4-warmup"])
 def test_separate_worlds_train_as_one_world(tmp_path, flags):
     """2 replicas x 1 rank: one torchrun of 2 ranks vs two torchruns of 1 rank joined through a TCP
     store. Same losses at every iteration on both replicas, bit for bit, and the same final main
