@@ -410,36 +410,31 @@ class OuterSync:
         self.last_completed = handle.stats
 
     def _launch(self) -> ExchangeHandle:
-        """One pass over the shard (chunk by chunk through :attr:`store`) that takes this round's
-        pseudo-gradient (x holds it with none/delayed/eager; partial: theta - x), encodes it with
-        error feedback into the exchange's payload (:class:`Outbox`), builds the eager look-ahead
-        a_r <- theta_t - c w delta, and sets x <- a_r (delayed/eager); then launches the exchange,
-        bounded by :meth:`timeout_s` from now. (partial's x_L is taken by its prepare pass.)"""
+        """none / delayed / eager: one pass over the shard (chunk by chunk through :attr:`store`) that
+        takes this round's pseudo-gradient (x holds it), encodes it with error feedback into the
+        exchange's payload (:class:`Outbox`), builds the eager look-ahead a_r <- theta_t - c w delta,
+        and sets x <- a_r (delayed/eager); then launches the exchange, bounded by :meth:`timeout_s`
+        from now. (``partial`` does all of this in its own prepare pass: :meth:`_partial_boundary`.)"""
         overlap = self.config.overlap
-        eager, partial = self.eager_anchor is not None, overlap == "partial"
+        eager = self.eager_anchor is not None
         reset_x = overlap in ("delayed", "eager")
         resident = not self.store.held(self.delta)  # delta on the device: it is the chunk itself
         host_send = self._host_all_reduce  # delta is the host all-reduce buffer: the pass writes it back
-        computed = partial and (resident or host_send)  # partial: the prepare pass left theta - x in delta
         c = self.config.outer_lr * ((1.0 + self.config.outer_momentum) if self.config.nesterov else 1.0)
         w = self.config.eager_weight
         if w is None:
             w = 1.0 / (dist.get_world_size(self.group) if self.group is not None else 1)
         outbox = None if self._executor is not None else Outbox(
             self.codec, self.view.numel, self.view.device, send=self.delta if resident or host_send else None)
-        read_theta = reset_x or (partial and not computed)  # x <- theta / a_r from theta; theta - x
-        tensors = [self.theta if read_theta else None, self.delta, self.residual, self.eager_anchor]
+        tensors = [self.theta if reset_x else None, self.delta, self.residual, self.eager_anchor]
         write_only = [self.eager_anchor, self.delta if host_send else None]
         input_sq: list[torch.Tensor] = []
         residual_sq: list[torch.Tensor] = []
-        passes = not (computed and host_send)  # else nothing is left to do on the shard
-        for lo, hi, (th, d, e, ea) in (self.store.stream(
-                *tensors, write=[self.residual, *write_only], scratch=[self.delta, *write_only]) if passes else ()):
+        for lo, hi, (th, d, e, ea) in self.store.stream(
+                *tensors, write=[self.residual, *write_only], scratch=[self.delta, *write_only]):
             xs = self.view.pieces(lo, hi)
-            if not computed and xs:  # the pseudo-gradient chunk, contiguous
+            if xs:  # the pseudo-gradient chunk, contiguous
                 torch.cat(xs, out=d)
-                if partial:
-                    d.neg_().add_(th)  # theta - x, the same bits as the prepare pass
             if e is not None:  # ||pseudo-gradient + residual||^2: the codec's input, not materialized
                 input_sq.append(torch.dot(d, d) + 2 * torch.dot(d, e) + torch.dot(e, e))
             if ea is not None:  # a_r <- theta_t - c w delta_{r,t}
@@ -551,22 +546,24 @@ class OuterSync:
         With a blockwise codec the same pass also encodes (one pass over the shard, not two: with
         the host layout the shard crosses PCIe once): e_new is written into delta's buffer, not over
         e, so that a skipped round leaves the residual intact; when the round goes ahead the two
-        buffers swap roles (e <- e_new; delta is scratch until the mean comes back)."""
+        buffers swap roles (e <- e_new; delta is scratch until the mean comes back). ``none``: delta
+        holds delta_r, the all-reduce buffer itself (written back where the store holds it); the
+        matrix codecs' worker encodes it."""
         completed = None
         if self.pending is not None:
             completed = self.merge()
         with record_function("megatron_diloco::prepare"):
             norms: list[torch.Tensor] = []
             x_l = self.launch_point  # None unless partial + exact
-            e_in = self.residual if self._executor is None else None  # encode here (blockwise codecs)
-            outbox = Outbox(self.codec, self.view.numel, self.view.device) if e_in is not None else None
+            encode = self.residual is not None and self._executor is None  # blockwise codecs encode here
+            outbox = Outbox(self.codec, self.view.numel, self.view.device) if encode else None
             input_sq: list[torch.Tensor] = []
             residual_sq: list[torch.Tensor] = []
             # delta is copied back where it is held: it receives e_new (blockwise), or it is the host
             # all-reduce buffer (none over gloo) and holds delta_r
-            d_out = self.delta if e_in is not None or self._host_all_reduce else None
-            for lo, hi, (th, d, lp, e) in self.store.stream(self.theta, self.delta, x_l, e_in, write=[x_l, d_out],
-                                                            scratch=[self.delta, x_l]):
+            d_out = self.delta if encode or self._host_all_reduce else None
+            for lo, hi, (th, d, lp, e) in self.store.stream(self.theta, self.delta, x_l, self.residual,
+                                                            write=[x_l, d_out], scratch=[self.delta, x_l]):
                 xs = self.view.pieces(lo, hi)
                 if xs:
                     torch.cat(xs, out=d)
@@ -574,8 +571,9 @@ class OuterSync:
                         lp.copy_(d)
                     d.neg_().add_(th)  # theta - x, the same bits as x <- theta + (-x)
                     norms += torch._foreach_norm(self.view.split_like(d, xs), 2)
-                if e is not None:  # ||pseudo-gradient + residual||^2, then the encode: e_new into d
+                if e is not None:  # ||pseudo-gradient + residual||^2: the codec's input, not materialized
                     input_sq.append(torch.dot(d, d) + 2 * torch.dot(d, e) + torch.dot(e, e))
+                if encode:  # e_new into d
                     outbox.put(lo, d, e, residual_out=d)
                     residual_sq.append(torch.dot(d, d))
             sq = _sum_of_squares(norms)
@@ -583,11 +581,11 @@ class OuterSync:
             skip, self.apply_at = self._any_rank_nonfinite(sq, self._choose_overlap_steps())
             if skip:
                 return self._skip(sq, completed)  # e untouched; the payload and e_new are dropped
-            if outbox is not None:
+            if encode:
                 self.residual, self.delta = self.delta, self.residual
-                self.pending = self._start(outbox, input_sq, residual_sq)
-            else:
-                self.pending = self._launch()
+            elif self._executor is None:  # none: delta holds delta_r, the all-reduce buffer
+                outbox = Outbox(self.codec, self.view.numel, self.view.device, send=self.delta)
+            self.pending = self._start(outbox, input_sq, residual_sq)
             self.x_is_theta = False
         if self.apply_at == 0:
             completed = self.merge(at_launch=True)
