@@ -69,3 +69,20 @@ def test_time_figures_leave_out_the_warm_up_rounds():
     assert f["boundary_ms"] == pytest.approx(1e3 * (step + prep))  # not the compiling boundaries
     assert f["outer_ms"] == pytest.approx(1e3 * (prep + land)) and f["steady_rounds"] == 1  # boundary 30 (40's is cut)
     assert f["step_mean_ms"] == pytest.approx(1e3 * (step + land * 2 / 18))  # 18 inner steps, 2 landings (21, 31)
+
+
+def test_a_repeated_run_measures_the_pass_noise():
+    """``vanilla.2`` runs vanilla's flags again; its step overhead against ``vanilla`` is the noise of
+    the pass, and a repeated ``cpu-<codec>`` is still compared with ``gpu-<codec>``."""
+    from benchmarks.memory.outer_state_memory import _within_pass, run_flags
+
+    assert run_flags("vanilla.2", 10) == run_flags("vanilla", 10) == ["--no-diloco-x"]
+    assert run_flags("cpu-int4.3", 10) == run_flags("cpu-int4", 10)
+    with pytest.raises(SystemExit, match="repeat suffix"):
+        run_flags("vanilla-x", 10)
+    p = one_pass(100.0, 150.0, 300.0, 130.0)
+    p["runs"]["vanilla.2"] = dict(p["runs"]["vanilla"], step_ms=104.0)
+    p["runs"]["cpu-none.2"] = dict(p["runs"]["cpu-none"], boundary_ms=450.0)
+    ok = _within_pass(p["runs"])
+    assert ok["vanilla.2"]["step_overhead_pct"] == pytest.approx(4.0)
+    assert ok["cpu-none.2"]["boundary_vs_gpu"] == pytest.approx(3.0) and ok["cpu-none"]["boundary_vs_gpu"] == pytest.approx(2.0)

@@ -18,7 +18,9 @@ recorders, ``benchmarks/common``), each ``--iters`` iterations:
 * ``vanilla``: ``--no-diloco-x``;
 * ``<outer_state>-<codec>``: ``--diloco-x-outer-state`` gpu / cpu, ``--diloco-x-compression`` codec
   (default runs: gpu-none, gpu-int8, cpu-none, cpu-int8, cpu-int4; any of none/int8/int4/fp8 with
-  ``--runs``).
+  ``--runs``);
+* a repeat: any of these with a suffix ``.N`` (``vanilla.2``: the same flags again later in the
+  pass; its ``step_overhead_pct`` against ``vanilla`` is the run-to-run noise of the pass).
 
 Figures per run (``benchmarks/results/memory.json``, or ``--result``):
 
@@ -81,13 +83,22 @@ DEFAULT_RUNS = "vanilla,gpu-int8,cpu-int8,gpu-none,cpu-none,cpu-int4"
 CODECS = ("none", "int8", "int4", "fp8")
 
 
+def base_run(name: str) -> str:
+    """``name`` without a repeat suffix: ``vanilla.2`` is a second ``vanilla`` run in the same pass,
+    whose difference to the first is the pass's run-to-run noise on the same work."""
+    return name.partition(".")[0]
+
+
 def run_flags(name: str, local_steps: int, replicas: int = 1) -> list[str]:
-    """The example flags of run ``name`` (``vanilla`` or ``<gpu|cpu>-<codec>``)."""
+    """The example flags of run ``name`` (``vanilla`` or ``<gpu|cpu>-<codec>``, optionally with a
+    repeat suffix ``.N``: :func:`base_run`)."""
+    name = base_run(name)
     if name == "vanilla":
         return ["--no-diloco-x"]
     where, _, codec = name.partition("-")
     if where not in ("gpu", "cpu") or codec not in CODECS:
-        raise SystemExit(f"--runs: unknown run {name!r} (vanilla or <gpu|cpu>-<{'|'.join(CODECS)}>)")
+        raise SystemExit(f"--runs: unknown run {name!r} (vanilla or <gpu|cpu>-<{'|'.join(CODECS)}>, "
+                         "optionally with a repeat suffix .N)")
     return ["--diloco-x-replicas", str(replicas), "--diloco-x-local-steps", str(local_steps), "--diloco-x-outer-state",
             where, "--diloco-x-compression", codec]  # the rest at the package's defaults
 
@@ -155,7 +166,7 @@ def _within_pass(runs: dict[str, dict]) -> dict[str, dict]:
             if name != "vanilla" and f.get("outer_ms") is not None:
                 f["outer_net_ms"] = f["outer_ms"] - base["outer_ms"]
     for name, f in ok.items():
-        gpu = ok.get("gpu-" + name.partition("-")[2]) if name.startswith("cpu-") else None
+        gpu = ok.get("gpu-" + base_run(name).partition("-")[2]) if name.startswith("cpu-") else None
         for key, ratio in (("boundary_ms", "boundary_vs_gpu"), ("outer_net_ms", "outer_vs_gpu")):
             if gpu is not None and f.get(key) and gpu.get(key):
                 f[ratio] = f[key] / gpu[key]
@@ -265,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         args = [*model, *COMMON, "--train-iters", str(a.iters), *run_flags(name, a.local_steps, a.replicas)]
         if a.replicas > 1:
-            job = replica_worlds_job(name, a.out, args, a.replicas, ["timers", "memory"], diloco=name != "vanilla",
+            job = replica_worlds_job(name, a.out, args, a.replicas, ["timers", "memory"], diloco=base_run(name) != "vanilla",
                                      estimate_s=90 * a.replicas, timeout_s=420 * a.replicas)
         else:
             job = ExampleJob(name, args, nproc=1, record=["timers", "memory"], estimate_s=90, timeout_s=420)
