@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_diloco.config import CODECS
-from megatron_diloco.outer_store import OuterStore, pinned_empty
+from megatron_diloco.outer_store import OuterStore
 
 if TYPE_CHECKING:
     from megatron_diloco.outer import OuterNesterov
@@ -395,9 +395,11 @@ def start_exchange(buffer: torch.Tensor, residual: torch.Tensor | None, codec, g
 
 def host_copy(t: torch.Tensor, group, copy: bool = True) -> torch.Tensor:
     """``t`` itself, or, for a GPU tensor crossing a gloo group of several ranks (replicas in separate
-    worlds, whose outer groups are gloo: :func:`megatron_diloco.topology.from_outer_store`), a
-    page-locked host tensor of its shape holding a copy of it (``copy``: the caller's thread waits for
-    it, as for ``t.cpu()``) or nothing yet (an output).
+    worlds, whose outer groups are gloo: :func:`megatron_diloco.topology.from_outer_store`; the
+    matrix codecs' worker over the gloo mirror of an NCCL outer group), a page-locked host tensor of
+    its shape holding a copy of it (``copy``: the caller's thread waits for it on its current
+    stream, as for ``t.cpu()``) or nothing yet (an output). The one staging mechanism of every
+    exchange.
 
     Page-locked through PyTorch's caching host allocator, so the copy back (``dst.copy_(staged,
     non_blocking=True)``) is only enqueued on the current stream: the training thread does not
@@ -586,18 +588,17 @@ class _WorkerLane:
       reusing them.
     * ``ready``: an event on ``stream``; :meth:`sync` is the worker thread's only wait for its GPU
       work (never a device-wide sync: the training stream is not waited for).
-    * two page-locked host buffers (uint8, ``send`` and ``recv``), the all-gathers' staging: the
-      device-to-host and host-to-device copies are asynchronous DMA on ``stream``, with no
-      pageable bounce through the driver and no host allocation per round. Each grows to the
-      largest payload seen (to a power of two, so a plan whose sizes vary does not re-pin every
-      round), then is reused.
+
+    Its all-gathers stage through page-locked host memory as the single-collective exchanges do
+    (:func:`host_copy`: PyTorch's caching host allocator, whose blocks are reused across rounds
+    once the copies recorded on them have run): asynchronous DMA on ``stream``, no pageable bounce
+    through the driver, no host allocation per round.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.ready = torch.cuda.Event()
-        self._host: dict[str, torch.Tensor] = {}  # "send" / "recv" -> uint8 [capacity], pinned
 
     def sync(self, event: "torch.cuda.Event | None" = None) -> None:
         """Block this (the worker) thread until everything enqueued on :attr:`stream` so far ran
@@ -605,24 +606,6 @@ class _WorkerLane:
         event = self.ready if event is None else event
         event.record(self.stream)
         event.synchronize()
-
-    def host(self, which: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The pinned staging buffer ``which`` as a ``[numel]`` tensor of ``dtype`` (its first bytes;
-        contents undefined). Valid until the next call for the same ``which``: the caller orders its
-        copies (all on :attr:`stream`) and the collective that reads or writes it."""
-        nbytes = numel * dtype.itemsize
-        buf = self._host.get(which)
-        if buf is None or buf.numel() < nbytes:
-            if buf is not None:
-                self.sync()  # a copy out of the old buffer may still be queued: let it run first
-            buf = self._host[which] = pinned_empty(1 << max(16, (nbytes - 1).bit_length()), torch.uint8)
-        return buf[:nbytes].view(dtype)
-
-    def drop_host(self) -> None:
-        """Forget the staging buffers, once :attr:`stream` has drained (after a failed round: a
-        collective abandoned at its deadline may still hold them; the next round pins new ones)."""
-        self.sync()
-        self._host.clear()
 
 
 #: executor -> {device: its :class:`_WorkerLane`}
@@ -658,7 +641,7 @@ def _start_on_worker(buffer: torch.Tensor, residual: torch.Tensor, codec, group,
 
     GPU tensors travel as host copies over ``group``, which must be gloo (the host mirror of
     :func:`megatron_diloco.topology.host_mirror_of_outer_groups`): the worker copies each payload
-    into a pinned host buffer (asynchronous DMA on its stream, then a wait on its event),
+    into page-locked host memory (:func:`host_copy`: asynchronous DMA on its stream, then a wait on it),
     all-gathers it there and copies the result back asynchronously, so it never enqueues a GPU
     kernel that waits for another rank (a worker-thread NCCL collective can deadlock against the
     training loop's own NCCL kernels; seen on 2 x H200).
@@ -692,13 +675,11 @@ def _start_on_worker(buffer: torch.Tensor, residual: torch.Tensor, codec, group,
             out = torch.empty(size * t.numel(), dtype=t.dtype)  # (R*k,)
             wait_within(dist.all_gather_into_tensor(out, t, group=group, async_op=True), deadline)
             return out.view(size, -1)
-        send = lane.host("send", t.numel(), t.dtype)  # (k,) pinned
-        recv = lane.host("recv", size * t.numel(), t.dtype)  # (R*k,) pinned
-        send.copy_(t, non_blocking=True)  # DMA on the worker stream, after t's producers
-        lane.sync()  # send holds t; the previous round trip's copy out of recv ran too
-        wait_within(dist.all_gather_into_tensor(recv, send, group=group, async_op=True), deadline)
         out = torch.empty(size, t.numel(), dtype=t.dtype, device=t.device)  # (R, k)
-        out.view(-1).copy_(recv, non_blocking=True)  # recv is not written again before the next sync
+        send = host_copy(t, group)  # (k,) pinned; the copy waited for on this thread's (the worker's) stream
+        recv = host_copy(out, group, copy=False)  # (R, k) pinned
+        wait_within(dist.all_gather_into_tensor(recv.view(-1), send, group=group, async_op=True), deadline)
+        out.copy_(recv, non_blocking=True)  # enqueued on the worker stream; recv's block is kept until it ran
         return out
 
     def agree(t: torch.Tensor) -> torch.Tensor:  # the policy's small CPU tensors, over the gloo group
@@ -726,9 +707,6 @@ def _start_on_worker(buffer: torch.Tensor, residual: torch.Tensor, codec, group,
                 try:
                     with torch.cuda.stream(lane.stream):
                         exchange()
-                except BaseException:
-                    lane.drop_host()
-                    raise
                 finally:  # drained (also after a failure) before buffer and residual are the
                     lane.sync(done)  # training loop's again
         payload = codec.payload_bytes()
