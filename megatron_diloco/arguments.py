@@ -28,7 +28,8 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="H: inner optimizer steps per outer round.")
     group.add_argument("--diloco-x-warmup-local-steps", type=int, default=None,
                        help="H0: rounds of H0 inner steps (1..H) during the first --diloco-x-warmup-iters "
-                            "steps, then rounds of H (default: no warm-up).")
+                            "steps, then rounds of H (default: no warm-up). With --diloco-x-overlap partial the "
+                            "warm-up's shorter rounds block (tau 0).")
     group.add_argument("--diloco-x-warmup-iters", type=int, default=0,
                        help="with --diloco-x-warmup-local-steps: inner steps of the warm-up, a multiple of H0.")
     group.add_argument("--diloco-x-outer-lr", type=float, default=defaults["outer_lr"].default,

@@ -67,7 +67,8 @@ class DiLoCoXConfig:
     warmup_local_steps: int | None = None
     """H0: the round length during the first :attr:`warmup_iters` inner steps
     (``--diloco-x-warmup-local-steps``, 1 <= H0 <= H; None: no warm-up). Short rounds early, where
-    DiLoCo's gap to AllReduce forms (benchmarks/RESULTS.md §2.1), then H."""
+    DiLoCo's gap to AllReduce forms (benchmarks/RESULTS.md §2.1), then H. With ``partial``, rounds
+    shorter than H block (tau = 0): the exchange is exposed in the warm-up's W / H0 rounds only."""
 
     warmup_iters: int = 0
     """Inner steps run in rounds of H0 before the rounds of H (``--diloco-x-warmup-iters``; a
@@ -237,12 +238,10 @@ class DiLoCoXConfig:
                     f"--diloco-x-overlap-steps applies to --diloco-x-overlap partial only (got overlap "
                     f"{self.overlap!r}); drop the flag or use --diloco-x-overlap partial"
                 )
-            shortest = self.round_steps(0)
-            if not isinstance(self.overlap_steps, int) or not 0 <= self.overlap_steps <= shortest:
+            if not isinstance(self.overlap_steps, int) or not 0 <= self.overlap_steps <= self.local_steps:
                 raise ValueError(
-                    f"--diloco-x-overlap-steps must be 'auto' or an integer in [0, {shortest}] (H, "
-                    f"--diloco-x-local-steps, or H0 with --diloco-x-warmup-local-steps: the shortest "
-                    f"round), got {self.overlap_steps!r}"
+                    f"--diloco-x-overlap-steps must be 'auto' or an integer in [0, {self.local_steps}] (H, "
+                    f"--diloco-x-local-steps; a warm-up's shorter rounds block), got {self.overlap_steps!r}"
                 )
         if self.merge not in MERGE_RULES:
             raise ValueError(f"--diloco-x-merge must be one of {', '.join(MERGE_RULES)}, got {self.merge!r}")

@@ -593,13 +593,18 @@ class OuterSync:
                            completed if self.apply_at == 0 else self.pending.stats, completed, sq)
 
     def _choose_overlap_steps(self) -> int:
-        """This rank's tau for the exchange about to launch: ``--diloco-x-overlap-steps``, or (auto) the
+        """This rank's tau for the exchange about to launch: 0 (blocking) when the round it would hide
+        behind is a warm-up round shorter than H (``--diloco-x-warmup-local-steps``: there the
+        staleness of a tau of a few steps is a large share of the round; benchmarks/RESULTS.md §2.1);
+        else ``--diloco-x-overlap-steps``, or (auto) the
         fewest inner steps, at least 1, that hide the exchange, over the last round's mean step time:
         its wire bytes at the link bandwidth when that is known (``--diloco-x-bandwidth-mbps`` or
         measured; the bytes of the last completed exchange, or before any completed, of this one
         where the codec's payload size is fixed), else the last exchange's measured duration. H while
         neither is known (the first exchange of a run without a known link)."""
         H = self.next_round_steps  # the steps the exchange can hide behind (tau = H: the next boundary)
+        if H < self.config.local_steps:  # a warm-up round (H0 < H) blocks: tau 4 of 10 cost what it gained
+            return 0
         if self.config.overlap_steps is not None:
             return self.config.overlap_steps
         last = self.last_completed

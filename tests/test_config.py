@@ -40,7 +40,7 @@ def megatron_args(**kw) -> argparse.Namespace:
     (["--diloco-x-local-steps", "30", "--diloco-x-warmup-local-steps", "5", "--diloco-x-warmup-iters", "22"],
      "--diloco-x-warmup-iters"),
     (["--diloco-x-local-steps", "30", "--diloco-x-warmup-local-steps", "5", "--diloco-x-warmup-iters", "20",
-      "--diloco-x-overlap-steps", "6"], "--diloco-x-overlap-steps"),
+      "--diloco-x-overlap-steps", "31"], "--diloco-x-overlap-steps"),
 ])
 def test_bad_values_name_their_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):

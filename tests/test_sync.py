@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -743,21 +744,27 @@ def test_partial_auto_overlap_steps_hides_the_last_exchange():
     assert fixed._choose_overlap_steps() == 4
 
 
-def test_partial_auto_tau_fits_the_next_round():
-    """auto tau is capped by the round the boundary starts (a warm-up's shorter rounds), not by H:
-    an exchange slower than that round lands at the next boundary (tau = its length)."""
+@pytest.mark.parametrize("fixed_tau", [None, 3])
+def test_partial_warmup_rounds_block(fixed_tau):
+    """A boundary that starts a warm-up round (shorter than H) launches with tau = 0, auto or fixed;
+    one that starts a round of H gets auto tau (the exchange's 0.35 s over 0.1 s steps: 4) or the
+    fixed tau. A warm-up with H0 = H is no warm-up."""
     from megatron_diloco.collectives import ExchangeStats
 
     cfg = DiLoCoXConfig(compression="none", replicas=1, local_steps=10, overlap="partial",
-                        warmup_local_steps=2, warmup_iters=4)
+                        warmup_local_steps=2, warmup_iters=4, overlap_steps=fixed_tau)
     sync = OuterSync(ShardView([torch.zeros(8)]), cfg, None)
     sync.last_completed = ExchangeStats(bytes_sent=0, exchange_s=0.35)
     sync.set_step_time(0.1, next_round_steps=2)
-    assert sync._choose_overlap_steps() == 2
+    assert sync._choose_overlap_steps() == 0
     sync.set_step_time(0.1, next_round_steps=10)
-    assert sync._choose_overlap_steps() == 4
+    assert sync._choose_overlap_steps() == (fixed_tau or 4)
     sync.set_step_time(0.1)  # default: H
     assert sync.next_round_steps == 10
+    same = OuterSync(ShardView([torch.zeros(8)]), dataclasses.replace(cfg, warmup_local_steps=10, warmup_iters=10), None)
+    same.last_completed = sync.last_completed
+    same.set_step_time(0.1, next_round_steps=10)
+    assert same._choose_overlap_steps() == (fixed_tau or 4)
 
 
 def test_partial_auto_tau_of_one_replica_is_one_step():
