@@ -107,7 +107,7 @@ METHODS: dict[str, dict] = {
     "diloco_int4_hwarm": dict(overlap="none", codec="int4",
                               flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "300"], **_O),
     # partial: the warm-up's rounds block (tau 0); they were overlapped at 87e15c7, where tau 4 of 10
-    # gave back the warm-up's gain: seed 1 0.7938 vs 0.7945 without it)
+    # gave back the warm-up's gain: seed 1 0.7938 vs 0.7945 without it
     "partial_auto_int4_hwarm": dict(overlap="partial", codec="int4", tau="auto",
                                     flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "300"],
                                     **_O),
