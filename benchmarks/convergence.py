@@ -421,6 +421,7 @@ def main() -> None:
         jobs = [job_for(n, int(s), a, data) for s in a.seeds.split(",") for n in names]
         run_jobs(jobs, a.out, parallel=a.parallel, budget_s=a.budget_s, jobs_per_gpu=a.jobs_per_gpu)
     result = report([a.out, *a.more], a)
+    a.out.mkdir(parents=True, exist_ok=True)  # --report-only into a new folder
     (a.out / "convergence.json").write_text(json.dumps(result, indent=1))
     plot(result, a.out / "convergence.png")
     print(markdown_table(result), flush=True)
