@@ -117,7 +117,8 @@ METHODS: dict[str, dict] = {
     "partial_auto_int4_hwarm600": dict(overlap="partial", codec="int4", tau="auto",
                                        flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "600"],
                                        **_O),
-    # 900 steps of H0 = 10: 160 rounds, ~109x fewer bytes
+    # 900 steps of H0 = 10: 160 rounds, ~109x fewer bytes. The package default: its auto warm-up at
+    # H = 30 over 3000 steps is this one (H // 3 for min(30 H, 3000 / 3) steps)
     "partial_auto_int4_hwarm900": dict(overlap="partial", codec="int4", tau="auto",
                                        flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900"],
                                        **_O),
@@ -141,6 +142,8 @@ def method_flags(name: str) -> list[str]:
     flags = ["--diloco-x", "--diloco-x-replicas", str(REPLICAS), "--diloco-x-overlap", m["overlap"],
              "--diloco-x-compression", m["codec"], "--diloco-x-outer-lr", str(m["eta"]),
              "--diloco-x-outer-momentum", str(m["mu"])]
+    if not any(f.startswith("--diloco-x-warmup") for f in m.get("flags", [])):
+        flags += ["--diloco-x-warmup-iters", "0"]  # the rows measured before the auto warm-up was the default
     if "tau" in m:
         flags += ["--diloco-x-overlap-steps", str(m["tau"]), "--diloco-x-merge", m.get("merge", "exact")]
     if m["codec"] == "adaptive" or m.get("tau") == "auto":
@@ -383,7 +386,7 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=None)
     p.add_argument("--estimate-s", type=float, default=400.0)
     p.add_argument("--timeout-s", type=float, default=None)
-    p.add_argument("--default-method", default="partial_auto_int4")
+    p.add_argument("--default-method", default="partial_auto_int4_hwarm900")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--from", dest="more", type=Path, nargs="*", default=[])
     p.add_argument("--cpu-smoke", action="store_true")

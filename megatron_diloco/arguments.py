@@ -26,12 +26,16 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "--use-tp-pp-dp-mapping so each replica is a contiguous block of ranks.")
     group.add_argument("--diloco-x-local-steps", type=int, default=defaults["local_steps"].default,
                        help="H: inner optimizer steps per outer round.")
-    group.add_argument("--diloco-x-warmup-local-steps", type=int, default=None,
+    group.add_argument("--diloco-x-warmup-local-steps", type=_int_or_auto, default=None, metavar="H0|auto",
                        help="H0: rounds of H0 inner steps (1..H) during the first --diloco-x-warmup-iters "
-                            "steps, then rounds of H (default: no warm-up). With --diloco-x-overlap partial the "
-                            "warm-up's shorter rounds block (tau 0).")
-    group.add_argument("--diloco-x-warmup-iters", type=int, default=0,
-                       help="with --diloco-x-warmup-local-steps: inner steps of the warm-up, a multiple of H0.")
+                            "steps, then rounds of H; with --diloco-x-overlap partial these shorter rounds "
+                            f"block (tau 0). Default auto: H // {WARMUP_H_DIVISOR}.")
+    group.add_argument("--diloco-x-warmup-iters", type=_int_or_auto, default=None, metavar="W|auto",
+                       help="Inner steps of the warm-up (a multiple of H0); 0: no warm-up. Default auto: "
+                            f"{WARMUP_H_MULTIPLE} x H, at most 1/{WARMUP_MAX_SHARE} of --train-iters, rounded down to a "
+                            "multiple of H0 (none when that is 0 or H < 3). Measured: 900 steps of H0 10 "
+                            "before H 30 took the default from +4.1%% to +1.9%% above AllReduce "
+                            "(benchmarks/RESULTS.md 2.1).")
     group.add_argument("--diloco-x-outer-lr", type=float, default=defaults["outer_lr"].default,
                        help="eta: outer learning rate (default 1.0: with mu 0 the outer step is the "
                             "replicas' mean).")
@@ -48,7 +52,7 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "delayed: one-step-delay overlap (round t's exchange runs during round "
                             "t+1, applied one round late); eager: delayed plus each replica's own "
                             "fresh pseudo-gradient applied at once; none: blocking exchange (plain DiLoCo).")
-    group.add_argument("--diloco-x-overlap-steps", type=_overlap_steps, default=None,
+    group.add_argument("--diloco-x-overlap-steps", type=_int_or_auto, default=None,
                        help="partial only: tau, inner steps from a boundary to the application of its "
                             "exchange, 0..H; 'auto' (default): the fewest steps that hide the last "
                             "measured exchange, re-chosen every boundary.")
@@ -95,8 +99,32 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
-def _overlap_steps(value: str) -> int | None:
-    """``--diloco-x-overlap-steps``: 'auto' (None) or an integer."""
+#: the auto warm-up (``--diloco-x-warmup-local-steps`` / ``--diloco-x-warmup-iters``): rounds of
+#: H // WARMUP_H_DIVISOR for the first WARMUP_H_MULTIPLE x H inner steps, at most
+#: 1 / WARMUP_MAX_SHARE of the run (benchmarks/RESULTS.md §2.1: H 30, H0 10, 900 of 3000 steps)
+WARMUP_H_DIVISOR, WARMUP_H_MULTIPLE, WARMUP_MAX_SHARE = 3, 30, 3
+
+
+def resolve_warmup(warmup_local_steps: int | None, warmup_iters: int | None, local_steps: int,
+                   train_iters: int | None) -> tuple[int | None, int]:
+    """(H0, W) of the warm-up from the two flags, None meaning ``auto`` (see their help); (None, 0):
+    no warm-up. An explicit value is returned as given (:class:`DiLoCoXConfig` validates it)."""
+    if warmup_iters == 0:
+        return None, 0
+    h0 = local_steps // WARMUP_H_DIVISOR if warmup_local_steps is None else warmup_local_steps
+    if warmup_iters is not None:
+        return h0, warmup_iters
+    if not isinstance(h0, int) or h0 < 1:  # auto with H < 3, or a bad H0 (validated as given)
+        return (None, 0) if warmup_local_steps is None else (h0, WARMUP_H_MULTIPLE * local_steps)
+    w = WARMUP_H_MULTIPLE * local_steps
+    if train_iters:
+        w = min(w, train_iters // WARMUP_MAX_SHARE)
+    w -= w % h0
+    return (h0, w) if w > 0 else (None, 0)
+
+
+def _int_or_auto(value: str) -> int | None:
+    """``--diloco-x-overlap-steps`` and the warm-up flags: 'auto' (None) or an integer."""
     if value == "auto":
         return None
     try:
@@ -107,11 +135,14 @@ def _overlap_steps(value: str) -> int | None:
 
 def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
     """Build the validated config from parsed ``--diloco-x*`` arguments (raises ``ValueError``)."""
+    warmup_local_steps, warmup_iters = resolve_warmup(
+        getattr(args, "diloco_x_warmup_local_steps", None), getattr(args, "diloco_x_warmup_iters", None),
+        args.diloco_x_local_steps, getattr(args, "train_iters", None))
     return DiLoCoXConfig(
         replicas=args.diloco_x_replicas,
         local_steps=args.diloco_x_local_steps,
-        warmup_local_steps=getattr(args, "diloco_x_warmup_local_steps", None),
-        warmup_iters=getattr(args, "diloco_x_warmup_iters", 0),
+        warmup_local_steps=warmup_local_steps,
+        warmup_iters=warmup_iters,
         outer_lr=args.diloco_x_outer_lr,
         outer_momentum=args.diloco_x_outer_momentum,
         nesterov=not args.diloco_x_no_nesterov,

@@ -66,7 +66,9 @@ class DiLoCoXConfig:
 
     warmup_local_steps: int | None = None
     """H0: the round length during the first :attr:`warmup_iters` inner steps
-    (``--diloco-x-warmup-local-steps``, 1 <= H0 <= H; None: no warm-up). Short rounds early, where
+    (``--diloco-x-warmup-local-steps``, 1 <= H0 <= H; None: no warm-up, this dataclass's default; the
+    command line's default is the auto warm-up, :func:`megatron_diloco.arguments.resolve_warmup`,
+    which depends on ``--train-iters``). Short rounds early, where
     DiLoCo's gap to AllReduce forms (benchmarks/RESULTS.md §2.1), then H. With ``partial``, rounds
     shorter than H block (tau = 0): the exchange is exposed in the warm-up's W / H0 rounds only."""
 

@@ -68,6 +68,7 @@ import math
 import sys
 from typing import Any
 
+from megatron_diloco.arguments import resolve_warmup
 from megatron_diloco.config import CODECS
 
 #: Payload fraction of a TCP/IPv4 stream on Ethernet at MTU 1500 (1448 payload bytes per 1514 on the wire).
@@ -197,6 +198,13 @@ class PlanConfig:
     """Where the outer state lives (``--diloco-x-outer-state``): ``gpu`` or ``cpu`` (host memory)."""
     outer_chunk_mb: float = 16.0
     """``outer_state cpu``: MiB per staged chunk (``--diloco-x-outer-chunk-mb``)."""
+    warmup_local_steps: int | None = None
+    """H0 of the warm-up (``--diloco-x-warmup-local-steps``). None: auto, H // 3."""
+    warmup_iters: int | None = None
+    """W, inner steps of the warm-up (``--diloco-x-warmup-iters``; 0: none). None: auto, 30 H, at most
+    a third of ``train_iters``."""
+    train_iters: int | None = None
+    """Inner steps of the whole run (caps the auto warm-up; the warm-up's one-time cost as a share)."""
 
     # ---------------- memory ----------------
     param_bytes: int = 2
@@ -364,6 +372,14 @@ class Plan:
     """Tokens per second of the AllReduce job (same GPUs, same tokens per step)."""
     speedup_vs_allreduce: float
     """dilocox_tokens_per_s / allreduce_tokens_per_s."""
+    warmup: tuple[int | None, int]
+    """(H0, W) of the warm-up as the package resolves the flags; (None, 0): none."""
+    warmup_exposed_s: float
+    """Exposed exchange time of the whole warm-up, seconds (once per run): ``partial``'s warm-up
+    rounds block (all but the last, whose exchange hides under a round of H); the other overlap
+    modes hide up to one round of H0 steps."""
+    warmup_share: float | None
+    """warmup_exposed_s over the run's compute (``train_iters`` x step); None without train_iters."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -484,6 +500,15 @@ def plan(cfg: PlanConfig) -> Plan:
     ar_comm = ar_per_link / rate + ar_steps * lat if R > 1 else 0.0
     ar_step = max(t_step, ar_comm) if cfg.baseline_overlap else t_step + ar_comm
 
+    # ---- the warm-up (one-time): rounds of H0, blocking with partial ----
+    h0, w = resolve_warmup(cfg.warmup_local_steps, cfg.warmup_iters, H, cfg.train_iters)
+    warm_rounds = w // h0 if h0 else 0
+    if cfg.overlap in ("partial", "none"):
+        warm_exposed = max(0, warm_rounds - (cfg.overlap == "partial")) * exchange
+    else:
+        warm_exposed = warm_rounds * max(0.0, exchange - h0 * t_step) if h0 else 0.0
+    warm_share = warm_exposed / (cfg.train_iters * t_step) if cfg.train_iters else None
+
     tokens_round = H * R * cfg.tokens_per_step
     dx_tps = tokens_round / round_s
     ar_tps = R * cfg.tokens_per_step / ar_step
@@ -496,6 +521,7 @@ def plan(cfg: PlanConfig) -> Plan:
         round_s=round_s, min_hidden_local_steps=min_h, allreduce_bytes_per_link_per_step=ar_per_link,
         allreduce_comm_s=ar_comm, allreduce_step_s=ar_step, dilocox_tokens_per_s=dx_tps,
         allreduce_tokens_per_s=ar_tps, speedup_vs_allreduce=dx_tps / ar_tps,
+        warmup=(h0, w), warmup_exposed_s=warm_exposed, warmup_share=warm_share,
     )
 
 
@@ -565,6 +591,10 @@ def format_table(p: Plan) -> str:
                             f"hidden from H = {p.min_hidden_local_steps})"),
         ("round", f"{_fmt_s(p.round_s)} = {c.local_steps} x {_fmt_s(p.compute_step_s)} + boundary "
                   f"{_fmt_s(p.boundary_s)} + exposed"),
+        ("warm-up (once)", "none" if not p.warmup[1] else
+         f"{p.warmup[1]} steps in rounds of {p.warmup[0]}: {_fmt_s(p.warmup_exposed_s)} exposed in all"
+         + (f" ({100 * p.warmup_share:.2g}% of the {c.train_iters}-step run's compute)" if p.warmup_share is not None
+            else " (give --train-iters for its share of the run)")),
         ("AllReduce step", f"{_fmt_s(p.allreduce_step_s)} = compute + {_fmt_s(p.allreduce_comm_s)} comm "
                            f"({_fmt_bytes(p.allreduce_bytes_per_link_per_step)} per link, {c.baseline_algo})"),
         ("tokens/s", f"DiLoCoX {p.dilocox_tokens_per_s:,.0f}; AllReduce {p.allreduce_tokens_per_s:,.1f}"),

@@ -91,11 +91,24 @@ def torchrun(target: list[str], nproc: int = 4, env: dict[str, str] | None = Non
     return proc.returncode, proc.stdout + proc.stderr
 
 
+#: Appended to a test's flags that name no warm-up flag: the tests of other things assume rounds of
+#: H from the start (boundaries, landings, resumes); the default warm-up is covered by
+#: ``test_megatron_diloco.py::test_warmup_rounds_then_h`` (auto and explicit).
+NO_WARMUP = ["--diloco-x-warmup-iters", "0"]
+
+
+def without_default_warmup(args: list[str]) -> list[str]:
+    """``args`` plus :data:`NO_WARMUP` unless they name a ``--diloco-x-warmup-*`` flag."""
+    return args if any(str(a).startswith("--diloco-x-warmup") for a in args) else [*args, *NO_WARMUP]
+
+
 def run_megatron(tmp: Path, args: list[str], nproc: int = 4, expect_fail: bool = False,
                  timeout: int = 400, env: dict[str, str] | None = None,
-                 recorders: tuple[str, ...] = TRAINING) -> tuple[list[dict], str]:
+                 recorders: tuple[str, ...] = TRAINING, warmup: bool = False) -> tuple[list[dict], str]:
     """Run the example under the harness with ``recorders``; return (per-rank records, combined
-    output). ``env``: extra environment variables (e.g. the recorders' fault injections)."""
+    output). ``env``: extra environment variables (e.g. the recorders' fault injections).
+    ``warmup``: keep the default (auto) warm-up; else :func:`without_default_warmup`."""
+    args = args if warmup else without_default_warmup(args)
     out = tmp / f"out{len(list(tmp.glob('out*')))}"
     out.mkdir(parents=True)
     code, log = launch(RUNNER, [*harness_args(out, recorders), *TINY, *args], out, nproc, timeout, env)

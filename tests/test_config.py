@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -33,8 +34,9 @@ def megatron_args(**kw) -> argparse.Namespace:
     (["--diloco-x-overlap", "eager", "--diloco-x-eager-weight", "0"], "--diloco-x-eager-weight"),
     (["--diloco-x-overlap", "eager", "--diloco-x-eager-weight", "1.5"], "--diloco-x-eager-weight"),
     (["--diloco-x-overlap", "delayed", "--diloco-x-eager-weight", "1"], "--diloco-x-eager-weight"),
-    (["--diloco-x-warmup-iters", "20"], "--diloco-x-warmup-local-steps"),
-    (["--diloco-x-warmup-local-steps", "5"], "--diloco-x-warmup-iters"),
+    (["--diloco-x-local-steps", "30", "--diloco-x-warmup-iters", "25"], "--diloco-x-warmup-iters"),  # H0 auto: 10
+    (["--diloco-x-local-steps", "2", "--diloco-x-warmup-iters", "20"], "--diloco-x-warmup-local-steps"),  # H0 auto: 0
+    (["--diloco-x-warmup-local-steps", "0"], "--diloco-x-warmup-local-steps"),
     (["--diloco-x-local-steps", "30", "--diloco-x-warmup-local-steps", "40", "--diloco-x-warmup-iters", "40"],
      "--diloco-x-warmup-local-steps"),
     (["--diloco-x-local-steps", "30", "--diloco-x-warmup-local-steps", "5", "--diloco-x-warmup-iters", "22"],
@@ -62,19 +64,40 @@ def test_warmup_schedule_rounds():
     assert [s for s in range(1, 111) if warm.steps_since_boundary(s) == 0] == [5, 10, 15, 20, 50, 80, 110]
     assert warm.steps_since_boundary(23) == 3 and warm.steps_since_boundary(0) == 0
     assert [warm.round_steps(b) for b in (0, 5, 15, 20, 50)] == [5, 5, 5, 30, 30]  # the round after step b
-    plain = config_from_args(parse("--diloco-x-local-steps", "30"))
+    plain = config_from_args(parse("--diloco-x-local-steps", "30", "--diloco-x-warmup-iters", "0"))
     assert [s for s in range(1, 100) if plain.steps_since_boundary(s) == 0] == [30, 60, 90]
     assert plain.round_steps(0) == plain.round_steps(30) == 30
 
 
+@pytest.mark.parametrize("argv,train_iters,want", [
+    ([], None, (166, 14940)),  # H 500: rounds of 166 for 30 H steps (rounded down to a multiple of H0)
+    (["--diloco-x-local-steps", "30"], 3000, (10, 900)),  # the measured default (RESULTS §2.1)
+    (["--diloco-x-local-steps", "30"], 1200, (10, 400)),  # at most a third of the run
+    (["--diloco-x-local-steps", "16"], 300, (5, 100)),  # the demo
+    (["--diloco-x-local-steps", "4"], 2, (None, 0)),  # a third of the run is under H0: none
+    (["--diloco-x-local-steps", "2"], 3000, (None, 0)),  # H < 3: none
+    (["--diloco-x-local-steps", "30", "--diloco-x-warmup-iters", "0"], 3000, (None, 0)),
+    (["--diloco-x-local-steps", "30", "--diloco-x-warmup-local-steps", "6"], 3000, (6, 900)),
+    (["--diloco-x-local-steps", "30", "--diloco-x-warmup-iters", "60"], 90, (10, 60)),  # explicit W: as given
+])
+def test_auto_warmup(argv, train_iters, want):
+    """The warm-up is on by default: H0 = H // 3 for 30 H steps, at most a third of --train-iters,
+    rounded down to a multiple of H0; 0 turns it off; an explicit value is kept."""
+    args = parse(*argv, *(["--diloco-x-warmup-local-steps", "auto"] if not argv else []))
+    args.train_iters = train_iters
+    cfg = config_from_args(args)
+    assert (cfg.warmup_local_steps, cfg.warmup_iters) == want
+
+
 def test_defaults_are_the_measured_best():
-    """--diloco-x alone: partial overlap with auto tau and the exact merge, eta 1, mu 0, int4
-    (benchmarks/RESULTS.md §2); the CLI and the dataclass agree."""
+    """--diloco-x alone: partial overlap with auto tau and the exact merge, eta 1, mu 0, int4, the
+    auto warm-up (benchmarks/RESULTS.md §2); the CLI and the dataclass agree but for the warm-up,
+    which the CLI resolves (it depends on --train-iters) and the dataclass leaves off."""
     cfg = config_from_args(parse())
     got = (cfg.replicas, cfg.local_steps, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.overlap,
-           cfg.overlap_steps, cfg.merge, cfg.compression)
-    assert got == (2, 500, 1.0, 0.0, True, "partial", None, "exact", "int4")
-    assert cfg == DiLoCoXConfig()
+           cfg.overlap_steps, cfg.merge, cfg.compression, cfg.warmup_local_steps)
+    assert got == (2, 500, 1.0, 0.0, True, "partial", None, "exact", "int4", 500 // 3)
+    assert dataclasses.replace(cfg, warmup_local_steps=None, warmup_iters=0) == DiLoCoXConfig()
 
 
 def test_valid_setup_sets_the_replica_topology():

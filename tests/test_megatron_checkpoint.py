@@ -12,13 +12,12 @@ The runs go through the harness with the tests' ``checkpoint`` and ``training`` 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 
-from tests.megatron_utils import CHECKPOINT, RUNNER, TINY, harness_args, launch, losses, summary
+from tests.megatron_utils import CHECKPOINT, losses, run_megatron, summary
 
 pytestmark = pytest.mark.megatron
 
@@ -26,11 +25,7 @@ pytestmark = pytest.mark.megatron
 def run_ckpt(tmp: Path, args: list[str], nproc: int = 4, timeout: int = 600) -> tuple[list[dict], str]:
     """Run the example under the harness with the checkpoint and training recorders on ``nproc``
     ranks; return (per-rank records, output)."""
-    out = tmp / f"out{len(list(tmp.glob('out*')))}"
-    out.mkdir(parents=True)
-    code, log = launch(RUNNER, [*harness_args(out, CHECKPOINT), *TINY, *args], out, nproc, timeout)
-    assert code == 0, log[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)], log
+    return run_megatron(tmp, args, nproc, timeout=timeout, recorders=CHECKPOINT)
 
 
 def _metadata(ckpt_dir: Path) -> dict:

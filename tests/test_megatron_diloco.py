@@ -95,7 +95,8 @@ def test_warmup_rounds_then_h(tmp_path):
     bit-identical at each, no cross-replica op between them, the round count 4; the warm-up's round
     (2..4) blocks (no landing at 3), the rounds of H land one step late (5, 9); a checkpoint saved
     inside the warm-up (iteration 3) resumes on the same schedule, bit for bit. With H0 = H the
-    warm-up changes nothing: the losses of the plain run, bit for bit."""
+    warm-up changes nothing: the losses of the plain run, bit for bit. With no warm-up flag, the
+    auto warm-up: rounds of H // 3 = 1 for a third of the run (4 steps), blocking, then of H."""
     base = ["--train-iters", "12", "--diloco-x-local-steps", "4", "--diloco-x-overlap-steps", "1",
             "--save-interval", "1000", "--no-load-rng", *MEGATRON_DEFAULTS]
     warm = base + ["--diloco-x-warmup-local-steps", "2", "--diloco-x-warmup-iters", "4"]
@@ -117,8 +118,15 @@ def test_warmup_rounds_then_h(tmp_path):
     want = losses(recs)
     assert {r: {**losses(leg1)[r], **losses(leg2)[r]} for r in want} == want
     same, _ = run_megatron(tmp_path, base + ["--diloco-x-warmup-local-steps", "4", "--diloco-x-warmup-iters", "4"])
-    plain, _ = run_megatron(tmp_path, base)
+    plain, _ = run_megatron(tmp_path, base)  # --diloco-x-warmup-iters 0 (tests.megatron_utils.NO_WARMUP)
     assert losses(same) == losses(plain)
+    # no warm-up flag at all: the auto warm-up, H // 3 = 1 for a third of the 12 iterations (4)
+    auto, log = run_megatron(tmp_path, base, warmup=True)
+    for rank, rec in enumerate(auto):
+        assert [s for s, _ in rec["boundary_identical"]] == [1, 2, 3, 4, 8, 12], rank
+        assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
+        assert {s for s, _, outer in rec["step_ops"] if outer} == {1, 2, 3, 4, 5, 8, 9, 12}, rank
+    assert (summary(log)["warmup_local_steps"], summary(log)["warmup_iters"]) == (1, 4)
 
 
 @pytest.mark.parametrize("codec,overlap", [("none", "delayed"), ("int8", "delayed"), ("lowrank-int8", "delayed"),

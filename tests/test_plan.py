@@ -126,6 +126,23 @@ def test_exposed_time():
     assert short.round_s == pytest.approx(0.5 + short.exposed_s)
 
 
+def test_warmup_exposed_time():
+    """The warm-up's one-time exposed exchange time, with the package's own resolution of the flags:
+    partial blocks all its warm-up rounds but the last (whose exchange lands in a round of H), the
+    delayed modes hide up to H0 steps of each, none blocks them all."""
+    exch = plan(cfg(codec="int8")).exchange_s
+    auto = plan(cfg(codec="int8", overlap="partial", local_steps=30, train_iters=3000))
+    assert auto.warmup == (10, 900)
+    assert auto.warmup_exposed_s == pytest.approx(89 * exch)
+    assert auto.warmup_share == pytest.approx(89 * exch / 3000)
+    assert plan(cfg(codec="int8", overlap="none", local_steps=30, train_iters=3000)).warmup_exposed_s == pytest.approx(90 * exch)
+    slow = plan(cfg(codec="int8", overlap="delayed", local_steps=6, warmup_iters=20, step_time_s=0.25))
+    assert slow.warmup == (2, 20) and slow.warmup_share is None
+    assert slow.warmup_exposed_s == pytest.approx(10 * (exch - 0.5))
+    off = plan(cfg(codec="int8", overlap="partial", local_steps=30, warmup_iters=0))
+    assert off.warmup == (None, 0) and off.warmup_exposed_s == 0.0
+
+
 def test_speedup_hand_computed():
     # AllReduce: (R-1)/R x (4 + 2) B x 1e9 params = 3e9 B at 1e9 B/s -> 3 s comm + 1 s compute = 4 s/step.
     # DiLoCoX: H = 10 steps of 1 s per round, exchange (1 s) hidden: 1 s/step. Speedup 4.

@@ -212,8 +212,9 @@ def test_ring_bytes_and_run_plan():
     assert wan_bench.method_args("allreduce", 16, 10) == ["--no-diloco-x"]
     assert wan_bench.method_recorders("allreduce") == ["wan", "plain_ddp"]
     assert wan_bench.method_recorders("allreduce-distopt") == wan_bench.method_recorders("dilocox") == ["wan"]
-    # dilocox is the default mode: H only, every other DiLoCoX flag left to the package's defaults
-    assert wan_bench.method_args("dilocox", 16, 10) == ["--diloco-x-local-steps", "16"]
+    # dilocox is the default mode: H, and the steady rounds (no warm-up); every other DiLoCoX flag
+    # left to the package's defaults
+    assert wan_bench.method_args("dilocox", 16, 10) == ["--diloco-x-local-steps", "16", "--diloco-x-warmup-iters", "0"]
     dl = wan_bench.method_args("diloco", 16, 10)
     assert dl[dl.index("--diloco-x-overlap") + 1] == "none" and dl[dl.index("--diloco-x-compression") + 1] == "none"
     assert "--diloco-x-bandwidth-mbps" in wan_bench.method_args("dilocox-adaptive", 16, 10)

@@ -1,7 +1,7 @@
 """Capture real DiLoCoX pseudo-gradients from ``examples/pretrain_gpt_diloco.py`` (for ``codecs_bench.py``).
 
     python benchmarks/codecs/codec_capture.py [--out .cache/pseudograds] [--rounds 1,4] [--nproc 4] \\
-        -- --train-iters 64 --diloco-x-local-steps 16 --diloco-x-overlap none
+        -- --train-iters 64 --diloco-x-local-steps 16 --diloco-x-warmup-iters 0 --diloco-x-overlap none
 
 One runner job: the example under the harness with the recorder ``codec_capture``
 (``benchmarks/common/recorders.py``, where what a capture holds is described) under ``torchrun``
@@ -43,7 +43,7 @@ def main() -> None:
     p.add_argument("extra", nargs=argparse.REMAINDER, help="flags for the example (after --)")
     a = p.parse_args()
     extra = [x for x in a.extra if x != "--"] or \
-        "--train-iters 64 --diloco-x-local-steps 16 --diloco-x-overlap none".split()
+        "--train-iters 64 --diloco-x-local-steps 16 --diloco-x-warmup-iters 0 --diloco-x-overlap none".split()
     a.out.mkdir(parents=True, exist_ok=True)
     for old in a.out.glob("round*_replica*_stage*.pt"):
         old.unlink()

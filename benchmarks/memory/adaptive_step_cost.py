@@ -66,7 +66,7 @@ def run_args(name: str, a: argparse.Namespace, model: list[str]) -> tuple[list[s
     base = [*model, *COMMON, "--train-iters", str(a.iters)]
     if name == "vanilla":
         return [*base, "--no-diloco-x"], False
-    return [*base, "--diloco-x", "--diloco-x-replicas", str(REPLICAS), "--diloco-x-local-steps", str(a.local_steps),
+    return [*base, "--diloco-x", "--diloco-x-replicas", str(REPLICAS), "--diloco-x-local-steps", str(a.local_steps), "--diloco-x-warmup-iters", "0",
             "--diloco-x-overlap", a.overlap, "--diloco-x-compression", name,
             "--diloco-x-bandwidth-mbps", "1000"], True
 

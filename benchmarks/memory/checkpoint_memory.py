@@ -70,7 +70,7 @@ def measure(repo: Path, hidden: int, layers: int, iters: int, work: Path, plain:
             "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1", "--eval-iters", "0",
             "--eval-interval", "100000", "--lr-warmup-iters", "2",
             "--train-iters", str(iters + 10), "--exit-interval", str(iters), "--save", str(ckpt),
-            "--save-interval", "100000", "--diloco-x-local-steps", "4", "--diloco-x-overlap", "delayed",
+            "--save-interval", "100000", "--diloco-x-local-steps", "4", "--diloco-x-warmup-iters", "0", "--diloco-x-overlap", "delayed",
             "--diloco-x-outer-momentum", "0.9"] + (["--no-diloco-x"] if plain else [])
     env = {"CUDA_VISIBLE_DEVICES": "", "DILOCO_CKPT_OBJECT_SIZES": "0",
            "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}

@@ -23,7 +23,7 @@ from benchmarks.common.runner import last_summary  # noqa: E402
 
 def main() -> None:
     a, common = parse_bench_args()
-    dx_args = ["--diloco-x-replicas", "2", "--diloco-x-local-steps", str(a.local_steps),
+    dx_args = ["--diloco-x-replicas", "2", "--diloco-x-local-steps", str(a.local_steps), "--diloco-x-warmup-iters", "0",
                "--diloco-x-overlap", "delayed"]
     vanilla, _ = run("vanilla", a.out, common + ["--no-diloco-x"], a.nproc)
     dilocox, log = run("dilocox", a.out, common + dx_args, a.nproc)

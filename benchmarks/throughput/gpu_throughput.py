@@ -93,7 +93,7 @@ def method_args(method: str, link_mbps: float, a: argparse.Namespace) -> list[st
     if method == "allreduce-distopt":  # the example's default: distributed optimizer
         overlap = ["--overlap-grad-reduce", "--overlap-param-gather"] if a.allreduce_overlap else []
         return ["--no-diloco-x", "--use-tp-pp-dp-mapping", *overlap]
-    dx = ["--diloco-x", "--diloco-x-replicas", "2", "--diloco-x-local-steps", str(a.local_steps)]
+    dx = ["--diloco-x", "--diloco-x-replicas", "2", "--diloco-x-local-steps", str(a.local_steps), "--diloco-x-warmup-iters", "0"]
     if method == "diloco":
         return dx + ["--diloco-x-overlap", "none", "--diloco-x-compression", "none",
                      "--diloco-x-outer-lr", str(a.eta_none), "--diloco-x-outer-momentum", str(a.mu_none)]

@@ -58,7 +58,7 @@ def main() -> None:
     model = MODEL_TINY if a.small else MODEL_1B
     layout = ["--tensor-model-parallel-size", str(a.tp), "--pipeline-model-parallel-size", str(a.pp)]
     H = a.local_steps
-    dx = ["--diloco-x-replicas", "2", "--diloco-x-local-steps", str(H), "--diloco-x-overlap", "delayed",
+    dx = ["--diloco-x-replicas", "2", "--diloco-x-local-steps", str(H), "--diloco-x-warmup-iters", "0", "--diloco-x-overlap", "delayed",
           "--diloco-x-compression", a.codec, "--diloco-x-outer-lr", "0.5", "--diloco-x-outer-momentum", "0"]
     env = {"BENCH_CHECK_BOUNDARIES": "1"}
     vanilla, _ = run("vanilla", a.out, model + layout + common + ["--no-diloco-x"], a.nproc)

@@ -95,12 +95,14 @@ ALLREDUCE_WARMUP = 2
 
 def method_args(method: str, local_steps: int, link_mbps: float) -> list[str]:
     """The example's flags that select ``method`` (on top of its demo defaults: 2 replicas, the
-    package's DiLoCoX defaults); ``allreduce`` also runs as plain DDP (:func:`method_recorders`)."""
+    package's DiLoCoX defaults but the warm-up: this measures the steady rounds of H; the default
+    warm-up's blocking rounds are a one-time cost, benchmarks/RESULTS.md §2.1); ``allreduce`` also
+    runs as plain DDP (:func:`method_recorders`)."""
     if method == "allreduce":
         return ["--no-diloco-x"]
     if method == "allreduce-distopt":
         return ["--no-diloco-x"]
-    dx = ["--diloco-x-local-steps", str(local_steps)]
+    dx = ["--diloco-x-local-steps", str(local_steps), "--diloco-x-warmup-iters", "0"]
     if method == "diloco":
         return dx + ["--diloco-x-overlap", "none", "--diloco-x-compression", "none"]
     if method == "dilocox":
