@@ -143,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
         local_steps=args.diloco_x_local_steps,
         warmup_local_steps=warmup_local_steps,
         warmup_iters=warmup_iters,
+        warmup_auto=getattr(args, "diloco_x_warmup_iters", None) is None,
         outer_lr=args.diloco_x_outer_lr,
         outer_momentum=args.diloco_x_outer_momentum,
         nesterov=not args.diloco_x_no_nesterov,

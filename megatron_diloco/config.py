@@ -76,6 +76,11 @@ class DiLoCoXConfig:
     """Inner steps run in rounds of H0 before the rounds of H (``--diloco-x-warmup-iters``; a
     multiple of H0; 0: no warm-up)."""
 
+    warmup_auto: bool = False
+    """Whether the warm-up came from the command line's ``auto`` (it depends on ``--train-iters``):
+    a resume then keeps the schedule its checkpoint was trained with
+    (:meth:`megatron_diloco.optimizer.DiLoCoXOptimizer.load_state_dict`)."""
+
     outer_lr: float = 1.0
     """eta: outer learning rate applied to the averaged pseudo-gradient. 1.0 with mu = 0 makes the
     outer step the replicas' mean (theta <- mean_r x_r): the best measured at H = 30
@@ -301,6 +306,11 @@ class DiLoCoXConfig:
         if steps <= w:
             return steps % self.warmup_local_steps if w else steps % self.local_steps
         return (steps - w) % self.local_steps
+
+    def schedule(self) -> dict[str, int | None]:
+        """The round schedule (H, H0, W): what a checkpoint records, so that a resume can keep it."""
+        return {"local_steps": self.local_steps, "warmup_local_steps": self.warmup_local_steps,
+                "warmup_iters": self.warmup_iters}
 
     def round_steps(self, steps: int) -> int:
         """Inner steps of the round that starts after ``steps`` inner steps (at a boundary)."""

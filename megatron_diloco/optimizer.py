@@ -515,7 +515,25 @@ class DiLoCoXOptimizer(MegatronOptimizer):
 
     def _outer_state(self) -> dict:
         return {"sync": self.sync.state_dict(), "step_calls": self.step_calls,
-                "totals": vars(self.totals).copy()}
+                "totals": vars(self.totals).copy(), "schedule": self.diloco_config.schedule()}
+
+    def _keep_schedule(self, saved: dict | None) -> None:
+        """On a resume: the round schedule the checkpoint was trained with (``saved``, None in
+        checkpoints written before it was recorded) against this run's. An ``auto`` warm-up (it
+        depends on ``--train-iters``, which a resume may extend) takes the checkpoint's, so that the
+        boundaries stay where they were; explicit flags that differ win, with a warning (the rounds
+        after this step follow them; the replicas agree, as every rank resolves the same flags)."""
+        cfg = self.diloco_config
+        if saved is None or saved == cfg.schedule():
+            return
+        if cfg.warmup_auto and saved["local_steps"] == cfg.local_steps:
+            cfg.warmup_local_steps, cfg.warmup_iters = saved["warmup_local_steps"], saved["warmup_iters"]
+            logger.info("DiLoCoX: the auto warm-up keeps the checkpoint's schedule: H0 %s for %s steps",
+                        cfg.warmup_local_steps, cfg.warmup_iters)
+            return
+        logger.warning("DiLoCoX: the checkpoint was trained with rounds %s, this run's flags give %s: the rounds "
+                       "after step %d follow the flags (--diloco-x-local-steps, --diloco-x-warmup-local-steps, "
+                       "--diloco-x-warmup-iters)", saved, cfg.schedule(), self.step_calls)
 
     def _per_replica_state(self) -> dict:
         """Clones of this replica's own state (non-sharded :meth:`state_dict` only)."""
@@ -602,7 +620,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             outer_tensors = {k: v for k, v in state.items() if _is_flat_shard(v, n)}
             outer_meta = {k: v for k, v in state.items() if k not in outer_tensors}
             outer_meta.update(format=CHECKPOINT_FORMAT, numel=n, tensors=sorted(outer_tensors),
-                              step_calls=self.step_calls, totals=vars(self.totals).copy())
+                              step_calls=self.step_calls, totals=vars(self.totals).copy(),
+                              schedule=self.diloco_config.schedule())
             kinds = self._replica_tensors()
             replica_meta = self._replica_meta()
         entries: dict[str, Any] = {
@@ -767,13 +786,14 @@ class DiLoCoXOptimizer(MegatronOptimizer):
                              f"rank owns {n}: resume with the same TP/PP/DP layout and --diloco-x-replicas")
         loaded_outer = ours.get("outer", {})
         sync_state = {k: v for k, v in outer_meta.items()
-                      if k not in ("format", "numel", "tensors", "step_calls", "totals")}
+                      if k not in ("format", "numel", "tensors", "step_calls", "totals", "schedule")}
         for name in outer_meta["tensors"]:
             sync_state[name] = (loaded_outer[name] if n > 0 else
                                 torch.empty(0, dtype=torch.float32, device=self.view.device))
         self.sync.load_state_dict(sync_state)  # copies onto itself where read in place
         self.step_calls = int(outer_meta["step_calls"])
         self.totals = ExchangeStats(**outer_meta["totals"])
+        self._keep_schedule(outer_meta.get("schedule"))
         fresh = self.__dict__.pop("_loading_main_params", None)
         if n > 0:
             loaded = ours["replica"]
@@ -802,6 +822,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self.sync.load_state_dict(outer["sync"])
         self.step_calls = int(outer["step_calls"])
         self.totals = ExchangeStats(**outer["totals"])
+        self._keep_schedule(outer.get("schedule"))
         tensors, legacy = per_replica["tensors"], per_replica["meta"] is None
         names = [name for name, _ in (self._legacy_state_tensors() if legacy else self._inner_state_tensors())]
         missing = [name for name in names if name not in tensors]

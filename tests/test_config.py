@@ -97,7 +97,8 @@ def test_defaults_are_the_measured_best():
     got = (cfg.replicas, cfg.local_steps, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.overlap,
            cfg.overlap_steps, cfg.merge, cfg.compression, cfg.warmup_local_steps)
     assert got == (2, 500, 1.0, 0.0, True, "partial", None, "exact", "int4", 500 // 3)
-    assert dataclasses.replace(cfg, warmup_local_steps=None, warmup_iters=0) == DiLoCoXConfig()
+    assert cfg.warmup_auto and not config_from_args(parse("--diloco-x-warmup-iters", "332")).warmup_auto
+    assert dataclasses.replace(cfg, warmup_local_steps=None, warmup_iters=0, warmup_auto=False) == DiLoCoXConfig()
 
 
 def test_valid_setup_sets_the_replica_topology():

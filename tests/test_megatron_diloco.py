@@ -96,7 +96,8 @@ def test_warmup_rounds_then_h(tmp_path):
     (2..4) blocks (no landing at 3), the rounds of H land one step late (5, 9); a checkpoint saved
     inside the warm-up (iteration 3) resumes on the same schedule, bit for bit. With H0 = H the
     warm-up changes nothing: the losses of the plain run, bit for bit. With no warm-up flag, the
-    auto warm-up: rounds of H // 3 = 1 for a third of the run (4 steps), blocking, then of H."""
+    auto warm-up: rounds of H // 3 = 1 for a third of the run (4 steps), blocking, then of H; resumed
+    with a longer --train-iters, it keeps the checkpoint's warm-up."""
     base = ["--train-iters", "12", "--diloco-x-local-steps", "4", "--diloco-x-overlap-steps", "1",
             "--save-interval", "1000", "--no-load-rng", *MEGATRON_DEFAULTS]
     warm = base + ["--diloco-x-warmup-local-steps", "2", "--diloco-x-warmup-iters", "4"]
@@ -126,6 +127,18 @@ def test_warmup_rounds_then_h(tmp_path):
         assert [s for s, _ in rec["boundary_identical"]] == [1, 2, 3, 4, 8, 12], rank
         assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
         assert {s for s, _, outer in rec["step_ops"] if outer} == {1, 2, 3, 4, 5, 8, 9, 12}, rank
+    assert (summary(log)["warmup_local_steps"], summary(log)["warmup_iters"]) == (1, 4)
+    # a resume that extends --train-iters keeps the auto warm-up it was trained with (4 steps), not
+    # the longer one its own --train-iters would give (24 / 3 = 8: boundaries 4, 5, 6, 7, 8, 12, ...)
+    auto_ckpt = str(tmp_path / "auto_ckpt")
+    run_megatron(tmp_path, base + ["--save", auto_ckpt, "--exit-interval", "3"], warmup=True)
+    longer = list(base)
+    longer[longer.index("--train-iters") + 1] = "24"
+    resumed, log = run_megatron(tmp_path, longer + ["--load", auto_ckpt, "--use-checkpoint-opt_param-scheduler"],
+                                warmup=True)
+    for rank, rec in enumerate(resumed):
+        assert [s for s, _ in rec["boundary_identical"]] == [4, 8, 12, 16, 20, 24], rank
+    assert "keeps the checkpoint's schedule" in log
     assert (summary(log)["warmup_local_steps"], summary(log)["warmup_iters"]) == (1, 4)
 
 
