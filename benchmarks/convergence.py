@@ -123,6 +123,9 @@ METHODS: dict[str, dict] = {
                                        flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900"],
                                        **_O),
 }
+#: The package default (``--diloco-x`` alone) at H = 30 over 3000 steps: its auto warm-up is this
+#: method's (``tests/test_convergence_jobs.py::test_the_default_method_is_the_package_default``).
+DEFAULT_METHOD = "partial_auto_int4_hwarm900"
 #: The link the auto tau and the adaptive byte budget are sized for (Mbit/s): the issue's 1 Gbit.
 LINK_MBPS = 1000
 _VALID = re.compile(r"validation loss at iteration (\d+)( on validation set)? \| lm loss value: (\S+)")
@@ -386,7 +389,7 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=None)
     p.add_argument("--estimate-s", type=float, default=400.0)
     p.add_argument("--timeout-s", type=float, default=None)
-    p.add_argument("--default-method", default="partial_auto_int4_hwarm900")
+    p.add_argument("--default-method", default=DEFAULT_METHOD)
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--from", dest="more", type=Path, nargs="*", default=[])
     p.add_argument("--cpu-smoke", action="store_true")

@@ -157,3 +157,24 @@ def test_every_method_is_a_valid_package_config():
         args, _ = add_diloco_x_args(argparse.ArgumentParser()).parse_known_args(argv)
         cfg = config_from_args(args)
         assert cfg.overlap == m["overlap"] and cfg.compression == m["codec"], name
+
+
+def test_the_default_method_is_the_package_default():
+    """The report's default method (``--default-method``) runs what ``--diloco-x`` alone runs at the
+    harness's H and step count (its explicit warm-up equals the auto one there), but for the
+    modelled link (``--diloco-x-bandwidth-mbps``, which auto tau is sized by in the harness)."""
+    import argparse
+    import dataclasses
+
+    from megatron_diloco.arguments import add_diloco_x_args, config_from_args
+
+    def config(argv: list[str]):
+        args, _ = add_diloco_x_args(argparse.ArgumentParser()).parse_known_args(
+            ["--diloco-x-local-steps", str(convergence.H), *argv])
+        args.train_iters = 3000  # convergence.py --steps default
+        return config_from_args(args)
+
+    got = config(convergence.method_flags(convergence.DEFAULT_METHOD))
+    want = config(["--diloco-x", "--diloco-x-replicas", str(convergence.REPLICAS)])
+    assert got.warmup_iters == want.warmup_iters == 900 and got.warmup_local_steps == want.warmup_local_steps == 10
+    assert dataclasses.replace(got, bandwidth_mbps=None, warmup_auto=True) == want
