@@ -63,8 +63,11 @@ def test_time_figures_leave_out_the_warm_up_rounds():
         elif i % H == 1 and i > WARM_ROUNDS * H:
             iter_s[i - 1] += land  # tau 1: the landing one step after the boundary
     iter_s[4] += 2.0  # a slow early step (warm-up)
-    rec = {"params_on_rank": 10, "max_mem_bytes": 2 ** 30, "iter_s": iter_s}
+    plugin_s = [2e-5 if i % H else 0.05 for i in range(1, n + 1)]
+    plugin_s[4] = 1.0  # the warm-up's: left out
+    rec = {"params_on_rank": 10, "max_mem_bytes": 2 ** 30, "iter_s": iter_s, "plugin_s": plugin_s}
     f = figures([rec], H)
+    assert f["plugin_us"] == pytest.approx(20.0) and f["plugin_pct"] == pytest.approx(100 * 2e-5 / step)
     assert f["step_ms"] == pytest.approx(1e3 * step)
     assert f["boundary_ms"] == pytest.approx(1e3 * (step + prep))  # not the compiling boundaries
     assert f["outer_ms"] == pytest.approx(1e3 * (prep + land)) and f["steady_rounds"] == 1  # boundary 30 (40's is cut)

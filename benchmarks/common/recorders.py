@@ -6,7 +6,10 @@ Each writes its keys into the rank's record ``rank{R}.json``; what they hold:
   sides, identically with and without ``--diloco-x``), ``iter_stream_s`` (CUDA only: the same step
   until the training thread's current stream drained, just before the closing device
   synchronization: without the work of other streams, e.g. a DiLoCoX worker thread's),
-  ``params_on_rank``, ``pp_rank``, ``tp_rank``,
+  ``plugin_s`` (with ``--diloco-x``: per ``DiLoCoXOptimizer.step`` call, its host wall time less
+  the wrapped inner optimizer's ``step``: what the plugin itself adds to the step, boundary work
+  included on the steps that carry it; no device synchronization, so GPU work it enqueues is not
+  in it), ``params_on_rank``, ``pp_rank``, ``tp_rank``,
   ``rank``, ``mem_after_setup_bytes`` / ``max_mem_bytes`` / ``device`` (CUDA only) and ``completed``
   (the script returned normally);
 * ``losses``: ``{iteration: loss}`` of the logging ranks;
@@ -60,12 +63,13 @@ class TimersRecorder(Recorder):
     """Step times, parameters and device memory of the rank (see the module docstring)."""
 
     name = "timers"
-    keys = ("iter_s", "iter_stream_s", "params_on_rank", "pp_rank", "tp_rank", "rank", "mem_after_setup_bytes",
-            "max_mem_bytes", "device", "completed")
+    keys = ("iter_s", "iter_stream_s", "plugin_s", "params_on_rank", "pp_rank", "tp_rank", "rank",
+            "mem_after_setup_bytes", "max_mem_bytes", "device", "completed")
 
     def __init__(self, record: dict[str, Any]) -> None:
         super().__init__(record)
-        record.update(iter_s=[], iter_stream_s=[], params_on_rank=0, mem_after_setup_bytes=None, completed=False)
+        record.update(iter_s=[], iter_stream_s=[], plugin_s=[], params_on_rank=0, mem_after_setup_bytes=None,
+                      completed=False)
 
     def install(self) -> None:
         import megatron.training.training as training
@@ -98,6 +102,28 @@ class TimersRecorder(Recorder):
                 rec["iter_stream_s"].append(time.perf_counter() - t0)
             _sync()
             rec["iter_s"].append(time.perf_counter() - t0)
+            return out
+
+        from megatron_diloco.optimizer import DiLoCoXOptimizer
+
+        inner_s = [0.0]  # the last inner step's wall time
+
+        @wrap(DiLoCoXOptimizer, "step")
+        def step(orig, opt):
+            if "step" not in vars(opt.inner):  # time the wrapped optimizer's step (once per instance)
+                real = opt.inner.step
+
+                def timed(*a, **k):
+                    t = time.perf_counter()
+                    try:
+                        return real(*a, **k)
+                    finally:
+                        inner_s[0] = time.perf_counter() - t
+
+                opt.inner.step = timed
+            t0 = time.perf_counter()
+            out = orig(opt)
+            rec["plugin_s"].append(time.perf_counter() - t0 - inner_s[0])
             return out
 
     def finalize(self, completed: bool) -> None:
@@ -201,7 +227,7 @@ class BoundaryCheckRecorder(Recorder):
         @wrap(DiLoCoXOptimizer, "step")
         def step(orig, opt):
             out = orig(opt)
-            if opt.step_calls % opt.diloco_config.local_steps == 0:
+            if opt.diloco_config.steps_since_boundary(opt.step_calls) == 0:  # H, or H0 in a warm-up
                 self.record["boundary_identical"].append([opt.step_calls, opt.replicas_identical()])
             return out
 

@@ -33,6 +33,10 @@ Figures per run (``benchmarks/results/memory.json``, or ``--result``):
   :data:`WARM_ROUNDS` rounds and every H-th step, the boundary steps, excluded); ``step_overhead_pct``
   vs vanilla; ``step_mean_ms`` / ``step_mean_overhead_pct``: their mean (it counts ``partial``'s
   landing step, where the exchange is applied and merged: the median hides it);
+* ``plugin_us``: median over the same inner steps of the host time ``DiLoCoXOptimizer.step`` adds
+  to the inner optimizer's step (the ``timers`` recorder's ``plugin_s``; the plugin enqueues no
+  device work on these steps, ``tests/test_megatron_diloco.py`` counts it); ``plugin_pct``: its
+  share of ``step_ms``. Resolves the inner-step overhead where whole-run medians move by percents;
 * ``boundary_ms``: median wall time of the boundary steps after the warm-up rounds (the whole
   iteration: inner step + the boundary's pass and launch);
 * ``outer_ms``: all the outer work of a round, wherever it falls (the boundary, and ``partial``'s
@@ -132,6 +136,7 @@ def figures(recs: list[dict], local_steps: int) -> dict:
     gib = 2 ** 30
     inner, bound, rounds = steady_times(r["iter_s"], local_steps)
     step = statistics.median(inner) if inner else None
+    plugin = steady_times(r["plugin_s"], local_steps)[0] if r.get("plugin_s") else []
     outer = [sum(w) - local_steps * step for w in rounds] if step is not None else []
     steady = r["mem_after_step_bytes"][-1] if r.get("mem_after_step_bytes") else None
     return {
@@ -141,6 +146,8 @@ def figures(recs: list[dict], local_steps: int) -> dict:
         "setup_gb": r["mem_after_setup_bytes"] / gib if r.get("mem_after_setup_bytes") is not None else None,
         "step_ms": 1e3 * step if step is not None else None,
         "step_mean_ms": 1e3 * statistics.mean(inner) if inner else None,
+        "plugin_us": 1e6 * statistics.median(plugin) if plugin else None,
+        "plugin_pct": 100 * statistics.median(plugin) / step if plugin and step else None,
         "boundary_ms": 1e3 * statistics.median(bound) if bound else None,
         "outer_ms": 1e3 * statistics.median(outer) if outer else None,
         "steady_rounds": len(rounds),
@@ -192,7 +199,7 @@ def _result(runs: dict[str, dict], a: argparse.Namespace, model: list[str]) -> d
 
 #: the figures that vary from pass to pass (the memory figures are the same bytes every pass), and
 #: those taken within a pass (:func:`_within_pass`): merge() averages both over the passes
-TIMES = ("step_ms", "step_mean_ms", "boundary_ms", "outer_ms")
+TIMES = ("step_ms", "step_mean_ms", "plugin_us", "plugin_pct", "boundary_ms", "outer_ms")
 RATIOS = ("step_overhead_pct", "step_mean_overhead_pct", "outer_net_ms", "boundary_vs_gpu", "outer_vs_gpu")
 
 
@@ -303,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_table(result: dict, result_path: Path) -> None:
     params = result.get("params") or 0
-    cols = ("peak_gb", "steady_gb", "overhead_bytes_per_param", "step_ms", "step_overhead_pct", "step_mean_ms", "boundary_ms",
-            "outer_net_ms", "host_gb")
+    cols = ("peak_gb", "steady_gb", "overhead_bytes_per_param", "step_ms", "step_overhead_pct", "step_mean_ms",
+            "plugin_us", "boundary_ms", "outer_net_ms", "host_gb")
     print(f"\n{result.get('card')}, {params / 1e9:.3f} B params, commit {result.get('commit')}; written {result_path}")
     print(f"{'run':<10}" + "".join(f"{c:>26}" for c in cols))
     for name, f in result.get("runs", {}).items():
