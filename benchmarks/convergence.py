@@ -382,8 +382,9 @@ def plot(result: dict, path: Path) -> bool:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--methods", default="allreduce,diloco,delayed,eager,partial_tau5,partial_tau15,"
-                                        "partial_tau5_int4,diloco_int4")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated names of METHODS (default: the headline rows of benchmarks/RESULTS.md "
+                        "§2.1; with --cpu-smoke, whose H is 4, allreduce,partial_auto_int4,diloco_int4)")
     p.add_argument("--seeds", default="1")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--local-steps", type=int, default=H)
@@ -407,6 +408,9 @@ def main() -> None:
     a = p.parse_args()
     if a.cpu_smoke:
         a.steps, a.local_steps, a.eval_interval, a.corpus_mb = 8, 4, 4, 8
+    if a.methods is None:  # the warm-up rows' H0 10 does not fit the smoke's H 4
+        a.methods = ("allreduce,partial_auto_int4,diloco_int4" if a.cpu_smoke else
+                     f"allreduce,{DEFAULT_METHOD},diloco_int4_hwarm600,partial_auto_int4,diloco_int4")
     a.out = a.out.resolve()
     seq = 64 if a.cpu_smoke else 512
     a.tokens_per_step = REPLICAS * a.micro_batch * a.accum * seq
