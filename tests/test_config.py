@@ -136,3 +136,28 @@ def test_summary_line_round_trips_with_launcher_prefixes():
     log = f"noise\n{format_summary(a)}\n[rank0]: {format_summary(b)}\nDILOCOX SUMMARIES are not lines\n"
     assert parse_summaries(log) == [a, b]
     assert parse_summaries("no summary here") == []
+
+
+def test_a_resume_keeps_an_auto_warmup_and_warns_on_changed_flags(caplog):
+    """``DiLoCoXOptimizer._keep_schedule``: an auto warm-up takes the checkpoint's (H0, W) when H is
+    the same; explicit flags (or a changed H) keep this run's, with a warning naming the flags; an
+    older checkpoint (no schedule) changes nothing."""
+    import logging
+    import types
+
+    from megatron_diloco.optimizer import DiLoCoXOptimizer
+
+    def resume(argv, train_iters, saved):
+        args = parse("--diloco-x-local-steps", "30", *argv)
+        args.train_iters = train_iters
+        opt = types.SimpleNamespace(diloco_config=config_from_args(args), step_calls=600)
+        DiLoCoXOptimizer._keep_schedule(opt, saved)
+        return opt.diloco_config
+
+    saved = {"local_steps": 30, "warmup_local_steps": 10, "warmup_iters": 400}  # trained with --train-iters 1200
+    assert (resume([], 3000, saved).warmup_iters, resume([], 3000, None).warmup_iters) == (400, 900)
+    with caplog.at_level(logging.WARNING, logger="megatron_diloco.optimizer"):
+        cfg = resume(["--diloco-x-warmup-iters", "900"], 3000, saved)
+    assert cfg.warmup_iters == 900 and "--diloco-x-warmup-iters" in caplog.text
+    changed = resume(["--diloco-x-local-steps", "20"], 3000, saved)  # H changed: the flags' auto warm-up
+    assert (changed.local_steps, changed.warmup_local_steps, changed.warmup_iters) == (20, 6, 600)
