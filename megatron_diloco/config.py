@@ -301,11 +301,10 @@ class DiLoCoXConfig:
 
     def steps_since_boundary(self, steps: int) -> int:
         """Inner steps since the last boundary after ``steps`` inner steps (0: ``steps`` ends a round,
-        or is 0): rounds of H0 during the warm-up, then of H."""
-        w = self.warmup_iters if self.warmup_local_steps is not None else 0
-        if steps <= w:
-            return steps % self.warmup_local_steps if w else steps % self.local_steps
-        return (steps - w) % self.local_steps
+        or is 0): rounds of H0 during the warm-up, then of H. (Validation makes W > 0 exactly when
+        H0 is set.)"""
+        w = self.warmup_iters
+        return steps % self.warmup_local_steps if w and steps <= w else (steps - w) % self.local_steps
 
     def schedule(self) -> dict[str, int | None]:
         """The round schedule (H, H0, W): what a checkpoint records, so that a resume can keep it."""
@@ -314,8 +313,7 @@ class DiLoCoXConfig:
 
     def round_steps(self, steps: int) -> int:
         """Inner steps of the round that starts after ``steps`` inner steps (at a boundary)."""
-        w = self.warmup_iters if self.warmup_local_steps is not None else 0
-        return self.warmup_local_steps if steps < w else self.local_steps
+        return self.warmup_local_steps if steps < self.warmup_iters else self.local_steps
 
     def outer_timeout_s(self, step_time_s: float | None = None, longest_exchange_s: float = 0.0) -> float:
         """T in seconds: ``--diloco-x-outer-timeout-minutes`` when given, else the derived rule of
