@@ -315,6 +315,15 @@ class DiLoCoXConfig:
         """Inner steps of the round that starts after ``steps`` inner steps (at a boundary)."""
         return self.warmup_local_steps if steps < self.warmup_iters else self.local_steps
 
+    @property
+    def exchanges_on_host_mirror(self) -> bool:
+        """Whether the exchange runs over the gloo mirror of the outer group (when there is one):
+        the matrix codecs (their worker thread never talks over a group the training loop uses), and
+        ``none`` with the outer state on the host (its fp32 all-reduce in host memory: no device
+        buffer for it; the outer link is the slow one, NCCL's speed buys nothing there)."""
+        spec = CODECS[self.compression]
+        return spec.matrix or (self.outer_state == "cpu" and not spec.lossy)
+
     def outer_timeout_s(self, step_time_s: float | None = None, longest_exchange_s: float = 0.0) -> float:
         """T in seconds: ``--diloco-x-outer-timeout-minutes`` when given, else the derived rule of
         :attr:`outer_timeout_minutes` (``step_time_s``: mean inner-step time, None while unknown;

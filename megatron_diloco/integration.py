@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_diloco.arguments import config_from_args, validate_megatron_args
-from megatron_diloco.config import CODECS, DiLoCoXConfig
+from megatron_diloco.config import DiLoCoXConfig
 from megatron_diloco.summary import format_summary
 from megatron_diloco.replica_local import install_replica_local_collectives, replica_local_loss_reduction
 
@@ -192,12 +192,7 @@ class _Installation:
         else:
             for chunk in model_chunks:
                 make_gradient_reduction_replica_local(chunk, self.config.replicas)
-            # low-rank / adaptive exchanges run on a worker thread: they talk over gloo mirrors of the
-            # outer groups, never over a group the training loop uses; so does ``none``'s all-reduce
-            # with the outer state on the host (in host memory: no device buffer for it)
-            spec = CODECS[self.config.compression]
-            host_mirror = spec.matrix or (self.config.outer_state == "cpu" and not spec.lossy)
-            topology = from_parallel_state(self.config.replicas, host_mirror=host_mirror)
+            topology = from_parallel_state(self.config.replicas, host_mirror=self.config.exchanges_on_host_mirror)
         self.optimizer = opt = DiLoCoXOptimizer(inner, self.config, topology, on_round=self.log_round)
         install_replica_local_collectives(
             self.args, at_boundary=lambda: self.config.steps_since_boundary(opt.step_calls) == 0)

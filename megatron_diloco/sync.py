@@ -202,14 +202,12 @@ class OuterSync:
         self.codec = _build_codec(config, view, shapes)
         # worker thread of the matrix codecs' exchanges (several dependent collectives): a daemon, so
         # that one stuck in a collective with a peer that stopped answering never keeps the process
-        # from exiting. It runs them on the gloo mirror of ``group`` when given (GPU tensors travel as
-        # host copies; megatron_diloco.topology.host_mirror_of_outer_groups); the other codecs' one
-        # collective runs on ``group`` itself, but ``none`` with the host layout: its fp32 all-reduce
-        # runs on the mirror too, in host memory (the outer link is the slow one: NCCL's speed buys
-        # nothing there, and its buffer would be 4 B/param of device memory).
+        # from exiting. Those exchanges, and ``none``'s with the host layout, run on the gloo mirror of
+        # ``group`` when given (DiLoCoXConfig.exchanges_on_host_mirror; GPU tensors travel as host
+        # copies); the other codecs' one collective runs on ``group`` itself.
         self._executor = DaemonWorker("diloco_x") if spec.matrix else None
         host_none = config.outer_state == "cpu" and not spec.lossy
-        self.exchange_group = host_group if (spec.matrix or host_none) and host_group is not None else group
+        self.exchange_group = host_group if config.exchanges_on_host_mirror and host_group is not None else group
         #: where the outer state lives (--diloco-x-outer-state): on the device, or in host memory
         #: streamed through the device chunk by chunk at each boundary (megatron_diloco.outer_store)
         self.store = OuterStore(view.numel, view.device, on_host=config.outer_state == "cpu",
