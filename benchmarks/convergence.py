@@ -134,6 +134,8 @@ METHODS: dict[str, dict] = {
 #: The package default (``--diloco-x`` alone) at H = 30 over 3000 steps: its auto warm-up is this
 #: method's (``tests/test_convergence_jobs.py::test_the_default_method_is_the_package_default``).
 DEFAULT_METHOD = "partial_auto_int4_hwarm900"
+#: RESULTS §2.1's headline rows: the default ``--methods``, and the curves of the plot's left panel
+HEADLINE_METHODS = ("allreduce", DEFAULT_METHOD, "diloco_int4_hwarm600", "partial_auto_int4", "diloco_int4")
 #: The link the auto tau and the adaptive byte budget are sized for (Mbit/s): the issue's 1 Gbit.
 LINK_MBPS = 1000
 _VALID = re.compile(r"validation loss at iteration (\d+)( on validation set)? \| lm loss value: (\S+)")
@@ -362,14 +364,20 @@ def plot(result: dict, path: Path) -> bool:
     except ImportError:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    # curves of the headline rows only (all when none of them was run): ~20 curves are unreadable
+    headline = [n for n in HEADLINE_METHODS if n in result["methods"]] or list(result["methods"])
     for name, row in sorted(result["methods"].items()):
-        if row.get("curve"):
+        if row.get("curve") and name in headline:
             xs, ys = zip(*row["curve"])
             ax1.plot([x / 1e6 for x in xs], ys, label=name, lw=2.5 if name == "allreduce" else 1.2)
         if row.get("final_val_loss") and row.get("bytes_total"):
-            ax2.scatter(row["bytes_total"] / 1e9, row["final_val_loss"])
-            ax2.annotate(name, (row["bytes_total"] / 1e9, row["final_val_loss"]), fontsize=7)
-    ax1.set(xlabel="tokens (M)", ylabel="validation loss", title="validation loss vs tokens")
+            main = name in headline
+            ax2.scatter(row["bytes_total"] / 1e9, row["final_val_loss"], color=None if main else "0.6",
+                        zorder=2 if main else 1)
+            ax2.annotate(name, (row["bytes_total"] / 1e9, row["final_val_loss"]), fontsize=7 if main else 5,
+                         color="black" if main else "0.45")
+    ax1.set(xlabel="tokens (M)", ylabel="validation loss",
+            title="validation loss vs tokens" + (" (headline rows)" if len(headline) < len(result["methods"]) else ""))
     ax1.set_ylim(top=min(3.0, ax1.get_ylim()[1]))
     ax1.legend(fontsize=7)
     ax2.set(xscale="log", xlabel="bytes sent per rank (GB)", ylabel="final validation loss",
@@ -410,7 +418,7 @@ def main() -> None:
         a.steps, a.local_steps, a.eval_interval, a.corpus_mb = 8, 4, 4, 8
     if a.methods is None:  # the warm-up rows' H0 10 does not fit the smoke's H 4
         a.methods = ("allreduce,partial_auto_int4,diloco_int4" if a.cpu_smoke else
-                     f"allreduce,{DEFAULT_METHOD},diloco_int4_hwarm600,partial_auto_int4,diloco_int4")
+                     ",".join(HEADLINE_METHODS))
     a.out = a.out.resolve()
     seq = 64 if a.cpu_smoke else 512
     a.tokens_per_step = REPLICAS * a.micro_batch * a.accum * seq
