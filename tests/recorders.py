@@ -257,6 +257,8 @@ class TrainingRecorder(Recorder):
                     "exchange_on_mirror": opt.sync.exchange_group is not opt.sync.group,
                     "model_params_on_rank": sum(p.numel() for d in opt.dist_opts for c in d.model_chunks
                                                 for p in c.parameters()),
+                    # distinct model chunks of the rank (virtual pipeline stages)
+                    "model_chunks": len({id(c) for d in opt.dist_opts for c in d.model_chunks}),
                 }
             record.setdefault("main_fp", []).append(
                 [opt.step_calls, [int(fingerprint([t])[0]) for t in opt.view.shards]])
