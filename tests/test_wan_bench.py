@@ -207,6 +207,9 @@ def test_ring_bytes_and_run_plan():
     assert wan_bench.iterations_for("allreduce", 10, 16, 5, {1000: 32, 10: 8}) == (10, 2)
     assert wan_bench.iterations_for("allreduce-distopt", 12, 16, 5, {1000: 32, 10: 8}) == (10, 2)
     assert wan_bench.iterations_for("dilocox", 10, 16, 5, {10: 8}) == (80, 16)
+    # the default's auto warm-up: rounds of 16 // 3 = 5 for 25 of the 80 steps; the window from the end of the first
+    assert wan_bench.iterations_for("dilocox-warmup", 10, 16, 5, {10: 8}) == (80, 5)
+    assert wan_bench.iterations_for("dilocox-warmup", 10, 2, 5, {10: 8}) == (10, 2)  # H < 3: no warm-up
     with pytest.raises(ValueError):
         wan_bench.iterations_for("diloco", 10, 16, 1, {10: 8})
     assert wan_bench.method_args("allreduce", 16, 10) == ["--no-diloco-x"]
@@ -215,6 +218,7 @@ def test_ring_bytes_and_run_plan():
     # dilocox is the default mode: H, and the steady rounds (no warm-up); every other DiLoCoX flag
     # left to the package's defaults
     assert wan_bench.method_args("dilocox", 16, 10) == ["--diloco-x-local-steps", "16", "--diloco-x-warmup-iters", "0"]
+    assert wan_bench.method_args("dilocox-warmup", 16, 10) == ["--diloco-x-local-steps", "16"]  # the auto warm-up
     dl = wan_bench.method_args("diloco", 16, 10)
     assert dl[dl.index("--diloco-x-overlap") + 1] == "none" and dl[dl.index("--diloco-x-compression") + 1] == "none"
     assert "--diloco-x-bandwidth-mbps" in wan_bench.method_args("dilocox-adaptive", 16, 10)

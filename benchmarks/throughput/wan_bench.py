@@ -19,12 +19,17 @@ data and global batch (``examples/pretrain_gpt_diloco.py``, one rank per replica
 * ``diloco``: DiLoCoX with no delay and no compression (blocking fp32 all-reduce every H steps);
 * ``dilocox``: the package's default mode, ``--diloco-x`` with no other flag: partial overlap with
   auto tau (the exchange launched at a boundary lands the fewest inner steps later that hide its
-  measured duration), exact merge, eta 1, mu 0, int4 pseudo-gradients;
+  measured duration), exact merge, eta 1, mu 0, int4 pseudo-gradients; its steady rounds of H
+  (``--diloco-x-warmup-iters 0``);
+* ``dilocox-warmup``: the same with the default's auto warm-up (blocking rounds of H // 3 for the
+  first 30 H steps, at most a third of the run: here a third), the window from the end of its
+  first round: what the warm-up's blocked exchanges cost a run this short;
 * ``dilocox-adaptive`` (optional): as ``dilocox`` with the adaptive low-rank codec, budget = link.
 
 Definitions (per run, over a measured window that excludes process start, setup and warm-up:
 from the end of iteration ``w`` to the end of the last iteration; ``w`` = 2 for allreduce, = H
-(the first round, its boundary included) for DiLoCo(X), so the window holds whole rounds):
+(the first round, its boundary included) for DiLoCo(X), H // 3 for ``dilocox-warmup``, so the
+window holds whole rounds):
 
 * ``tokens_per_s`` = window iterations x global batch x sequence length / window wall time
   (slowest rank).
@@ -81,9 +86,10 @@ BENCH = REPO / "benchmarks"
 sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled
 from benchmarks.common import netns  # noqa: E402
 from benchmarks.common.runner import Command, Job, harness_command, load_ranks, run_job, summary_of  # noqa: E402
+from megatron_diloco.arguments import resolve_warmup  # noqa: E402
 
-METHODS = ("allreduce", "allreduce-distopt", "diloco", "dilocox", "dilocox-adaptive")
-DEFAULT_METHODS = ("allreduce", "allreduce-distopt", "diloco", "dilocox")
+METHODS = ("allreduce", "allreduce-distopt", "diloco", "dilocox", "dilocox-warmup", "dilocox-adaptive")
+DEFAULT_METHODS = ("allreduce", "allreduce-distopt", "diloco", "dilocox", "dilocox-warmup")
 #: Same model, data and global batch for every method: the example's demo GPT (4 layers, hidden
 #: 192, seq 256, 1.84M parameters, byte-level, Python stdlib corpus), one rank per replica.
 COMMON_ARGS = """
@@ -95,9 +101,9 @@ ALLREDUCE_WARMUP = 2
 
 def method_args(method: str, local_steps: int, link_mbps: float) -> list[str]:
     """The example's flags that select ``method`` (on top of its demo defaults: 2 replicas, the
-    package's DiLoCoX defaults but the warm-up: this measures the steady rounds of H; the default
-    warm-up's blocking rounds are a one-time cost, benchmarks/RESULTS.md §2.1); ``allreduce`` also
-    runs as plain DDP (:func:`method_recorders`)."""
+    package's DiLoCoX defaults; every DiLoCo(X) method but ``dilocox-warmup`` without the default
+    warm-up, so that it measures the steady rounds of H); ``allreduce`` also runs as plain DDP
+    (:func:`method_recorders`)."""
     if method == "allreduce":
         return ["--no-diloco-x"]
     if method == "allreduce-distopt":
@@ -106,7 +112,9 @@ def method_args(method: str, local_steps: int, link_mbps: float) -> list[str]:
     if method == "diloco":
         return dx + ["--diloco-x-overlap", "none", "--diloco-x-compression", "none"]
     if method == "dilocox":
-        return dx  # the defaults
+        return dx  # the defaults, steady rounds
+    if method == "dilocox-warmup":
+        return dx[:2]  # the defaults, the auto warm-up included
     if method == "dilocox-adaptive":
         return dx + ["--diloco-x-compression", "adaptive",
                      "--diloco-x-bandwidth-mbps", f"{link_mbps:g}"]
@@ -126,7 +134,11 @@ def iterations_for(method: str, link_mbps: float, local_steps: int, rounds: int,
         return ALLREDUCE_WARMUP + allreduce_steps[nearest], ALLREDUCE_WARMUP
     if rounds < 2:
         raise ValueError("--rounds must be >= 2 (the first round is warm-up)")
-    return rounds * local_steps, local_steps
+    iters = rounds * local_steps
+    if method == "dilocox-warmup":  # the window from the end of the first (warm-up) round on
+        h0, _ = resolve_warmup(None, None, local_steps, iters)
+        return iters, h0 or local_steps
+    return iters, local_steps
 
 
 # --------------------------------------------------------------------------- metrics (pure)
