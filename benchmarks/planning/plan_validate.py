@@ -165,6 +165,10 @@ def link_rows(d: dict, source: str) -> tuple[list[dict], list[str]]:
         if r.get("error") or not r.get("tokens_per_s"):
             notes.append(f"{name}: no measurement ({r.get('error', 'no tokens_per_s')})")
             continue
+        if r.get("method") == "dilocox-warmup":  # a window of mixed rounds; the plan's warm-up
+            notes.append(f"{name}: not a row (its window mixes the warm-up's rounds with the rounds of H; "
+                         "the plan's warm-up exposure is tests/test_plan.py::test_warmup_exposed_time)")
+            continue
         try:
             link = float(r["link_mbps"])
             gp = goodput.get(r["link_mbps"])
