@@ -108,13 +108,14 @@ def method_args(method: str, local_steps: int, link_mbps: float) -> list[str]:
         return ["--no-diloco-x"]
     if method == "allreduce-distopt":
         return ["--no-diloco-x"]
-    dx = ["--diloco-x-local-steps", str(local_steps), "--diloco-x-warmup-iters", "0"]
+    h = ["--diloco-x-local-steps", str(local_steps)]
+    dx = h + ["--diloco-x-warmup-iters", "0"]
     if method == "diloco":
         return dx + ["--diloco-x-overlap", "none", "--diloco-x-compression", "none"]
     if method == "dilocox":
         return dx  # the defaults, steady rounds
     if method == "dilocox-warmup":
-        return dx[:2]  # the defaults, the auto warm-up included
+        return h  # the defaults, the auto warm-up included
     if method == "dilocox-adaptive":
         return dx + ["--diloco-x-compression", "adaptive",
                      "--diloco-x-bandwidth-mbps", f"{link_mbps:g}"]
