@@ -202,6 +202,9 @@ class ExchangeHandle:
         self._launched = time.perf_counter()
         self._done_at: float | None = None
         self._finished = False
+        #: restored from a checkpoint (:meth:`completed`): no exchange ran in this process, so its
+        #: (empty) stats are no measurement of the link
+        self.restored = False
         #: seconds after its launch by which the exchange must have completed (None: unbounded); set
         #: by the launcher (:class:`megatron_diloco.sync.OuterSync`: --diloco-x-outer-timeout-minutes)
         self.timeout_s: float | None = None
@@ -219,6 +222,7 @@ class ExchangeHandle:
         """A handle whose averaged result is already in ``buffer`` (restored from a checkpoint)."""
         handle = cls(buffer, None, ExchangeStats(), lambda outer, after: None, store)
         handle._finished = True
+        handle.restored = True
         return handle
 
     def _mark_done(self, fut):  # runs on the backend's completion path

@@ -97,7 +97,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self.view = ShardView(_main_params(self.dist_opts))
         self.sync = OuterSync(self.view, config, topology.outer_group, _shard_shapes(self.dist_opts),
                               host_group=topology.outer_host_group, decision_group=topology.decision_group)
-        self._round_started: float | None = None
+        self._round_started: float | None = None  # when the clock of this round's inner-step time started
+        self._round_started_step = 0  # step_calls from which it counts whole iterations
         self.step_calls = 0
         self.totals = ExchangeStats()
         self.last_report: RoundReport | None = None
@@ -197,8 +198,10 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         On a step that ends with outer work (a boundary, ``partial``'s landing), the inner step's own
         parameter all-gather is deferred (Megatron's ``_defer_param_sync``): the outer work changes
         the main params, and :meth:`_publish_params` gathers them once."""
-        if self._round_started is None:
+        if self._round_started is None:  # the first step of a run or after a resume: its forward and
+            # backward ran before the clock started, so the timed span is one iteration short
             self._round_started = time.perf_counter()
+            self._round_started_step = self.step_calls + 1
         since_boundary = self.diloco_config.steps_since_boundary(self.step_calls + 1)
         land = self.sync.merge_due(since_boundary)  # partial: the exchange lands tau steps after its launch
         outer_work = land or since_boundary == 0
@@ -236,7 +239,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         # the next round's length (auto tau and the budget hide the exchange within it)
         now = time.perf_counter()
         cfg = self.diloco_config
-        self.sync.set_step_time((now - self._round_started) / cfg.round_steps(self.step_calls - 1),
+        timed = self.step_calls - self._round_started_step  # whole iterations since the clock started
+        self.sync.set_step_time((now - self._round_started) / timed if timed > 0 else None,
                                 next_round_steps=cfg.round_steps(self.step_calls))
         if not self._start_checked:
             self._check_replicas_started_alike()
@@ -251,6 +255,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         if self.on_round is not None:
             self.on_round(self.round_metrics(report))
         self._round_started = time.perf_counter()
+        self._round_started_step = self.step_calls
 
     def _check_replicas_started_alike(self) -> None:
         """First boundary (after any load): ``theta``, the weights every replica started from, must be

@@ -404,8 +404,9 @@ class OuterSync:
         except (RuntimeError, TimeoutError) as err:
             what = f"the exchange of round {handle.round}" if handle.round != self.rounds else "the exchange"
             raise self._failure(what, self.exchange_group, handle.timeout_s, handle.elapsed_s, err) from err
-        self.longest_exchange_s = max(self.longest_exchange_s, handle.stats.exchange_s)
-        self.last_completed = handle.stats
+        if not handle.restored:  # a restored exchange's measurement is the checkpoint's (load_state_dict)
+            self.longest_exchange_s = max(self.longest_exchange_s, handle.stats.exchange_s)
+            self.last_completed = handle.stats
 
     def _launch(self) -> ExchangeHandle:
         """none / delayed / eager: one pass over the shard (chunk by chunk through :attr:`store`) that
@@ -458,8 +459,9 @@ class OuterSync:
         handle.round = self.rounds
         return handle
 
-    def set_step_time(self, step_time_s: float, next_round_steps: int | None = None) -> None:
-        """Inner-step time measured by the caller, before each boundary, and the inner steps of the
+    def set_step_time(self, step_time_s: float | None, next_round_steps: int | None = None) -> None:
+        """Inner-step time measured by the caller, before each boundary (None: not measured this round,
+        e.g. a resume just before a boundary; the last one, or the checkpoint's, is kept), and the inner steps of the
         round that boundary starts (``next_round_steps``; default H: it differs during a warm-up of
         shorter rounds, :attr:`DiLoCoXConfig.warmup_local_steps`): sets the adaptive codec's byte
         budget to link bandwidth x those steps x step time (no-op unless adaptive); auto tau hides
@@ -472,7 +474,9 @@ class OuterSync:
         run at the first boundary with no exchange in flight: the first of a run, or the first after
         a resume, whose pending exchange was completed before the checkpoint). The measured value is
         checkpointed (:meth:`state_dict`), so a resumed run keeps the same budget."""
-        self.step_time_s = step_time_s
+        if step_time_s is not None:
+            self.step_time_s = step_time_s
+        step_time_s = self.step_time_s
         self.next_round_steps = next_round_steps or self.config.local_steps
         policy = getattr(self.codec, "policy", None)
         if policy is None:
@@ -494,7 +498,7 @@ class OuterSync:
                 logger.info("DiLoCoX: measured outer link %.1f Mbit/s (all-gather, per rank); adaptive "
                             "byte budget = that x H x step time (set --diloco-x-bandwidth-mbps to fix it)",
                             self.link_bytes_per_s * 8 / 1e6)
-        if self.link_bytes_per_s is None:
+        if self.link_bytes_per_s is None or step_time_s is None:
             return
         from megatron_diloco.compression import byte_budget
 
@@ -712,6 +716,12 @@ class OuterSync:
             # replica); a given --diloco-x-bandwidth-mbps is not stored: the flag of the resumed run wins
             "link_measured": self._link_measured,
             "link_bytes_per_s": self.link_bytes_per_s if self._link_measured else None,
+            # what auto tau, the adaptive budget and the derived timeout are sized from, so that a
+            # resumed run's next boundary chooses as the uninterrupted run's does
+            "step_time_s": self.step_time_s,
+            "last_exchange": None if self.last_completed is None else {
+                "bytes_sent": self.last_completed.bytes_sent, "exchange_s": self.last_completed.exchange_s},
+            "longest_exchange_s": self.longest_exchange_s,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -728,6 +738,15 @@ class OuterSync:
             self._link_measured = True
             value = state.get("link_bytes_per_s")
             self.link_bytes_per_s = float(value) if value is not None else None
+        # the measurements auto tau and the adaptive budget use (absent from older checkpoints: measured
+        # anew, auto tau = H until an exchange completes)
+        if state.get("step_time_s") is not None:
+            self.step_time_s = float(state["step_time_s"])
+        if state.get("last_exchange") is not None:
+            last = state["last_exchange"]
+            self.last_completed = ExchangeStats(bytes_sent=int(last["bytes_sent"]),
+                                                exchange_s=float(last["exchange_s"]))
+        self.longest_exchange_s = float(state.get("longest_exchange_s", self.longest_exchange_s))
         self.outer.load_state_dict(state)
         self.apply_at = int(state.get("apply_at", self.apply_at))
         if hasattr(self.codec, "load_state_dict"):

@@ -743,6 +743,28 @@ def test_partial_auto_overlap_steps_hides_the_last_exchange():
     fixed.step_time_s, fixed.last_completed = 0.1, ExchangeStats(exchange_s=50.0)
     assert fixed._choose_overlap_steps() == 4
 
+def test_checkpoint_keeps_what_auto_tau_is_sized_from():
+    """A resumed run's next boundary chooses tau as the uninterrupted run's does: the checkpoint
+    holds the step time and the last exchange's bytes and duration (else a resume chose H, or 1
+    after a restored in-flight exchange, whose stats are empty), and applying a restored exchange
+    does not replace them."""
+    from megatron_diloco.collectives import ExchangeHandle, ExchangeStats
+
+    cfg = DiLoCoXConfig(compression="none", replicas=1, local_steps=10, overlap="partial")
+    sync = OuterSync(ShardView([torch.zeros(8)]), cfg, None)
+    sync.step_time_s, sync.last_completed, sync.longest_exchange_s = 0.1, ExchangeStats(bytes_sent=0, exchange_s=0.35), 2.0
+    assert sync._choose_overlap_steps() == 4
+    state = sync.state_dict()
+    resumed = OuterSync(ShardView([torch.zeros(8)]), cfg, None)
+    assert resumed._choose_overlap_steps() == 10  # fresh: nothing measured
+    resumed.load_state_dict(state)
+    assert resumed._choose_overlap_steps() == 4 and resumed.timeout_s() == sync.timeout_s()
+    resumed.set_step_time(None)  # no whole iteration timed since the resume: the checkpoint's stays
+    assert resumed.step_time_s == 0.1
+    resumed.pending = ExchangeHandle.completed(resumed.delta, resumed.store)  # as restored in flight
+    resumed.drain()
+    assert resumed.last_completed.exchange_s == 0.35 and resumed._choose_overlap_steps() == 4
+
 
 @pytest.mark.parametrize("fixed_tau", [None, 3])
 def test_partial_warmup_rounds_block(fixed_tau):
