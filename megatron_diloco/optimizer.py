@@ -384,7 +384,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
     #                             shards), 'opt.<key>' (optimizer state of a shard's shape: opt.exp_avg,
     #                             opt.exp_avg_sq with Adam), 'residual' (lossy codec), 'anchor' (eager).
     #   diloco_x.outer.meta       ShardedObject per rank position: OuterSync's non-tensor state (rounds,
-    #                             codec plan / low-rank bases, measured link), step_calls, totals.
+    #                             codec plan / low-rank bases, measured link, auto tau's measurements),
+    #                             step_calls, totals.
     #   diloco_x.replica<r>.meta  ShardedObject per rank position of replica r: per-shard 0-dim optimizer
     #                             state (torch Adam's step), inner param groups (all but 'params'), grad
     #                             scaler state.
