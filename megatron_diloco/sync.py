@@ -460,9 +460,9 @@ class OuterSync:
         return handle
 
     def set_step_time(self, step_time_s: float | None, next_round_steps: int | None = None) -> None:
-        """Inner-step time measured by the caller, before each boundary (None: not measured this round,
-        e.g. a resume just before a boundary; the last one, or the checkpoint's, is kept), and the inner steps of the
-        round that boundary starts (``next_round_steps``; default H: it differs during a warm-up of
+        """Inner-step time measured by the caller, before each boundary (None: not measured this
+        round, e.g. a resume just before a boundary; the last one, or the checkpoint's, is kept), and
+        the inner steps of the round that boundary starts (``next_round_steps``; default H: it differs during a warm-up of
         shorter rounds, :attr:`DiLoCoXConfig.warmup_local_steps`): sets the adaptive codec's byte
         budget to link bandwidth x those steps x step time (no-op unless adaptive); auto tau hides
         the exchange within them.
@@ -717,7 +717,8 @@ class OuterSync:
             "link_measured": self._link_measured,
             "link_bytes_per_s": self.link_bytes_per_s if self._link_measured else None,
             # what auto tau, the adaptive budget and the derived timeout are sized from, so that a
-            # resumed run's next boundary chooses as the uninterrupted run's does
+            # resumed run's next boundary chooses as the uninterrupted run's does (timings: this
+            # rank's; the torch_dist checkpoint keeps replica 0's, which every replica resumes with)
             "step_time_s": self.step_time_s,
             "last_exchange": None if self.last_completed is None else {
                 "bytes_sent": self.last_completed.bytes_sent, "exchange_s": self.last_completed.exchange_s},

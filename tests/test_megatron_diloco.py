@@ -296,7 +296,8 @@ def test_interleaved_pipeline_resumes_exactly(tmp_path):
         assert traffic_between_boundaries(rec) == [], rank
         o = rec["outer"]
         # one DP rank per replica stage: the shard is every parameter of the rank's two chunks
-        assert o["model_chunks"] == 2 and o["theta_numel"] == o["main_shard_numel"] == o["model_params_on_rank"] > 0, (rank, o)
+        assert o["model_chunks"] == 2, (rank, o)
+        assert o["theta_numel"] == o["main_shard_numel"] == o["model_params_on_rank"] > 0, (rank, o)
     assert full[0]["outer"] == full[2]["outer"] and full[1]["outer"] == full[3]["outer"]
     s = summary(log)
     assert s["replicas_identical"] and s["rounds"] == 6 and s["final_loss"] < s["first_loss"]

@@ -752,7 +752,8 @@ def test_checkpoint_keeps_what_auto_tau_is_sized_from():
 
     cfg = DiLoCoXConfig(compression="none", replicas=1, local_steps=10, overlap="partial")
     sync = OuterSync(ShardView([torch.zeros(8)]), cfg, None)
-    sync.step_time_s, sync.last_completed, sync.longest_exchange_s = 0.1, ExchangeStats(bytes_sent=0, exchange_s=0.35), 2.0
+    sync.step_time_s, sync.longest_exchange_s = 0.1, 2.0
+    sync.last_completed = ExchangeStats(bytes_sent=0, exchange_s=0.35)
     assert sync._choose_overlap_steps() == 4
     state = sync.state_dict()
     resumed = OuterSync(ShardView([torch.zeros(8)]), cfg, None)
