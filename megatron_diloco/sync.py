@@ -206,7 +206,6 @@ class OuterSync:
         # ``group`` when given (DiLoCoXConfig.exchanges_on_host_mirror; GPU tensors travel as host
         # copies); the other codecs' one collective runs on ``group`` itself.
         self._executor = DaemonWorker("diloco_x") if spec.matrix else None
-        host_none = config.outer_state == "cpu" and not spec.lossy
         self.exchange_group = host_group if config.exchanges_on_host_mirror and host_group is not None else group
         #: where the outer state lives (--diloco-x-outer-state): on the device, or in host memory
         #: streamed through the device chunk by chunk at each boundary (megatron_diloco.outer_store)
@@ -225,7 +224,8 @@ class OuterSync:
         # so it is held with the outer state (no device payload; over gloo the same PCIe bytes as a
         # host copy of a device buffer). The codecs that send an encoded payload keep it with the
         # outer state (it holds a mean only when one is waited for: checkpoints, restarts)
-        self.delta = store.empty(held=spec.lossy or (host_none and _reduces_on_host(self.exchange_group)))
+        # (held only matters with the host layout: store.empty allocates on the device otherwise)
+        self.delta = store.empty(held=spec.lossy or _reduces_on_host(self.exchange_group))
         #: ``none`` with delta held on the host: the launch writes this replica's delta_r there and
         #: the all-reduce (gloo) runs on it in place
         self._host_all_reduce = not spec.lossy and store.held(self.delta)
@@ -462,8 +462,9 @@ class OuterSync:
     def set_step_time(self, step_time_s: float | None, next_round_steps: int | None = None) -> None:
         """Inner-step time measured by the caller, before each boundary (None: not measured this
         round, e.g. a resume just before a boundary; the last one, or the checkpoint's, is kept), and
-        the inner steps of the round that boundary starts (``next_round_steps``; default H: it differs during a warm-up of
-        shorter rounds, :attr:`DiLoCoXConfig.warmup_local_steps`): sets the adaptive codec's byte
+        the inner steps of the round that boundary starts (``next_round_steps``; default H: it
+        differs during a warm-up of shorter rounds, :attr:`DiLoCoXConfig.warmup_local_steps`): sets
+        the adaptive codec's byte
         budget to link bandwidth x those steps x step time (no-op unless adaptive); auto tau hides
         the exchange within them.
 
@@ -476,7 +477,6 @@ class OuterSync:
         checkpointed (:meth:`state_dict`), so a resumed run keeps the same budget."""
         if step_time_s is not None:
             self.step_time_s = step_time_s
-        step_time_s = self.step_time_s
         self.next_round_steps = next_round_steps or self.config.local_steps
         policy = getattr(self.codec, "policy", None)
         if policy is None:
@@ -498,11 +498,11 @@ class OuterSync:
                 logger.info("DiLoCoX: measured outer link %.1f Mbit/s (all-gather, per rank); adaptive "
                             "byte budget = that x H x step time (set --diloco-x-bandwidth-mbps to fix it)",
                             self.link_bytes_per_s * 8 / 1e6)
-        if self.link_bytes_per_s is None or step_time_s is None:
+        if self.link_bytes_per_s is None or self.step_time_s is None:
             return
         from megatron_diloco.compression import byte_budget
 
-        policy.budget_bytes = byte_budget(self.link_bytes_per_s, self.next_round_steps, step_time_s)
+        policy.budget_bytes = byte_budget(self.link_bytes_per_s, self.next_round_steps, self.step_time_s)
 
     @torch.no_grad()
     def boundary(self) -> RoundReport:

@@ -103,8 +103,9 @@ def run_flags(name: str, local_steps: int, replicas: int = 1) -> list[str]:
     if where not in ("gpu", "cpu") or codec not in CODECS:
         raise SystemExit(f"--runs: unknown run {name!r} (vanilla or <gpu|cpu>-<{'|'.join(CODECS)}>, "
                          "optionally with a repeat suffix .N)")
-    return ["--diloco-x-replicas", str(replicas), "--diloco-x-local-steps", str(local_steps), "--diloco-x-warmup-iters", "0", "--diloco-x-outer-state",
-            where, "--diloco-x-compression", codec]  # the rest at the package's defaults
+    return ["--diloco-x-replicas", str(replicas), "--diloco-x-local-steps", str(local_steps),
+            "--diloco-x-warmup-iters", "0", "--diloco-x-outer-state", where,
+            "--diloco-x-compression", codec]  # the rest at the package's defaults
 
 
 #: Rounds left out of every time figure: the first boundary compiles the encode (Triton's JIT; its
