@@ -29,13 +29,19 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--diloco-x-warmup-local-steps", type=_int_or_auto, default=None, metavar="H0|auto",
                        help="H0: rounds of H0 inner steps (1..H) during the first --diloco-x-warmup-iters "
                             "steps, then rounds of H; with --diloco-x-overlap partial these shorter rounds "
-                            f"block (tau 0). Default auto: H // {WARMUP_H_DIVISOR}.")
+                            "overlap at most --diloco-x-warmup-overlap-steps. Default auto: "
+                            f"H // {WARMUP_H_DIVISOR}.")
     group.add_argument("--diloco-x-warmup-iters", type=_int_or_auto, default=None, metavar="W|auto",
                        help="Inner steps of the warm-up (a multiple of H0); 0: no warm-up. Default auto: "
                             f"{WARMUP_H_MULTIPLE} x H, at most 1/{WARMUP_MAX_SHARE} of --train-iters, rounded down to a "
                             "multiple of H0 (none when that is 0 or H < 3). Measured: 900 steps of H0 10 "
                             "before H 30 took the default from +4.1%% to +1.9%% above AllReduce "
                             "(benchmarks/RESULTS.md 2.1).")
+    group.add_argument("--diloco-x-warmup-overlap-steps", type=int,
+                       default=defaults["warmup_overlap_steps"].default, metavar="TAU_W",
+                       help="--diloco-x-overlap partial: the most inner steps an exchange launched into "
+                            "a warm-up round may overlap (0..H0); its tau is the smaller of this and the "
+                            "tau the rounds of H take. Default 0: warm-up rounds block.")
     group.add_argument("--diloco-x-outer-lr", type=float, default=defaults["outer_lr"].default,
                        help="eta: outer learning rate (default 1.0: with mu 0 the outer step is the "
                             "replicas' mean).")
@@ -144,6 +150,7 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
         warmup_local_steps=warmup_local_steps,
         warmup_iters=warmup_iters,
         warmup_auto=getattr(args, "diloco_x_warmup_iters", None) is None,
+        warmup_overlap_steps=getattr(args, "diloco_x_warmup_overlap_steps", 0),
         outer_lr=args.diloco_x_outer_lr,
         outer_momentum=args.diloco_x_outer_momentum,
         nesterov=not args.diloco_x_no_nesterov,

@@ -70,11 +70,18 @@ class DiLoCoXConfig:
     command line's default is the auto warm-up, :func:`megatron_diloco.arguments.resolve_warmup`,
     which depends on ``--train-iters``). Short rounds early, where
     DiLoCo's gap to AllReduce forms (benchmarks/RESULTS.md §2.1), then H. With ``partial``, rounds
-    shorter than H block (tau = 0): the exchange is exposed in the warm-up's W / H0 rounds only."""
+    shorter than H overlap at most :attr:`warmup_overlap_steps` inner steps (0 blocks): the exchange
+    is exposed in the warm-up's W / H0 rounds only."""
 
     warmup_iters: int = 0
     """Inner steps run in rounds of H0 before the rounds of H (``--diloco-x-warmup-iters``; a
     multiple of H0; 0: no warm-up)."""
+
+    warmup_overlap_steps: int = 0
+    """``partial`` only: the most inner steps an exchange launched into a warm-up round may overlap
+    (``--diloco-x-warmup-overlap-steps``, 0 <= tau_w <= H0). Such a round's tau is the smaller of this
+    and the tau the rounds of H would take over H0 steps (:attr:`overlap_steps`, auto by default);
+    0 blocks. A few steps of a ten-step round are a large share of it (benchmarks/RESULTS.md §2.1)."""
 
     warmup_auto: bool = False
     """Whether the warm-up came from the command line's ``auto`` (it depends on ``--train-iters``):
@@ -248,7 +255,20 @@ class DiLoCoXConfig:
             if not isinstance(self.overlap_steps, int) or not 0 <= self.overlap_steps <= self.local_steps:
                 raise ValueError(
                     f"--diloco-x-overlap-steps must be 'auto' or an integer in [0, {self.local_steps}] (H, "
-                    f"--diloco-x-local-steps; a warm-up's shorter rounds block), got {self.overlap_steps!r}"
+                    f"--diloco-x-local-steps), got {self.overlap_steps!r}"
+                )
+        if self.warmup_overlap_steps:
+            if self.overlap != "partial":
+                raise ValueError(
+                    f"--diloco-x-warmup-overlap-steps applies to --diloco-x-overlap partial only (got overlap "
+                    f"{self.overlap!r}); drop the flag or use --diloco-x-overlap partial"
+                )
+            h0 = self.warmup_local_steps if self.warmup_iters else None
+            if not isinstance(self.warmup_overlap_steps, int) or not 0 <= self.warmup_overlap_steps <= (h0 or 0):
+                raise ValueError(
+                    f"--diloco-x-warmup-overlap-steps must be an integer in [0, H0 = {h0}] "
+                    f"(--diloco-x-warmup-local-steps) with a warm-up (--diloco-x-warmup-iters > 0), "
+                    f"got {self.warmup_overlap_steps!r}"
                 )
         if self.merge not in MERGE_RULES:
             raise ValueError(f"--diloco-x-merge must be one of {', '.join(MERGE_RULES)}, got {self.merge!r}")

@@ -595,31 +595,33 @@ class OuterSync:
                            completed if self.apply_at == 0 else self.pending.stats, completed, sq)
 
     def _choose_overlap_steps(self) -> int:
-        """This rank's tau for the exchange about to launch: 0 (blocking) when the round it would hide
-        behind is a warm-up round shorter than H (``--diloco-x-warmup-local-steps``: there the
-        staleness of a tau of a few steps is a large share of the round; benchmarks/RESULTS.md §2.1);
-        else ``--diloco-x-overlap-steps``, or (auto) the
-        fewest inner steps, at least 1, that hide the exchange, over the last round's mean step time:
-        its wire bytes at the link bandwidth when that is known (``--diloco-x-bandwidth-mbps`` or
-        measured; the bytes of the last completed exchange, or before any completed, of this one
+        """This rank's tau for the exchange about to launch: ``--diloco-x-overlap-steps``, or (auto)
+        the fewest inner steps, at least 1, that hide the exchange, over the last round's mean step
+        time: its wire bytes at the link bandwidth when that is known (``--diloco-x-bandwidth-mbps``
+        or measured; the bytes of the last completed exchange, or before any completed, of this one
         where the codec's payload size is fixed), else the last exchange's measured duration. H while
-        neither is known (the first exchange of a run without a known link)."""
+        neither is known (the first exchange of a run without a known link). At most the steps of the
+        round it hides behind; when that is a warm-up round shorter than H
+        (``--diloco-x-warmup-local-steps``), at most ``--diloco-x-warmup-overlap-steps`` (0: it
+        blocks; there a few steps of staleness are a large share of the round:
+        benchmarks/RESULTS.md §2.1)."""
         H = self.next_round_steps  # the steps the exchange can hide behind (tau = H: the next boundary)
-        if H < self.config.local_steps:  # a warm-up round (H0 < H) blocks: tau 4 of 10 cost what it gained
+        cap = H if H >= self.config.local_steps else self.config.warmup_overlap_steps
+        if cap == 0:
             return 0
         if self.config.overlap_steps is not None:
-            return self.config.overlap_steps
+            return min(cap, self.config.overlap_steps)
         last = self.last_completed
         if not self.step_time_s:
-            return H
+            return cap
         wire = last.bytes_sent if last is not None else self._fixed_wire_bytes()
         if self.link_bytes_per_s and wire:
             seconds = wire / self.link_bytes_per_s
         elif last is not None:
             seconds = last.exchange_s
         else:
-            return H
-        return min(H, max(1, math.ceil(seconds / self.step_time_s)))
+            return cap
+        return min(cap, max(1, math.ceil(seconds / self.step_time_s)))
 
     def _fixed_wire_bytes(self) -> int | None:
         """Bytes this rank sends in one exchange where the codec fixes them in advance (every codec

@@ -43,6 +43,11 @@ def megatron_args(**kw) -> argparse.Namespace:
      "--diloco-x-warmup-iters"),
     (["--diloco-x-local-steps", "30", "--diloco-x-warmup-local-steps", "5", "--diloco-x-warmup-iters", "20",
       "--diloco-x-overlap-steps", "31"], "--diloco-x-overlap-steps"),
+    (["--diloco-x-local-steps", "30", "--diloco-x-warmup-local-steps", "5", "--diloco-x-warmup-iters", "20",
+      "--diloco-x-warmup-overlap-steps", "6"], "--diloco-x-warmup-overlap-steps"),  # > H0
+    (["--diloco-x-warmup-overlap-steps", "-1"], "--diloco-x-warmup-overlap-steps"),
+    (["--diloco-x-warmup-iters", "0", "--diloco-x-warmup-overlap-steps", "1"], "--diloco-x-warmup-overlap-steps"),
+    (["--diloco-x-overlap", "delayed", "--diloco-x-warmup-overlap-steps", "1"], "--diloco-x-warmup-overlap-steps"),
 ])
 def test_bad_values_name_their_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):

@@ -95,7 +95,8 @@ def test_warmup_rounds_then_h(tmp_path):
     bit-identical at each, no cross-replica op between them, the round count 4; the warm-up's round
     (2..4) blocks (no landing at 3), the rounds of H land one step late (5, 9); a checkpoint saved
     inside the warm-up (iteration 3) resumes on the same schedule, bit for bit. With H0 = H the
-    warm-up changes nothing: the losses of the plain run, bit for bit. With no warm-up flag, the
+    warm-up changes nothing: the losses of the plain run, bit for bit. With
+    ``--diloco-x-warmup-overlap-steps 1`` the warm-up's round lands one step late too (3). With no warm-up flag, the
     auto warm-up: rounds of H // 3 = 1 for a third of the run (4 steps), blocking, then of H; resumed
     with a longer --train-iters, it keeps the checkpoint's warm-up."""
     base = ["--train-iters", "12", "--diloco-x-local-steps", "4", "--diloco-x-overlap-steps", "1",
@@ -113,6 +114,14 @@ def test_warmup_rounds_then_h(tmp_path):
     s = summary(log)
     assert s["rounds"] == 4 and s["replicas_identical"]
     assert (s["local_steps"], s["warmup_local_steps"], s["warmup_iters"]) == (4, 2, 4)
+    # --diloco-x-warmup-overlap-steps 1: the warm-up's round overlaps one step (lands at 3)
+    capped, _ = run_megatron(tmp_path, warm + ["--diloco-x-warmup-overlap-steps", "1"])
+    for rank, rec in enumerate(capped):
+        assert [s for s, _ in rec["boundary_identical"]] == [2, 4, 8, 12], rank
+        assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
+        assert {s for s, _, outer in rec["step_ops"] if outer} == {2, 3, 4, 5, 8, 9, 12}, rank
+        assert all(n == 0 for _, n, outer in rec["step_ops"] if not outer), rank
+    assert losses(capped) != losses(recs)
     ckpt = str(tmp_path / "ckpt")
     leg1, _ = run_megatron(tmp_path, warm + ["--save", ckpt, "--exit-interval", "3"])
     leg2, _ = run_megatron(tmp_path, warm + ["--load", ckpt])

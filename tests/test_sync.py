@@ -790,6 +790,28 @@ def test_partial_warmup_rounds_block(fixed_tau):
     assert same._choose_overlap_steps() == (fixed_tau or 4)
 
 
+@pytest.mark.parametrize("fixed_tau", [None, 1, 3])
+def test_partial_warmup_overlap_is_capped(fixed_tau):
+    """``--diloco-x-warmup-overlap-steps 2``: a boundary that starts a warm-up round launches with
+    the smaller of 2 and the tau the rounds of H take (auto: the exchange's 0.35 s over 0.1 s steps,
+    4; or the fixed tau); H0 while nothing is measured is capped too. Rounds of H are not capped."""
+    from megatron_diloco.collectives import ExchangeStats
+
+    cfg = DiLoCoXConfig(compression="none", replicas=1, local_steps=10, overlap="partial",
+                        warmup_local_steps=5, warmup_iters=10, warmup_overlap_steps=2, overlap_steps=fixed_tau)
+    sync = OuterSync(ShardView([torch.zeros(8)]), cfg, None)
+    sync.set_step_time(None, next_round_steps=5)
+    assert sync._choose_overlap_steps() == min(2, fixed_tau or 2)  # auto: nothing measured yet: H0, capped
+    sync.last_completed = ExchangeStats(bytes_sent=0, exchange_s=0.35)
+    sync.set_step_time(0.1, next_round_steps=5)
+    assert sync._choose_overlap_steps() == min(2, fixed_tau or 4)
+    sync.last_completed = ExchangeStats(bytes_sent=0, exchange_s=0.05)  # a fast link: auto takes 1
+    assert sync._choose_overlap_steps() == min(2, fixed_tau or 1)
+    sync.last_completed = ExchangeStats(bytes_sent=0, exchange_s=0.35)
+    sync.set_step_time(0.1, next_round_steps=10)
+    assert sync._choose_overlap_steps() == (fixed_tau or 4)
+
+
 def test_partial_auto_tau_of_one_replica_is_one_step():
     """One replica (no collective): its exchange completes at its launch, so after the first round
     (nothing measured: tau = H) auto tau is one step, however long the landing waited for it.
