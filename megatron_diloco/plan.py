@@ -203,6 +203,9 @@ class PlanConfig:
     warmup_iters: int | None = None
     """W, inner steps of the warm-up (``--diloco-x-warmup-iters``; 0: none). None: auto, 30 H, at most
     a third of ``train_iters``."""
+    warmup_overlap_steps: int = 0
+    """``partial``: the most steps a warm-up round's exchange overlaps (``--diloco-x-warmup-overlap-steps``;
+    0: they block)."""
     train_iters: int | None = None
     """Inner steps of the whole run (caps the auto warm-up; the warm-up's one-time cost as a share)."""
 
@@ -500,11 +503,14 @@ def plan(cfg: PlanConfig) -> Plan:
     ar_comm = ar_per_link / rate + ar_steps * lat if R > 1 else 0.0
     ar_step = max(t_step, ar_comm) if cfg.baseline_overlap else t_step + ar_comm
 
-    # ---- the warm-up (one-time): rounds of H0, blocking with partial ----
+    # ---- the warm-up (one-time): rounds of H0; with partial each overlaps at most tau_w steps ----
     h0, w = resolve_warmup(cfg.warmup_local_steps, cfg.warmup_iters, H, cfg.train_iters)
     warm_rounds = w // h0 if h0 else 0
-    if cfg.overlap in ("partial", "none"):
-        warm_exposed = max(0, warm_rounds - (cfg.overlap == "partial")) * exchange
+    if cfg.overlap == "none":
+        warm_exposed = warm_rounds * exchange
+    elif cfg.overlap == "partial":  # the last boundary of the warm-up launches into a round of H
+        hidden = min(cfg.warmup_overlap_steps, min_h) * t_step if h0 else 0.0
+        warm_exposed = max(0, warm_rounds - 1) * max(0.0, exchange - hidden)
     else:
         warm_exposed = warm_rounds * max(0.0, exchange - h0 * t_step) if h0 else 0.0
     warm_share = warm_exposed / (cfg.train_iters * t_step) if cfg.train_iters else None

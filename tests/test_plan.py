@@ -128,7 +128,8 @@ def test_exposed_time():
 
 def test_warmup_exposed_time():
     """The warm-up's one-time exposed exchange time, with the package's own resolution of the flags:
-    partial blocks all its warm-up rounds but the last (whose exchange lands in a round of H), the
+    partial blocks all its warm-up rounds but the last (whose exchange lands in a round of H), or
+    with a warm-up overlap hides min(tau_w, auto tau) steps of each, the
     delayed modes hide up to H0 steps of each, none blocks them all."""
     exch = plan(cfg(codec="int8")).exchange_s
     auto = plan(cfg(codec="int8", overlap="partial", local_steps=30, train_iters=3000))
@@ -139,6 +140,12 @@ def test_warmup_exposed_time():
     slow = plan(cfg(codec="int8", overlap="delayed", local_steps=6, warmup_iters=20, step_time_s=0.25))
     assert slow.warmup == (2, 20) and slow.warmup_share is None
     assert slow.warmup_exposed_s == pytest.approx(10 * (exch - 0.5))
+    # --diloco-x-warmup-overlap-steps 2: each blocked exchange hides behind min(2, auto tau 4) steps
+    capped = plan(cfg(codec="int8", overlap="partial", local_steps=30, train_iters=3000, step_time_s=0.25,
+                      warmup_overlap_steps=2))
+    assert capped.warmup_exposed_s == pytest.approx(89 * (exch - 0.5))
+    fast = plan(cfg(codec="int8", overlap="partial", local_steps=30, train_iters=3000, warmup_overlap_steps=2))
+    assert fast.min_hidden_local_steps <= 2 and fast.warmup_exposed_s == 0.0  # 1 s steps: 2 hide it
     off = plan(cfg(codec="int8", overlap="partial", local_steps=30, warmup_iters=0))
     assert off.warmup == (None, 0) and off.warmup_exposed_s == 0.0
 
