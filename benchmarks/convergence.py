@@ -117,6 +117,8 @@ METHODS: dict[str, dict] = {
     "partial_auto_int4_hwarm600": dict(overlap="partial", codec="int4", tau="auto",
                                        flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "600"],
                                        **_O),
+    "diloco_int4_hwarm900": dict(overlap="none", codec="int4",
+                                 flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900"], **_O),
     # 900 steps of H0 = 10: 160 rounds, ~109x fewer bytes. The package default: its auto warm-up at
     # H = 30 over 3000 steps is this one (H // 3 for min(30 H, 3000 / 3) steps)
     "partial_auto_int4_hwarm900": dict(overlap="partial", codec="int4", tau="auto",
