@@ -57,7 +57,8 @@ CPU_MODEL = """
     --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 2 --log-interval 1 --eval-iters 2
     --pipeline-model-parallel-size 1
 """.split()
-#: Methods: overlap rule, codec, tau (partial), outer lr eta, outer momentum mu; optional H (local
+#: Methods: overlap rule, codec, tau (partial), outer lr eta, outer momentum mu; optional tau_w (the
+#: warm-up's overlap cap, partial with a warm-up in flags; default 0), H (local
 #: steps, default ``--local-steps``), E (adaptive energy) and flags (Megatron flags, e.g. the lr). No overlap: one world (allreduce, single).
 #: eta 1, mu 0 unless named: measured best at H = 30 (RESULTS.md §2: momentum amplifies a 30-step
 #: Adam trajectory like a larger inner lr; eta 0.7 / mu 0.9 diverged).
@@ -136,13 +137,12 @@ METHODS: dict[str, dict] = {
     # (--diloco-x-warmup-overlap-steps): tau_w 2 takes the 89 exchanges' exposure at 1 Gbit from
     # 9.9% to 4.0% of this run's compute in the plan model; auto (4) gave the warm-up's gain back
     **{f"partial_auto_int4_hwarm900_wtau{k}": dict(
-        overlap="partial", codec="int4", tau="auto",
-        flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900",
-               "--diloco-x-warmup-overlap-steps", str(k)], **_O) for k in (1, 2, 3)},
+        overlap="partial", codec="int4", tau="auto", tau_w=k,
+        flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900"], **_O) for k in (1, 2, 3)},
 }
 #: The package default (``--diloco-x`` alone) at H = 30 over 3000 steps: its auto warm-up is this
 #: method's (``tests/test_convergence_jobs.py::test_the_default_method_is_the_package_default``).
-DEFAULT_METHOD = "partial_auto_int4_hwarm900"
+DEFAULT_METHOD = "partial_auto_int4_hwarm900_wtau1"
 #: RESULTS §2.1's headline rows: the default ``--methods``, and the curves of the plot's left panel
 HEADLINE_METHODS = ("allreduce", DEFAULT_METHOD, "diloco_int4_hwarm600", "partial_auto_int4", "diloco_int4")
 #: The link the auto tau and the adaptive byte budget are sized for (Mbit/s): the issue's 1 Gbit.
@@ -164,8 +164,11 @@ def method_flags(name: str) -> list[str]:
     flags = ["--diloco-x", "--diloco-x-replicas", str(REPLICAS), "--diloco-x-overlap", m["overlap"],
              "--diloco-x-compression", m["codec"], "--diloco-x-outer-lr", str(m["eta"]),
              "--diloco-x-outer-momentum", str(m["mu"])]
-    if not any(f.startswith("--diloco-x-warmup") for f in m.get("flags", [])):
+    named = [f for f in m.get("flags", []) if f.startswith("--diloco-x-warmup")]
+    if not named:
         flags += ["--diloco-x-warmup-iters", "0"]  # the rows measured before the auto warm-up was the default
+    elif m["overlap"] == "partial":  # tau_w: 0 in the rows measured before the warm-up overlapped (auto)
+        flags += ["--diloco-x-warmup-overlap-steps", str(m.get("tau_w", 0))]
     if "tau" in m:
         flags += ["--diloco-x-overlap-steps", str(m["tau"]), "--diloco-x-merge", m.get("merge", "exact")]
     if m["codec"] == "adaptive" or m.get("tau") == "auto":
@@ -337,7 +340,7 @@ def counterpart(name: str, defs: dict[str, dict], **changes) -> str | None:
 
 
 #: What a row is judged against besides AllReduce: (JSON key, the changes to its definition).
-REFERENCES = {"blocking": dict(overlap="none", tau=None, merge=None, eta=1.0, mu=0.0),
+REFERENCES = {"blocking": dict(overlap="none", tau=None, tau_w=None, merge=None, eta=1.0, mu=0.0),
               "uncompressed": dict(codec="none", E=None)}
 
 

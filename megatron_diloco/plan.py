@@ -68,7 +68,7 @@ import math
 import sys
 from typing import Any
 
-from megatron_diloco.arguments import resolve_warmup
+from megatron_diloco.arguments import resolve_warmup, resolve_warmup_overlap
 from megatron_diloco.config import CODECS
 
 #: Payload fraction of a TCP/IPv4 stream on Ethernet at MTU 1500 (1448 payload bytes per 1514 on the wire).
@@ -203,9 +203,9 @@ class PlanConfig:
     warmup_iters: int | None = None
     """W, inner steps of the warm-up (``--diloco-x-warmup-iters``; 0: none). None: auto, 30 H, at most
     a third of ``train_iters``."""
-    warmup_overlap_steps: int = 0
+    warmup_overlap_steps: int | None = None
     """``partial``: the most steps a warm-up round's exchange overlaps (``--diloco-x-warmup-overlap-steps``;
-    0: they block)."""
+    0: they block). None: auto, H0 // 10."""
     train_iters: int | None = None
     """Inner steps of the whole run (caps the auto warm-up; the warm-up's one-time cost as a share)."""
 
@@ -377,10 +377,13 @@ class Plan:
     """dilocox_tokens_per_s / allreduce_tokens_per_s."""
     warmup: tuple[int | None, int]
     """(H0, W) of the warm-up as the package resolves the flags; (None, 0): none."""
+    warmup_overlap_steps: int
+    """tau_w as the package resolves ``--diloco-x-warmup-overlap-steps`` (``partial`` only; else 0)."""
     warmup_exposed_s: float
-    """Exposed exchange time of the whole warm-up, seconds (once per run): ``partial``'s warm-up
-    rounds block (all but the last, whose exchange hides under a round of H); the other overlap
-    modes hide up to one round of H0 steps."""
+    """Exposed exchange time of the whole warm-up, seconds (once per run): each of ``partial``'s
+    warm-up exchanges but the last (which hides under a round of H) hides behind min(tau_w, the steps
+    that hide it) steps; ``none`` blocks them all; the other overlap modes hide up to one round of H0
+    steps."""
     warmup_share: float | None
     """warmup_exposed_s over the run's compute (``train_iters`` x step); None without train_iters."""
 
@@ -506,10 +509,11 @@ def plan(cfg: PlanConfig) -> Plan:
     # ---- the warm-up (one-time): rounds of H0; with partial each overlaps at most tau_w steps ----
     h0, w = resolve_warmup(cfg.warmup_local_steps, cfg.warmup_iters, H, cfg.train_iters)
     warm_rounds = w // h0 if h0 else 0
+    tau_w = resolve_warmup_overlap(cfg.warmup_overlap_steps, h0, cfg.overlap) if w else 0
     if cfg.overlap == "none":
         warm_exposed = warm_rounds * exchange
     elif cfg.overlap == "partial":  # the last boundary of the warm-up launches into a round of H
-        hidden = min(cfg.warmup_overlap_steps, min_h) * t_step if h0 else 0.0
+        hidden = min(tau_w, min_h) * t_step
         warm_exposed = max(0, warm_rounds - 1) * max(0.0, exchange - hidden)
     else:
         warm_exposed = warm_rounds * max(0.0, exchange - h0 * t_step) if h0 else 0.0
@@ -527,7 +531,7 @@ def plan(cfg: PlanConfig) -> Plan:
         round_s=round_s, min_hidden_local_steps=min_h, allreduce_bytes_per_link_per_step=ar_per_link,
         allreduce_comm_s=ar_comm, allreduce_step_s=ar_step, dilocox_tokens_per_s=dx_tps,
         allreduce_tokens_per_s=ar_tps, speedup_vs_allreduce=dx_tps / ar_tps,
-        warmup=(h0, w), warmup_exposed_s=warm_exposed, warmup_share=warm_share,
+        warmup=(h0, w), warmup_overlap_steps=tau_w, warmup_exposed_s=warm_exposed, warmup_share=warm_share,
     )
 
 
@@ -598,7 +602,9 @@ def format_table(p: Plan) -> str:
         ("round", f"{_fmt_s(p.round_s)} = {c.local_steps} x {_fmt_s(p.compute_step_s)} + boundary "
                   f"{_fmt_s(p.boundary_s)} + exposed"),
         ("warm-up (once)", "none" if not p.warmup[1] else
-         f"{p.warmup[1]} steps in rounds of {p.warmup[0]}: {_fmt_s(p.warmup_exposed_s)} exposed in all"
+         f"{p.warmup[1]} steps in rounds of {p.warmup[0]}"
+         + (f", tau_w {p.warmup_overlap_steps}" if c.overlap == "partial" else "")
+         + f": {_fmt_s(p.warmup_exposed_s)} exposed in all"
          + (f" ({100 * p.warmup_share:.2g}% of the {c.train_iters}-step run's compute)" if p.warmup_share is not None
             else " (give --train-iters for its share of the run)")),
         ("AllReduce step", f"{_fmt_s(p.allreduce_step_s)} = compute + {_fmt_s(p.allreduce_comm_s)} comm "

@@ -100,10 +100,28 @@ def test_defaults_are_the_measured_best():
     which the CLI resolves (it depends on --train-iters) and the dataclass leaves off."""
     cfg = config_from_args(parse())
     got = (cfg.replicas, cfg.local_steps, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.overlap,
-           cfg.overlap_steps, cfg.merge, cfg.compression, cfg.warmup_local_steps)
-    assert got == (2, 500, 1.0, 0.0, True, "partial", None, "exact", "int4", 500 // 3)
+           cfg.overlap_steps, cfg.merge, cfg.compression, cfg.warmup_local_steps, cfg.warmup_overlap_steps)
+    assert got == (2, 500, 1.0, 0.0, True, "partial", None, "exact", "int4", 500 // 3, 500 // 3 // 10)
     assert cfg.warmup_auto and not config_from_args(parse("--diloco-x-warmup-iters", "332")).warmup_auto
-    assert dataclasses.replace(cfg, warmup_local_steps=None, warmup_iters=0, warmup_auto=False) == DiLoCoXConfig()
+    assert dataclasses.replace(cfg, warmup_local_steps=None, warmup_iters=0, warmup_auto=False,
+                               warmup_overlap_steps=0) == DiLoCoXConfig()
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], 1),  # auto: H0 10 // 10
+    (["--diloco-x-warmup-overlap-steps", "3"], 3),
+    (["--diloco-x-warmup-overlap-steps", "0"], 0),
+    (["--diloco-x-warmup-local-steps", "9"], 0),  # auto: 9 // 10, a warm-up round of 9 blocks
+    (["--diloco-x-warmup-iters", "0"], 0),  # no warm-up
+    (["--diloco-x-overlap", "none"], 0),
+    (["--diloco-x-overlap", "delayed"], 0),
+])
+def test_auto_warmup_overlap(argv, want):
+    """``--diloco-x-warmup-overlap-steps auto`` (the default): H0 // 10 with partial and a warm-up,
+    else 0; an explicit value as given."""
+    args = parse("--diloco-x-local-steps", "30", *argv)
+    args.train_iters = 3000
+    assert config_from_args(args).warmup_overlap_steps == want
 
 
 def test_valid_setup_sets_the_replica_topology():

@@ -128,26 +128,29 @@ def test_exposed_time():
 
 def test_warmup_exposed_time():
     """The warm-up's one-time exposed exchange time, with the package's own resolution of the flags:
-    partial blocks all its warm-up rounds but the last (whose exchange lands in a round of H), or
-    with a warm-up overlap hides min(tau_w, auto tau) steps of each, the
-    delayed modes hide up to H0 steps of each, none blocks them all."""
+    each of partial's warm-up exchanges but the last (which lands in a round of H) hides behind
+    min(tau_w, the steps that hide it) steps (tau_w auto: H0 // 10; 0 blocks), the delayed modes hide
+    up to H0 steps of each, none blocks them all."""
     exch = plan(cfg(codec="int8")).exchange_s
-    auto = plan(cfg(codec="int8", overlap="partial", local_steps=30, train_iters=3000))
-    assert auto.warmup == (10, 900)
-    assert auto.warmup_exposed_s == pytest.approx(89 * exch)
-    assert auto.warmup_share == pytest.approx(89 * exch / 3000)
-    assert plan(cfg(codec="int8", overlap="none", local_steps=30, train_iters=3000)).warmup_exposed_s == pytest.approx(90 * exch)
-    slow = plan(cfg(codec="int8", overlap="delayed", local_steps=6, warmup_iters=20, step_time_s=0.25))
-    assert slow.warmup == (2, 20) and slow.warmup_share is None
-    assert slow.warmup_exposed_s == pytest.approx(10 * (exch - 0.5))
-    # --diloco-x-warmup-overlap-steps 2: each blocked exchange hides behind min(2, auto tau 4) steps
+    auto = plan(cfg(codec="int8", overlap="partial", local_steps=30, train_iters=3000, step_time_s=0.25))
+    assert auto.warmup == (10, 900) and auto.warmup_overlap_steps == 1 and auto.min_hidden_local_steps == 5
+    assert auto.warmup_exposed_s == pytest.approx(89 * (exch - 0.25))
+    assert auto.warmup_share == pytest.approx(89 * (exch - 0.25) / (3000 * 0.25))
+    blocking = plan(cfg(codec="int8", overlap="partial", local_steps=30, train_iters=3000, step_time_s=0.25,
+                        warmup_overlap_steps=0))
+    assert blocking.warmup_exposed_s == pytest.approx(89 * exch)
     capped = plan(cfg(codec="int8", overlap="partial", local_steps=30, train_iters=3000, step_time_s=0.25,
                       warmup_overlap_steps=2))
     assert capped.warmup_exposed_s == pytest.approx(89 * (exch - 0.5))
     fast = plan(cfg(codec="int8", overlap="partial", local_steps=30, train_iters=3000, warmup_overlap_steps=2))
     assert fast.min_hidden_local_steps <= 2 and fast.warmup_exposed_s == 0.0  # 1 s steps: 2 hide it
+    none = plan(cfg(codec="int8", overlap="none", local_steps=30, train_iters=3000))
+    assert none.warmup_overlap_steps == 0 and none.warmup_exposed_s == pytest.approx(90 * exch)
+    slow = plan(cfg(codec="int8", overlap="delayed", local_steps=6, warmup_iters=20, step_time_s=0.25))
+    assert slow.warmup == (2, 20) and slow.warmup_share is None
+    assert slow.warmup_exposed_s == pytest.approx(10 * (exch - 0.5))
     off = plan(cfg(codec="int8", overlap="partial", local_steps=30, warmup_iters=0))
-    assert off.warmup == (None, 0) and off.warmup_exposed_s == 0.0
+    assert off.warmup == (None, 0) and off.warmup_overlap_steps == 0 and off.warmup_exposed_s == 0.0
 
 
 def test_speedup_hand_computed():
