@@ -120,22 +120,23 @@ METHODS: dict[str, dict] = {
                                        **_O),
     "diloco_int4_hwarm900": dict(overlap="none", codec="int4",
                                  flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900"], **_O),
-    # 900 steps of H0 = 10: 160 rounds, ~109x fewer bytes. The package default: its auto warm-up at
-    # H = 30 over 3000 steps is this one (H // 3 for min(30 H, 3000 / 3) steps)
+    # 900 steps of H0 = 10: 160 rounds, ~109x fewer bytes; the package's auto warm-up at H = 30 over
+    # 3000 steps (H // 3 for min(30 H, 3000 / 3) steps), its rounds blocking (tau_w 0)
     "partial_auto_int4_hwarm900": dict(overlap="partial", codec="int4", tau="auto",
                                        flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900"],
                                        **_O),
     # fewer, longer warm-up rounds over the same 900 steps: 59 / 44 blocked exchanges instead of 89
-    # (the exposure the default's warm-up costs: 9.9% of this run's compute at 1 Gbit)
+    # (the exposure blocking warm-up rounds cost: 9.9% of this run's compute at 1 Gbit)
     "partial_auto_int4_hwarm900_h0_15": dict(overlap="partial", codec="int4", tau="auto",
                                              flags=["--diloco-x-warmup-local-steps", "15",
                                                     "--diloco-x-warmup-iters", "900"], **_O),
     "partial_auto_int4_hwarm900_h0_20": dict(overlap="partial", codec="int4", tau="auto",
                                              flags=["--diloco-x-warmup-local-steps", "20",
                                                     "--diloco-x-warmup-iters", "900"], **_O),
-    # the default's warm-up rounds overlapped, at most tau_w of their 10 steps
-    # (--diloco-x-warmup-overlap-steps): tau_w 2 takes the 89 exchanges' exposure at 1 Gbit from
-    # 9.9% to 4.0% of this run's compute in the plan model; auto (4) gave the warm-up's gain back
+    # the warm-up's rounds overlapped, at most tau_w of their 10 steps (--diloco-x-warmup-overlap-steps):
+    # tau_w 1 / 2 / 3 take the 89 exchanges' exposure at 1 Gbit from 9.9% to 6.9 / 4.0 / 1.0% of this
+    # run's compute in the plan model; auto tau (4) gave the warm-up's gain back. tau_w 1 (H0 // 10) is
+    # the package default
     **{f"partial_auto_int4_hwarm900_wtau{k}": dict(
         overlap="partial", codec="int4", tau="auto", tau_w=k,
         flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900"], **_O) for k in (1, 2, 3)},
@@ -144,7 +145,7 @@ METHODS: dict[str, dict] = {
 #: method's (``tests/test_convergence_jobs.py::test_the_default_method_is_the_package_default``).
 DEFAULT_METHOD = "partial_auto_int4_hwarm900_wtau1"
 #: RESULTS §2.1's headline rows: the default ``--methods``, and the curves of the plot's left panel
-HEADLINE_METHODS = ("allreduce", DEFAULT_METHOD, "diloco_int4_hwarm600", "partial_auto_int4", "diloco_int4")
+HEADLINE_METHODS = ("allreduce", DEFAULT_METHOD, "diloco_int4_hwarm900", "partial_auto_int4", "diloco_int4")
 #: The link the auto tau and the adaptive byte budget are sized for (Mbit/s): the issue's 1 Gbit.
 LINK_MBPS = 1000
 _VALID = re.compile(r"validation loss at iteration (\d+)( on validation set)? \| lm loss value: (\S+)")
@@ -245,6 +246,16 @@ def analyze(d: Path, tokens_per_step: int) -> dict:
     return out
 
 
+def _canonical(m: dict) -> dict:
+    """A method definition as :data:`METHODS` writes it today: runs launched at 1d9f745-7ed5dad gave
+    tau_w as a flag (``--diloco-x-warmup-overlap-steps k``) rather than the ``tau_w`` key."""
+    flags = list(m.get("flags", []))
+    if "--diloco-x-warmup-overlap-steps" not in flags:
+        return m
+    i = flags.index("--diloco-x-warmup-overlap-steps")
+    return {**m, "tau_w": int(flags[i + 1]), "flags": flags[:i] + flags[i + 2:]}
+
+
 def report(dirs: list[Path], a: argparse.Namespace) -> dict:
     per_seed: dict[str, dict[int, dict]] = {}
     defs: dict[str, dict] = {}
@@ -254,6 +265,7 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
             # the definition the run was launched with (its done.json), else today's of that name
             m = (done(run.parent, run.name) or {}).get("method", METHODS.get(name))
             if m is not None:
+                m = _canonical(m)
                 defs.setdefault(name, m)
                 tokens_per_step = a.tokens_per_step // (REPLICAS if m.get("alone") else 1)
                 per_seed.setdefault(name, {})[int(seed)] = analyze(run, tokens_per_step)
@@ -264,6 +276,7 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
         m = defs[name]
         row = {"overlap": m.get("overlap", "alone" if m.get("alone") else "allreduce"), "codec": m.get("codec"), "tau": m.get("tau"),
                "merge": m.get("merge", "exact") if m.get("overlap") == "partial" else None,
+               "warmup_overlap_steps": m.get("tau_w", 0) if m.get("overlap") == "partial" else None,
                "outer_lr": m.get("eta"), "outer_momentum": m.get("mu"),
                "local_steps": m.get("H", a.local_steps) if communicates(m) else None,
                "energy": m.get("E"),
