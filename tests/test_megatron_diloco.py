@@ -96,7 +96,8 @@ def test_warmup_rounds_then_h(tmp_path):
     (2..4) blocks (no landing at 3), the rounds of H land one step late (5, 9); a checkpoint saved
     inside the warm-up (iteration 3) resumes on the same schedule, bit for bit. With H0 = H the
     warm-up changes nothing: the losses of the plain run, bit for bit. With
-    ``--diloco-x-warmup-overlap-steps 1`` the warm-up's round lands one step late too (3). With no warm-up flag, the
+    ``--diloco-x-warmup-overlap-steps 1`` the warm-up's round lands one step late too (3), and a
+    checkpoint saved with that exchange in flight resumes bit for bit. With no warm-up flag, the
     auto warm-up: rounds of H // 3 = 1 for a third of the run (4 steps), blocking, then of H; resumed
     with a longer --train-iters, it keeps the checkpoint's warm-up."""
     base = ["--train-iters", "12", "--diloco-x-local-steps", "4", "--diloco-x-overlap-steps", "1",
@@ -122,6 +123,13 @@ def test_warmup_rounds_then_h(tmp_path):
         assert {s for s, _, outer in rec["step_ops"] if outer} == {2, 3, 4, 5, 8, 9, 12}, rank
         assert all(n == 0 for _, n, outer in rec["step_ops"] if not outer), rank
     assert losses(capped) != losses(recs)
+    # saved at iteration 2, the warm-up boundary whose exchange is in flight (it lands at 3): the
+    # resume completes it at the same step, bit for bit
+    capped_ckpt = str(tmp_path / "capped_ckpt")
+    cap = warm + ["--diloco-x-warmup-overlap-steps", "1"]
+    leg1, _ = run_megatron(tmp_path, cap + ["--save", capped_ckpt, "--exit-interval", "2"])
+    leg2, _ = run_megatron(tmp_path, cap + ["--load", capped_ckpt])
+    assert {r: {**losses(leg1)[r], **losses(leg2)[r]} for r in losses(capped)} == losses(capped)
     ckpt = str(tmp_path / "ckpt")
     leg1, _ = run_megatron(tmp_path, warm + ["--save", ckpt, "--exit-interval", "3"])
     leg2, _ = run_megatron(tmp_path, warm + ["--load", ckpt])
