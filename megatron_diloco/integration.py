@@ -301,7 +301,9 @@ class _Installation:
             summary: dict[str, Any] = {
                 "rounds": opt.sync.rounds,
                 "local_steps": self.config.local_steps,
-                **({"warmup_local_steps": self.config.warmup_local_steps, "warmup_iters": self.config.warmup_iters}
+                **({"warmup_local_steps": self.config.warmup_local_steps, "warmup_iters": self.config.warmup_iters,
+                    **({"warmup_overlap_steps": self.config.warmup_overlap_steps}
+                       if self.config.overlap == "partial" else {})}
                    if self.config.warmup_local_steps is not None else {}),
                 "replicas": self.config.replicas,
                 "overlap": self.config.overlap,

@@ -114,9 +114,10 @@ def test_warmup_rounds_then_h(tmp_path):
         assert all(n == 0 for _, n, outer in rec["step_ops"] if not outer), rank
     s = summary(log)
     assert s["rounds"] == 4 and s["replicas_identical"]
-    assert (s["local_steps"], s["warmup_local_steps"], s["warmup_iters"]) == (4, 2, 4)
+    assert (s["local_steps"], s["warmup_local_steps"], s["warmup_iters"], s["warmup_overlap_steps"]) == (4, 2, 4, 0)
     # --diloco-x-warmup-overlap-steps 1: the warm-up's round overlaps one step (lands at 3)
-    capped, _ = run_megatron(tmp_path, warm + ["--diloco-x-warmup-overlap-steps", "1"])
+    capped, log = run_megatron(tmp_path, warm + ["--diloco-x-warmup-overlap-steps", "1"])
+    assert summary(log)["warmup_overlap_steps"] == 1
     for rank, rec in enumerate(capped):
         assert [s for s, _ in rec["boundary_identical"]] == [2, 4, 8, 12], rank
         assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
