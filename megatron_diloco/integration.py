@@ -302,8 +302,7 @@ class _Installation:
                 "rounds": opt.sync.rounds,
                 "local_steps": self.config.local_steps,
                 **({"warmup_local_steps": self.config.warmup_local_steps, "warmup_iters": self.config.warmup_iters,
-                    **({"warmup_overlap_steps": self.config.warmup_overlap_steps}
-                       if self.config.overlap == "partial" else {})}
+                    "warmup_overlap_steps": self.config.warmup_overlap_steps}  # (0 but with partial)
                    if self.config.warmup_local_steps is not None else {}),
                 "replicas": self.config.replicas,
                 "overlap": self.config.overlap,
