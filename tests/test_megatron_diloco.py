@@ -89,6 +89,24 @@ def test_replicas_identical_and_no_cross_replica_traffic(tmp_path, overlap, prec
     assert s["final_loss"] < s["first_loss"]
 
 
+def test_default_warmup_overlaps_a_tenth_of_its_rounds(tmp_path):
+    """Megatron's and the package's defaults but H = 30 over 60 iterations: the auto warm-up is
+    rounds of H0 = 10 for 20 steps (a third of the run), and its auto overlap H0 // 10 = 1: the
+    exchange launched at 10 lands at 11, the one at 20 (into a round of H) at the auto tau. Replicas
+    bit-identical at every boundary, no cross-replica op between them."""
+    recs, log = run_megatron(tmp_path, ["--train-iters", "60", "--diloco-x-local-steps", "30", *MEGATRON_DEFAULTS],
+                             warmup=True)
+    s = summary(log)
+    assert (s["warmup_local_steps"], s["warmup_iters"], s["warmup_overlap_steps"]) == (10, 20, 1)
+    assert s["rounds"] == 3 and s["replicas_identical"]
+    for rank, rec in enumerate(recs):
+        assert [b for b, _ in rec["boundary_identical"]] == [10, 20, 50], rank
+        assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
+        outer = sorted(b for b, _, o in rec["step_ops"] if o)
+        assert outer[:3] == [10, 11, 20] and 50 in outer, (rank, outer)  # after 20: landings at the auto tau
+        assert all(n == 0 for _, n, o in rec["step_ops"] if not o), rank
+
+
 def test_warmup_rounds_then_h(tmp_path):
     """``--diloco-x-warmup-local-steps 2 --diloco-x-warmup-iters 4`` with H = 4 over 12 iterations:
     boundaries at 2, 4, 8 and 12 (partial, tau fixed at 1 so that runs land alike), the replicas
