@@ -58,7 +58,7 @@ CPU_MODEL = """
     --pipeline-model-parallel-size 1
 """.split()
 #: Methods: overlap rule, codec, tau (partial), outer lr eta, outer momentum mu; optional tau_w (the
-#: warm-up's overlap cap, partial with a warm-up in flags; default 0), H (local
+#: warm-up's overlap cap, partial with a warm-up in flags; default 0), wc (the warm-up's codec), H (local
 #: steps, default ``--local-steps``), E (adaptive energy) and flags (Megatron flags, e.g. the lr). No overlap: one world (allreduce, single).
 #: eta 1, mu 0 unless named: measured best at H = 30 (RESULTS.md §2: momentum amplifies a 30-step
 #: Adam trajectory like a larger inner lr; eta 0.7 / mu 0.9 diverged).
@@ -140,6 +140,14 @@ METHODS: dict[str, dict] = {
     **{f"partial_auto_int4_hwarm900_wtau{k}": dict(
         overlap="partial", codec="int4", tau="auto", tau_w=k,
         flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900"], **_O) for k in (1, 2, 3)},
+    # the warm-up's exchanges as int2 (--diloco-x-warmup-compression; wc): 1.9x fewer bytes each, so
+    # that tau_w 1 hides more of them (plan model at 1 Gbit: 2.1% of this run exposed instead of 6.9%)
+    "partial_auto_int4_hwarm900_wtau1_w2": dict(
+        overlap="partial", codec="int4", tau="auto", tau_w=1, wc="int2",
+        flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900"], **_O),
+    "diloco_int4_hwarm900_w2": dict(overlap="none", codec="int4", wc="int2",
+                                    flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900"],
+                                    **_O),
 }
 #: The package default (``--diloco-x`` alone) at H = 30 over 3000 steps: its auto warm-up is this
 #: method's (``tests/test_convergence_jobs.py::test_the_default_method_is_the_package_default``).
@@ -170,6 +178,8 @@ def method_flags(name: str) -> list[str]:
         flags += ["--diloco-x-warmup-iters", "0"]  # the rows measured before the auto warm-up was the default
     elif m["overlap"] == "partial":  # tau_w: 0 in the rows measured before the warm-up overlapped (auto)
         flags += ["--diloco-x-warmup-overlap-steps", str(m.get("tau_w", 0))]
+    if "wc" in m:
+        flags += ["--diloco-x-warmup-compression", m["wc"]]
     if "tau" in m:
         flags += ["--diloco-x-overlap-steps", str(m["tau"]), "--diloco-x-merge", m.get("merge", "exact")]
     if m["codec"] == "adaptive" or m.get("tau") == "auto":
@@ -277,6 +287,7 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
         row = {"overlap": m.get("overlap", "alone" if m.get("alone") else "allreduce"), "codec": m.get("codec"), "tau": m.get("tau"),
                "merge": m.get("merge", "exact") if m.get("overlap") == "partial" else None,
                "warmup_overlap_steps": m.get("tau_w", 0) if m.get("overlap") == "partial" else None,
+               "warmup_codec": m.get("wc"),  # the warm-up's exchanges' codec where it is not ``codec``
                "outer_lr": m.get("eta"), "outer_momentum": m.get("mu"),
                "local_steps": m.get("H", a.local_steps) if communicates(m) else None,
                "energy": m.get("E"),
@@ -373,7 +384,10 @@ def markdown_table(result: dict) -> str:
     for name, r in sorted(result["methods"].items(), key=lambda kv: kv[1].get("final_val_loss") or 9):
         seeds = ", ".join(f"{v:.4f}" for v in r.get("final_val_loss_per_seed", []))
         final = f"**{r['final_val_loss']:.4f}** ({seeds})" if r.get("final_val_loss") else "incomplete"
-        rows.append(f"| {name} | {r['overlap']} | {r.get('codec') or '-'} | {_tau(r)} | "
+        codec = r.get("codec") or "-"
+        if r.get("warmup_codec"):
+            codec += f" ({r['warmup_codec']} warm-up)"
+        rows.append(f"| {name} | {r['overlap']} | {codec} | {_tau(r)} | "
                     f"{r.get('outer_lr', '-')} / {r.get('outer_momentum', '-')} | {final} | {pct(r.get('gap_vs_allreduce'))} | "
                     f"{pct(r.get('gap_vs_blocking'))} | {pct(r.get('gap_vs_uncompressed'))} | "
                     f"{r.get('bytes_total', 0) / 1e9:.2f} GB | "

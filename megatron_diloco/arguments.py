@@ -75,6 +75,12 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--diloco-x-compression", choices=list(CODECS),
                        default=defaults["compression"].default,
                        help="Pseudo-gradient codec (default int4; see the README).")
+    group.add_argument("--diloco-x-warmup-compression", default=None, metavar="CODEC",
+                       choices=[name for name, spec in CODECS.items() if spec.lossy and not spec.matrix],
+                       help="The codec of the exchanges launched into a warm-up round (int8, int4, fp8, "
+                            "int2; with a blockwise --diloco-x-compression, whose error-feedback residual it "
+                            "shares). Default: --diloco-x-compression's. int2 (ternary) sends 1.9x fewer "
+                            "bytes than int4.")
     group.add_argument("--diloco-x-rank", type=int, default=defaults["rank"].default,
                        help="Rank of the lowrank / lowrank-int8 codecs.")
     group.add_argument("--diloco-x-energy", type=float, default=defaults["energy"].default,
@@ -179,6 +185,7 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
         mix_alpha=getattr(args, "diloco_x_mix_alpha", 0.5),
         eager_weight=args.diloco_x_eager_weight,
         compression=args.diloco_x_compression,
+        warmup_compression=getattr(args, "diloco_x_warmup_compression", None),
         rank=args.diloco_x_rank,
         energy=args.diloco_x_energy,
         bandwidth_mbps=args.diloco_x_bandwidth_mbps,
@@ -261,12 +268,13 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
         raise ValueError(f"--optimizer {args.optimizer} cannot be used with --diloco-x; use adam or sgd "
                          "(the inner optimizer must be Megatron's distributed optimizer)")
 
-    if config.compression == "fp8":
-        import torch
+    for flag, codec in (("--diloco-x-compression", config.compression),
+                        ("--diloco-x-warmup-compression", config.warmup_compression)):
+        if codec == "fp8":
+            import torch
 
-        if not torch.cuda.is_available():
-            raise ValueError("--diloco-x-compression fp8 runs on CUDA GPUs only (sm89+); use "
-                             "--diloco-x-compression int8 on this machine")
+            if not torch.cuda.is_available():
+                raise ValueError(f"{flag} fp8 runs on CUDA GPUs only (sm89+); use {flag} int8 on this machine")
 
     args.use_distributed_optimizer = True
     args.num_distributed_optimizer_instances = R

@@ -38,6 +38,7 @@ CODECS: dict[str, CodecSpec] = {spec.name: spec for spec in (
     CodecSpec("int8", lossy=True, collective="all-gather"),
     CodecSpec("int4", lossy=True, collective="all-gather"),
     CodecSpec("fp8", lossy=True, collective="all-gather"),
+    CodecSpec("int2", lossy=True, collective="all-gather"),
     CodecSpec("lowrank", lossy=True, collective="all-gather", matrix=True),
     CodecSpec("lowrank-int8", lossy=True, collective="all-gather", matrix=True),
     CodecSpec("adaptive", lossy=True, collective="all-gather", matrix=True),
@@ -85,6 +86,13 @@ class DiLoCoXConfig:
     (:func:`megatron_diloco.arguments.resolve_warmup_overlap`): a few steps of a ten-step round are a
     large share of it, 1 cost +0.09% loss for 30% less exposed time, 2 +0.44%, 4 the warm-up's whole
     gain (benchmarks/RESULTS.md §2.1)."""
+
+    warmup_compression: str | None = None
+    """The codec of the exchanges launched into a warm-up round (``--diloco-x-warmup-compression``;
+    None: :attr:`compression`'s, this dataclass's default). A blockwise codec, with a blockwise
+    :attr:`compression`: the two share the error-feedback residual, so what the warm-up's coarser
+    payload did not send goes out with the next rounds. The exchange launched at the warm-up's last
+    boundary hides behind a round of H and takes :attr:`compression`."""
 
     warmup_auto: bool = False
     """Whether the warm-up came from the command line's ``auto`` (it depends on ``--train-iters``):
@@ -143,8 +151,9 @@ class DiLoCoXConfig:
     compression: str = "int4"
     """Pseudo-gradient codec (default ``int4``: 7.8x fewer bytes than fp32, no loss cost measured on
     the benchmark, benchmarks/RESULTS.md §2). ``none`` sends fp32 shards and averages them exactly (all-reduce);
-    ``int8``/``int4``/``fp8`` send blockwise-absmax-quantized shards (one fp32 scale per 256
-    elements) with error feedback, all-gathered and decoded in replica order (fp8: CUDA only);
+    ``int8``/``int4``/``fp8``/``int2`` send blockwise-absmax-quantized shards (one fp32 scale per
+    256 elements; int2: ternary, -1 / 0 / 1 x scale) with error feedback, all-gathered and decoded in
+    replica order (fp8: CUDA only);
     ``lowrank``/``lowrank-int8``: PowerSGD-style P Q^T with a shared warm-started basis (factors
     fp32 / int8), 1-D and small tensors quantized or raw; ``adaptive``: per-tensor rank from the
     captured-energy target, capped by the byte budget."""
@@ -273,6 +282,16 @@ class DiLoCoXConfig:
                     f"(--diloco-x-warmup-local-steps) with a warm-up (--diloco-x-warmup-iters > 0), "
                     f"got {self.warmup_overlap_steps!r}"
                 )
+        if self.warmup_compression is not None:
+            blockwise = [name for name, spec in CODECS.items() if spec.lossy and not spec.matrix]
+            if self.warmup_compression not in blockwise or self.compression not in blockwise:
+                raise ValueError(
+                    f"--diloco-x-warmup-compression must be one of {', '.join(blockwise)} with "
+                    f"--diloco-x-compression one of them too (they share the error-feedback residual), got "
+                    f"{self.warmup_compression!r} with --diloco-x-compression {self.compression!r}")
+            if not self.warmup_iters:
+                raise ValueError("--diloco-x-warmup-compression needs a warm-up (--diloco-x-warmup-iters > 0 "
+                                 "and --diloco-x-warmup-local-steps); drop the flag or give the warm-up")
         if self.merge not in MERGE_RULES:
             raise ValueError(f"--diloco-x-merge must be one of {', '.join(MERGE_RULES)}, got {self.merge!r}")
         if not (0.0 <= self.mix_alpha <= 1.0):

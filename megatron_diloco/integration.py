@@ -302,7 +302,8 @@ class _Installation:
                 "rounds": opt.sync.rounds,
                 "local_steps": self.config.local_steps,
                 **({"warmup_local_steps": self.config.warmup_local_steps, "warmup_iters": self.config.warmup_iters,
-                    "warmup_overlap_steps": self.config.warmup_overlap_steps}  # (0 but with partial)
+                    "warmup_overlap_steps": self.config.warmup_overlap_steps,  # (0 but with partial)
+                    "warmup_compression": self.config.warmup_compression or self.config.compression}
                    if self.config.warmup_local_steps is not None else {}),
                 "replicas": self.config.replicas,
                 "overlap": self.config.overlap,

@@ -89,10 +89,14 @@ MEASURED_RATIOS: dict[str, float] = {
 BOUNDARY_NS_PER_PARAM = 0.136
 
 
+#: The blockwise codecs (``reference.FORMATS``, without importing torch): a payload size by formula.
+BLOCKWISE: tuple[str, ...] = tuple(name for name, spec in CODECS.items() if spec.lossy and not spec.matrix)
+
+
 def blockwise_payload_bytes(numel: int, fmt: str, block_size: int = BLOCK_SIZE) -> int:
     """Bytes of one blockwise-quantized payload of ``numel`` elements: the codec's own layout
     (:func:`megatron_diloco.compression.reference.payload_layout`: fp32 scales, values, padding)."""
-    if fmt not in ("int8", "int4", "fp8"):
+    if fmt not in BLOCKWISE:
         raise ValueError(f"--codec: no blockwise payload for {fmt!r}")
     from megatron_diloco.compression.reference import payload_layout  # imports torch (~2 s)
 
@@ -206,6 +210,9 @@ class PlanConfig:
     warmup_overlap_steps: int | None = None
     """``partial``: the most steps a warm-up round's exchange overlaps (``--diloco-x-warmup-overlap-steps``;
     0: they block). None: auto, H0 // 10."""
+    warmup_codec: str | None = None
+    """The codec of the exchanges launched into a warm-up round (``--diloco-x-warmup-compression``, a
+    blockwise codec). None: ``codec``'s."""
     train_iters: int | None = None
     """Inner steps of the whole run (caps the auto warm-up; the warm-up's one-time cost as a share)."""
 
@@ -272,6 +279,11 @@ class PlanConfig:
             raise ValueError(f"--link-efficiency must be in (0, 1], got {self.link_efficiency!r}")
         _choice("link_scope", self.link_scope, ("cluster", "node", "gpu"))
         _choice("codec", self.codec, tuple(CODECS))
+        if self.warmup_codec is not None:
+            _choice("warmup_codec", self.warmup_codec, BLOCKWISE)
+            if self.codec not in BLOCKWISE:
+                raise ValueError(f"--warmup-codec needs a blockwise --codec ({', '.join(BLOCKWISE)}), "
+                                 f"got {self.codec!r}")
         _choice("overlap", self.overlap, ("none", "partial", "delayed", "eager"))
         _choice("recompute", self.recompute, ("none", "selective", "full"))
         _choice("baseline_algo", self.baseline_algo, ("hierarchical", "ring"))
@@ -379,6 +391,8 @@ class Plan:
     """(H0, W) of the warm-up as the package resolves the flags; (None, 0): none."""
     warmup_overlap_steps: int
     """tau_w as the package resolves ``--diloco-x-warmup-overlap-steps`` (``partial`` only; else 0)."""
+    warmup_exchange_s: float
+    """One exchange launched into a warm-up round, seconds (``exchange_s`` but with ``warmup_codec``)."""
     warmup_exposed_s: float
     """Exposed exchange time of the whole warm-up, seconds (once per run): each of ``partial``'s
     warm-up exchanges but the last (which hides under a round of H) hides behind min(tau_w, the steps
@@ -402,7 +416,7 @@ def _ratio(cfg: PlanConfig, shard: int) -> tuple[float, str]:
         return cfg.compression_ratio, "given"
     if cfg.codec == "none":
         return 1.0, "fp32"
-    if cfg.codec in ("int8", "int4", "fp8"):
+    if cfg.codec in BLOCKWISE:
         return 4 * shard / blockwise_payload_bytes(shard, cfg.codec), "blockwise formula"
     return measured_ratio(cfg.codec, cfg.rank, cfg.energy), "measured on the hidden-192 demo model"
 
@@ -455,7 +469,7 @@ def plan(cfg: PlanConfig) -> Plan:
         "main_grads": cfg.grad_bytes * per_gpu,
         "inner_optimizer": cfg.optimizer_bytes * shard,
         **outer,
-        "exchange_transient": (1 + R) * payload if cfg.codec in ("int8", "int4", "fp8") else 0.0,
+        "exchange_transient": (1 + R) * payload if cfg.codec in BLOCKWISE else 0.0,
         "activations": act or 0.0,
     }
     mem_gib = {k: v / 2**30 for k, v in mem.items()}
@@ -507,16 +521,24 @@ def plan(cfg: PlanConfig) -> Plan:
     ar_step = max(t_step, ar_comm) if cfg.baseline_overlap else t_step + ar_comm
 
     # ---- the warm-up (one-time): rounds of H0; with partial each overlaps at most tau_w steps ----
+    # (all but the warm-up's last exchange launch into a warm-up round: --warmup-codec's; the last
+    # one launches into a round of H and takes ``codec``)
     h0, w = resolve_warmup(cfg.warmup_local_steps, cfg.warmup_iters, H, cfg.train_iters)
     warm_rounds = w // h0 if h0 else 0
     tau_w = resolve_warmup_overlap(cfg.warmup_overlap_steps, h0, cfg.overlap) if w else 0
+    warm_exchange = exchange
+    if cfg.warmup_codec is not None and R > 1:
+        warm_payload = 4 * shard * blockwise_payload_bytes(shard_int, cfg.warmup_codec) / (4 * shard_int)
+        warm_exchange = sites * (R - 1) * warm_payload / rate + (R - 1) * lat
+    warm_min_h = max(1, math.ceil(warm_exchange / t_step)) if warm_exchange > 0 else 1
     if cfg.overlap == "none":
-        warm_exposed = warm_rounds * exchange
+        warm_exposed = max(0, warm_rounds - 1) * warm_exchange + (exchange if warm_rounds else 0.0)
     elif cfg.overlap == "partial":  # the last boundary of the warm-up launches into a round of H
-        hidden = min(tau_w, min_h) * t_step
-        warm_exposed = max(0, warm_rounds - 1) * max(0.0, exchange - hidden)
+        hidden = min(tau_w, warm_min_h) * t_step
+        warm_exposed = max(0, warm_rounds - 1) * max(0.0, warm_exchange - hidden)
     else:
-        warm_exposed = warm_rounds * max(0.0, exchange - h0 * t_step) if h0 else 0.0
+        warm_exposed = ((max(0, warm_rounds - 1) * max(0.0, warm_exchange - h0 * t_step)
+                         + max(0.0, exchange - h0 * t_step)) if h0 and warm_rounds else 0.0)
     warm_share = warm_exposed / (cfg.train_iters * t_step) if cfg.train_iters else None
 
     tokens_round = H * R * cfg.tokens_per_step
@@ -531,7 +553,8 @@ def plan(cfg: PlanConfig) -> Plan:
         round_s=round_s, min_hidden_local_steps=min_h, allreduce_bytes_per_link_per_step=ar_per_link,
         allreduce_comm_s=ar_comm, allreduce_step_s=ar_step, dilocox_tokens_per_s=dx_tps,
         allreduce_tokens_per_s=ar_tps, speedup_vs_allreduce=dx_tps / ar_tps,
-        warmup=(h0, w), warmup_overlap_steps=tau_w, warmup_exposed_s=warm_exposed, warmup_share=warm_share,
+        warmup=(h0, w), warmup_overlap_steps=tau_w, warmup_exchange_s=warm_exchange,
+        warmup_exposed_s=warm_exposed, warmup_share=warm_share,
     )
 
 
@@ -604,6 +627,7 @@ def format_table(p: Plan) -> str:
         ("warm-up (once)", "none" if not p.warmup[1] else
          f"{p.warmup[1]} steps in rounds of {p.warmup[0]}"
          + (f", tau_w {p.warmup_overlap_steps}" if c.overlap == "partial" else "")
+         + (f", {c.warmup_codec} exchanges of {_fmt_s(p.warmup_exchange_s)}" if c.warmup_codec else "")
          + f": {_fmt_s(p.warmup_exposed_s)} exposed in all"
          + (f" ({100 * p.warmup_share:.2g}% of the {c.train_iters}-step run's compute)" if p.warmup_share is not None
             else " (give --train-iters for its share of the run)")),

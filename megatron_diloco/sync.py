@@ -124,8 +124,9 @@ def _sum(parts: list[torch.Tensor]) -> float:
     return float(torch.stack(parts).double().sum()) if parts else 0.0
 
 
-def _build_codec(config: DiLoCoXConfig, view: ShardView, shapes: list[tuple[int, ...]] | None):
-    """The codec of ``config.compression`` over the shard bucket. ``shapes``: per shard, a matrix
+def _build_codec(config: DiLoCoXConfig, view: ShardView, shapes: list[tuple[int, ...]] | None,
+                 name: str | None = None):
+    """The codec ``name`` (default ``config.compression``) over the shard bucket. ``shapes``: per shard, a matrix
     shape ``(rows, cols)`` where the shard is whole rows of a >= 2-D parameter, else ``(numel,)``
     (defaults to 1-D shapes: the low-rank codecs then quantize or send everything raw)."""
     from megatron_diloco.compression import AdaptivePolicy, get_codec
@@ -138,8 +139,9 @@ def _build_codec(config: DiLoCoXConfig, view: ShardView, shapes: list[tuple[int,
     for v in view.flat_views:
         offsets.append(offsets[-1] + v.numel())
     layout = [(off, tuple(sh)) for off, sh in zip(offsets, shapes)]
-    policy = AdaptivePolicy(energy_target=config.energy) if config.compression == "adaptive" else None
-    return get_codec(config.compression, layout, rank=config.rank, policy=policy)
+    name = name or config.compression
+    policy = AdaptivePolicy(energy_target=config.energy) if name == "adaptive" else None
+    return get_codec(name, layout, rank=config.rank, policy=policy)
 
 
 @dataclasses.dataclass
@@ -200,6 +202,10 @@ class OuterSync:
             else (decision_group,) if decision_group is not None else ())
         spec = CODECS[config.compression]
         self.codec = _build_codec(config, view, shapes)
+        #: --diloco-x-warmup-compression: the codec of the exchanges launched into a warm-up round
+        #: (blockwise, like ``codec``; the two share ``residual``), else None
+        self.warmup_codec = (_build_codec(config, view, shapes, config.warmup_compression)
+                             if config.warmup_compression else None)
         # worker thread of the matrix codecs' exchanges (several dependent collectives): a daemon, so
         # that one stuck in a collective with a peer that stopped answering never keeps the process
         # from exiting. Those exchanges, and ``none``'s with the host layout, run on the gloo mirror of
@@ -424,7 +430,7 @@ class OuterSync:
         if w is None:
             w = 1.0 / (dist.get_world_size(self.group) if self.group is not None else 1)
         outbox = None if self._executor is not None else Outbox(
-            self.codec, self.view.numel, self.view.device, send=self.delta if resident or host_send else None)
+            self._round_codec(), self.view.numel, self.view.device, send=self.delta if resident or host_send else None)
         tensors = [self.theta if reset_x else None, self.delta, self.residual, self.eager_anchor]
         write_only = [self.eager_anchor, self.delta if host_send else None]
         input_sq: list[torch.Tensor] = []
@@ -451,7 +457,8 @@ class OuterSync:
         """Launch the exchange of the round whose payload ``outbox`` holds (None: a matrix codec, whose
         worker encodes), bounded by :meth:`timeout_s` from now; the squared norms of the codec's input
         and of the residual it left, as chunk parts."""
-        handle = start_exchange(self.delta, self.residual, self.codec, self.exchange_group, worker=self._executor,
+        codec = outbox.codec if outbox is not None else self.codec
+        handle = start_exchange(self.delta, self.residual, codec, self.exchange_group, worker=self._executor,
                                 timeout_s=self.timeout_s(), outbox=outbox, store=self.store)
         handle.stats.input_sq = _sum(input_sq)
         if outbox is not None:  # (the matrix codecs' worker measures the residual it leaves itself)
@@ -558,7 +565,7 @@ class OuterSync:
             norms: list[torch.Tensor] = []
             x_l = self.launch_point  # None unless partial + exact
             encode = self.residual is not None and self._executor is None  # blockwise codecs encode here
-            outbox = Outbox(self.codec, self.view.numel, self.view.device) if encode else None
+            outbox = Outbox(self._round_codec(), self.view.numel, self.view.device) if encode else None
             input_sq: list[torch.Tensor] = []
             residual_sq: list[torch.Tensor] = []
             # delta is copied back where it is held: it receives e_new (blockwise), or it is the host
@@ -598,8 +605,8 @@ class OuterSync:
         """This rank's tau for the exchange about to launch: ``--diloco-x-overlap-steps``, or (auto)
         the fewest inner steps, at least 1, that hide the exchange, over the last round's mean step
         time: its wire bytes at the link bandwidth when that is known (``--diloco-x-bandwidth-mbps``
-        or measured; the bytes of the last completed exchange, or before any completed, of this one
-        where the codec's payload size is fixed), else the last exchange's measured duration. H while
+        or measured; the bytes of this exchange where its codec fixes them, else of the last completed
+        exchange), else the last exchange's measured duration. H while
         neither is known (the first exchange of a run without a known link). At most the steps of the
         round it hides behind; when that is a warm-up round shorter than H
         (``--diloco-x-warmup-local-steps``), at most ``--diloco-x-warmup-overlap-steps`` (0: it
@@ -614,7 +621,7 @@ class OuterSync:
         last = self.last_completed
         if not self.step_time_s:
             return cap
-        wire = last.bytes_sent if last is not None else self._fixed_wire_bytes()
+        wire = self._fixed_wire_bytes() or (last.bytes_sent if last is not None else None)
         if self.link_bytes_per_s and wire:
             seconds = wire / self.link_bytes_per_s
         elif last is not None:
@@ -623,14 +630,22 @@ class OuterSync:
             return cap
         return min(cap, max(1, math.ceil(seconds / self.step_time_s)))
 
+    def _round_codec(self):
+        """The codec of the exchange about to launch: :attr:`warmup_codec` when it launches into a
+        warm-up round (:attr:`next_round_steps` < H), else :attr:`codec`."""
+        if self.warmup_codec is not None and self.next_round_steps < self.config.local_steps:
+            return self.warmup_codec
+        return self.codec
+
     def _fixed_wire_bytes(self) -> int | None:
-        """Bytes this rank sends in one exchange where the codec fixes them in advance (every codec
-        but the matrix ones, whose ranks vary); None otherwise."""
-        spec = CODECS[self.config.compression]
+        """Bytes this rank sends in the exchange about to launch where its codec fixes them in advance
+        (every codec but the matrix ones, whose ranks vary); None otherwise."""
+        codec = self._round_codec()
+        spec = CODECS[codec.name]
         if spec.matrix:
             return None
         # the outer group: one rank per replica
-        return wire_bytes(spec.collective, self.codec.payload_bytes(self.view.numel), self.config.replicas)
+        return wire_bytes(spec.collective, codec.payload_bytes(self.view.numel), self.config.replicas)
 
     def merge_due(self, steps_since_boundary: int) -> bool:
         """Whether the pending exchange is to be applied after this inner step (``partial``: tau

@@ -62,8 +62,12 @@ else:
         assert _same_bits(e_ref, e_tri)
 
     @pytest.mark.parametrize("fmt", ref.FORMATS)
-    @pytest.mark.parametrize("block_size", [2, 32, 1024])
+    @pytest.mark.parametrize("block_size", [2, 4, 32, 1024])
     def test_encode_bit_exact_multi_tensor_bucket(fmt, block_size):
+        if block_size < ref.elements_per_byte(fmt):  # a block is whole bytes: 4 elements for int2
+            with pytest.raises(ValueError, match="power of two >= 4 for int2"):
+                ref.payload_layout(10, fmt, block_size)
+            return
         shapes = [(7,), (3, 5, 7), (64, 33), (1,), (2, 3, 4, 5), (129,)]
         v = _bucket_from_tensors(shapes, seed=block_size)
         e = torch.zeros_like(v)

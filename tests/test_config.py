@@ -48,6 +48,10 @@ def megatron_args(**kw) -> argparse.Namespace:
     (["--diloco-x-warmup-overlap-steps", "-1"], "--diloco-x-warmup-overlap-steps"),
     (["--diloco-x-warmup-iters", "0", "--diloco-x-warmup-overlap-steps", "1"], "--diloco-x-warmup-overlap-steps"),
     (["--diloco-x-overlap", "delayed", "--diloco-x-warmup-overlap-steps", "1"], "--diloco-x-warmup-overlap-steps"),
+    (["--diloco-x-compression", "none", "--diloco-x-warmup-compression", "int2"], "--diloco-x-warmup-compression"),
+    (["--diloco-x-compression", "adaptive", "--diloco-x-warmup-compression", "int2"],
+     "--diloco-x-warmup-compression"),
+    (["--diloco-x-warmup-iters", "0", "--diloco-x-warmup-compression", "int2"], "--diloco-x-warmup-compression"),
 ])
 def test_bad_values_name_their_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):
@@ -55,7 +59,7 @@ def test_bad_values_name_their_flag(argv, flag):
 
 
 @pytest.mark.parametrize("argv", [["--diloco-x-overlap", "eventually"], ["--diloco-x-compression", "zip"],
-                                  ["--diloco-x-local-steps", "ten"]])
+                                  ["--diloco-x-local-steps", "ten"], ["--diloco-x-warmup-compression", "adaptive"]])
 def test_argparse_rejects_unknown_choices(argv, capsys):
     with pytest.raises(SystemExit):
         parse(*argv)

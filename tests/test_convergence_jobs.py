@@ -143,6 +143,18 @@ def test_h20_rows_are_judged_against_blocking_at_h20():
     assert convergence.counterpart("partial_auto_int4", defs, **blocking) == "diloco_int4"
 
 
+def test_int2_warmup_rows_are_judged_against_blocking_with_the_same_warmup_codec():
+    names = ("diloco_int4_hwarm900", "diloco_int4_hwarm900_w2", "partial_auto_int4_hwarm900_wtau1",
+             "partial_auto_int4_hwarm900_wtau1_w2")
+    defs = {n: convergence.METHODS[n] for n in names}
+    blocking = convergence.REFERENCES["blocking"]
+    assert convergence.counterpart(names[3], defs, **blocking) == names[1]
+    assert convergence.counterpart(names[2], defs, **blocking) == names[0]
+    flags = convergence.method_flags(names[3])
+    assert flags[flags.index("--diloco-x-warmup-compression") + 1] == "int2"
+    assert "--diloco-x-warmup-compression" not in convergence.method_flags(names[2])
+
+
 def test_every_method_is_a_valid_package_config():
     """Each method's ``--diloco-x*`` flags, at the harness's H, pass the package's own validation
     (a warm-up longer than H, or a tau beyond the shortest round, would fail the run at start)."""
@@ -157,6 +169,7 @@ def test_every_method_is_a_valid_package_config():
         args, _ = add_diloco_x_args(argparse.ArgumentParser()).parse_known_args(argv)
         cfg = config_from_args(args)
         assert cfg.overlap == m["overlap"] and cfg.compression == m["codec"], name
+        assert cfg.warmup_compression == m.get("wc"), name
 
 
 def test_the_default_method_is_the_package_default():

@@ -115,7 +115,8 @@ def test_warmup_rounds_then_h(tmp_path):
     inside the warm-up (iteration 3) resumes on the same schedule, bit for bit. With H0 = H the
     warm-up changes nothing: the losses of the plain run, bit for bit. With
     ``--diloco-x-warmup-overlap-steps 1`` the warm-up's round lands one step late too (3), and a
-    checkpoint saved with that exchange in flight resumes bit for bit. With no warm-up flag, the
+    checkpoint saved with that exchange in flight resumes bit for bit; so does one with
+    ``--diloco-x-warmup-compression int2``, whose warm-up exchange goes as int2. With no warm-up flag, the
     auto warm-up: rounds of H // 3 = 1 for a third of the run (4 steps), blocking, then of H; resumed
     with a longer --train-iters, it keeps the checkpoint's warm-up."""
     base = ["--train-iters", "12", "--diloco-x-local-steps", "4", "--diloco-x-overlap-steps", "1",
@@ -134,8 +135,8 @@ def test_warmup_rounds_then_h(tmp_path):
     assert s["rounds"] == 4 and s["replicas_identical"]
     assert (s["local_steps"], s["warmup_local_steps"], s["warmup_iters"], s["warmup_overlap_steps"]) == (4, 2, 4, 0)
     # --diloco-x-warmup-overlap-steps 1: the warm-up's round overlaps one step (lands at 3)
-    capped, log = run_megatron(tmp_path, warm + ["--diloco-x-warmup-overlap-steps", "1"])
-    assert summary(log)["warmup_overlap_steps"] == 1
+    capped, capped_log = run_megatron(tmp_path, warm + ["--diloco-x-warmup-overlap-steps", "1"])
+    assert summary(capped_log)["warmup_overlap_steps"] == 1
     for rank, rec in enumerate(capped):
         assert [s for s, _ in rec["boundary_identical"]] == [2, 4, 8, 12], rank
         assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
@@ -149,6 +150,20 @@ def test_warmup_rounds_then_h(tmp_path):
     leg1, _ = run_megatron(tmp_path, cap + ["--save", capped_ckpt, "--exit-interval", "2"])
     leg2, _ = run_megatron(tmp_path, cap + ["--load", capped_ckpt])
     assert {r: {**losses(leg1)[r], **losses(leg2)[r]} for r in losses(capped)} == losses(capped)
+    # --diloco-x-warmup-compression int2: the exchange launched into the warm-up round (at 2) goes as
+    # int2, those of the rounds of H as int4, on the same schedule; resumed from 2 with it in flight
+    w2 = cap + ["--diloco-x-warmup-compression", "int2"]
+    int2_run, log = run_megatron(tmp_path, w2)
+    for rank, rec in enumerate(int2_run):
+        assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
+        assert {s for s, _, outer in rec["step_ops"] if outer} == {2, 3, 4, 5, 8, 9, 12}, rank
+    s2, s4 = summary(log), summary(capped_log)
+    assert s2["warmup_compression"] == "int2" and s4["warmup_compression"] == "int4" and s2["rounds"] == 4
+    assert s2["bytes_sent_per_rank"] < s4["bytes_sent_per_rank"] and losses(int2_run) != losses(capped)
+    int2_ckpt = str(tmp_path / "int2_ckpt")
+    leg1, _ = run_megatron(tmp_path, w2 + ["--save", int2_ckpt, "--exit-interval", "2"])
+    leg2, _ = run_megatron(tmp_path, w2 + ["--load", int2_ckpt])
+    assert {r: {**losses(leg1)[r], **losses(leg2)[r]} for r in losses(int2_run)} == losses(int2_run)
     ckpt = str(tmp_path / "ckpt")
     leg1, _ = run_megatron(tmp_path, warm + ["--save", ckpt, "--exit-interval", "3"])
     leg2, _ = run_megatron(tmp_path, warm + ["--load", ckpt])

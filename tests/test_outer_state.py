@@ -13,7 +13,7 @@ from tests.dist_utils import run_world
 from tests.outer_state_cases import compare_layouts
 
 
-@pytest.mark.parametrize("replicas,codec", [(2, "none"), (2, "int8"), (2, "int4"), (1, "none")])
+@pytest.mark.parametrize("replicas,codec", [(2, "none"), (2, "int8"), (2, "int4"), (2, "int2"), (1, "none")])
 def test_host_outer_state_is_bit_identical(replicas, codec):
     """Every overlap mode, chunks of one block cutting tensors, a tail chunk: the params after every
     boundary, theta, m and the residual equal the device layout's bit for bit (both on the CPU here:
@@ -23,7 +23,7 @@ def test_host_outer_state_is_bit_identical(replicas, codec):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("codec", ["none", "int8", "int4", "fp8"])
+@pytest.mark.parametrize("codec", ["none", "int8", "int4", "fp8", "int2"])
 def test_host_outer_state_is_bit_identical_on_gpu(codec):
     """On a GPU: pinned host state, side-stream copies and the Triton kernels on staged chunks vs
     the device-resident state (two gloo ranks sharing the GPU)."""

@@ -151,6 +151,24 @@ def test_warmup_exposed_time():
     assert slow.warmup_exposed_s == pytest.approx(10 * (exch - 0.5))
     off = plan(cfg(codec="int8", overlap="partial", local_steps=30, warmup_iters=0))
     assert off.warmup == (None, 0) and off.warmup_overlap_steps == 0 and off.warmup_exposed_s == 0.0
+    # --warmup-codec int2 (int8's codec): the warm-up's exchanges but the last carry int2 payloads,
+    # a quarter of the bytes but the scales
+    from megatron_diloco.compression.reference import payload_layout
+
+    shard = int(auto.shard_params)
+    quarter = payload_layout(shard, "int2").total_bytes / payload_layout(shard, "int8").total_bytes
+    assert 0.25 < quarter < 0.27
+    int2 = plan(cfg(codec="int8", overlap="partial", local_steps=30, train_iters=3000, step_time_s=0.25,
+                    warmup_codec="int2"))
+    assert int2.warmup_exchange_s == pytest.approx(quarter * exch, rel=1e-6) and auto.warmup_exchange_s == exch
+    assert int2.exchange_s == exch  # rounds of H keep the codec
+    assert int2.warmup_exposed_s == pytest.approx(89 * max(0.0, quarter * exch - 0.25), rel=1e-6)
+    none2 = plan(cfg(codec="int8", overlap="none", local_steps=30, train_iters=3000, warmup_codec="int2"))
+    assert none2.warmup_exposed_s == pytest.approx(89 * quarter * exch + exch, rel=1e-6)
+    with pytest.raises(ValueError, match="--warmup-codec"):
+        cfg(codec="adaptive", warmup_codec="int2")
+    with pytest.raises(ValueError, match="--warmup-codec"):
+        cfg(codec="int8", warmup_codec="lowrank")
 
 
 def test_speedup_hand_computed():

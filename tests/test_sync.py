@@ -295,6 +295,62 @@ def _compressed_worker(rank, world, codec, overlap):
     assert rel < {"int8": 0.02, "int4": 0.15}[codec], rel
 
 
+def _warmup_codec_worker(rank, world, overlap):
+    """--diloco-x-warmup-compression int2 with int4: H0 2 for 4 steps, then H 4 (boundaries at 2, 4,
+    8, 12). The exchange launched at 2 (into a warm-up round) goes as int2, those launched at 4 (into
+    a round of H), 8 and 12 as int4; the two codecs share the residual."""
+    from megatron_diloco.compression.reference import dequantize_reference, payload_layout
+
+    cfg = DiLoCoXConfig(replicas=world, local_steps=4, warmup_local_steps=2, warmup_iters=4, outer_lr=0.7,
+                        outer_momentum=0.9, overlap=overlap, compression="int4", warmup_compression="int2",
+                        **({"overlap_steps": 1, "warmup_overlap_steps": 1} if overlap == "partial" else {}))
+    n = 1000
+    torch.manual_seed(0)
+    x = torch.randn(n)
+    sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
+    gathered = []  # (format, [R, P] payloads) of every decode, in order
+    for codec in (sync.codec, sync.warmup_codec):
+        def spy(payloads, numel, out=None, outer=None, _codec=codec, _decode=codec.decode):
+            gathered.append((_codec.fmt, payloads.clone()))
+            return _decode(payloads, numel, out=out, outer=outer)
+        codec.decode = spy
+    pg_sum = torch.zeros(n, dtype=torch.float64)
+    v_abs_sum = torch.zeros(n, dtype=torch.float64)
+    sent_bytes = []
+    for step in range(1, 13):
+        torch.manual_seed(100 * step + rank)
+        x.sub_(0.01 * torch.randn(n))  # replica-specific local progress
+        since = cfg.steps_since_boundary(step)
+        if since:
+            if sync.merge_due(since):
+                sync.merge()
+            continue
+        pg = sync.theta - x
+        pg_sum += pg.double()
+        v_abs_sum += (pg + sync.residual).double().abs()
+        sync.set_step_time(0.01, next_round_steps=cfg.round_steps(step))
+        report = sync.boundary()
+        assert not report.skipped
+        sent_bytes.append(report.launched.payload_bytes)
+    sync.drain()
+    fp = fingerprint([x])
+    allfp = [torch.zeros_like(fp) for _ in range(world)]
+    dist.all_gather(allfp, fp)
+    assert all(torch.equal(allfp[0], f) for f in allfp)  # bit-identical replicas at the end
+    assert [fmt for fmt, _ in gathered] == ["int2", "int4", "int4", "int4"]
+    assert sent_bytes == [payload_layout(n, f).total_bytes for f in ("int2", "int4", "int4", "int4")]
+    # error feedback across the switch: what this replica put on the link, summed, is its
+    # pseudo-gradients' sum less the last residual (to fp32 rounding of each codec input)
+    sent_sum = sum(dequantize_reference(p[rank], payload_layout(n, fmt)).double() for fmt, p in gathered)
+    slack = v_abs_sum * 2.0 ** -23 + 1e-12
+    assert ((sent_sum - (pg_sum - sync.residual.double())).abs() <= slack).all()
+
+
+@pytest.mark.parametrize("overlap", ["none", "partial"])
+def test_warmup_compression_sends_warmup_rounds_with_its_codec(overlap):
+    run_world(_warmup_codec_worker, 2, overlap)
+
+
 def test_int8_delayed_replicas_identical_and_accounted():
     run_world(_compressed_worker, 2, "int8", "delayed")
 

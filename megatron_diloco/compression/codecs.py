@@ -61,7 +61,7 @@ class RawCodec:
 
 
 class BlockwiseCodec:
-    """``int8`` / ``int4`` / ``fp8``: blockwise absmax quantization with error feedback.
+    """``int8`` / ``int4`` / ``fp8`` / ``int2``: blockwise absmax quantization with error feedback.
 
     Runs the fused Triton kernels on CUDA (Triton required there) and under ``TRITON_INTERPRET=1``,
     the reference otherwise. ``fp8`` needs a CUDA GPU with float8 support (sm89+).
@@ -70,7 +70,7 @@ class BlockwiseCodec:
     lossy = True
 
     def __init__(self, fmt: str, block_size: int = ref.DEFAULT_BLOCK_SIZE) -> None:
-        ref.check_block_size(block_size)
+        ref.check_block_size(block_size, fmt)
         self.name = fmt
         self.fmt = fmt
         self.block_size = block_size
@@ -117,7 +117,8 @@ class BlockwiseCodec:
                              "blocks")
         full, part = self.layout(numel), self.layout(hi - lo)
         b0 = lo // self.block_size
-        v0, v1 = (lo // 2, -(-hi // 2)) if self.fmt == "int4" else (lo, hi)
+        g = ref.elements_per_byte(self.fmt)
+        v0, v1 = lo // g, -(-hi // g)
         return (full, part, slice(4 * b0, 4 * (b0 + part.num_blocks)), slice(0, 4 * part.num_blocks),
                 slice(full.values_offset + v0, full.values_offset + v1),
                 slice(part.values_offset, part.values_offset + part.values_bytes))

@@ -10,7 +10,7 @@ Blockwise absmax quantization of a block ``b`` of ``v`` (formats in :data:`FORMA
 
     scale_b = absmax(v_b) / QMAX                  (fp32, correctly rounded division)
     q_i     = clamp(v_i / scale_b, -QMAX, QMAX)   (correctly rounded division)
-              -> round half to even, never -0   (int8: QMAX 127, int4: QMAX 7)
+              -> round half to even, never -0   (int8: QMAX 127, int4: QMAX 7, int2: QMAX 1)
               -> cast to float8_e4m3fn, RNE, never -0   (fp8: QMAX 448)
     dequant = float(q_i) * scale_b                (one fp32 rounding)
 
@@ -38,6 +38,9 @@ Payload byte layout (one ``uint8`` tensor per bucket, see :func:`payload_layout`
                       int4: V = ceil(N / 2) bytes, element 2i in the low nibble and 2i+1 in the
                       high nibble of byte i, nibble = q + 8 (offset binary; 8 encodes 0);
                       an odd N leaves the last high nibble 8
+                      int2 (ternary, q in {-1, 0, 1}): V = ceil(N / 4) bytes, element 4i + j in
+                      bits [2j, 2j + 2) of byte i, code = q + 2 (2 encodes 0; 0 is never written);
+                      a tail short of 4 elements leaves its codes 2
     [O + V, P)        zero padding to P = a multiple of 16 bytes (aligned rows when R payloads
                       are gathered into one ``[R, P]`` tensor)
 """
@@ -49,9 +52,13 @@ import dataclasses
 import torch
 
 #: Quantized formats of the blockwise codecs.
-FORMATS: tuple[str, ...] = ("int8", "int4", "fp8")
+FORMATS: tuple[str, ...] = ("int8", "int4", "fp8", "int2")
 #: Largest quantized magnitude per format (the scale maps absmax to it).
-QMAX: dict[str, float] = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
+QMAX: dict[str, float] = {"int8": 127.0, "int4": 7.0, "fp8": 448.0, "int2": 1.0}
+#: The packed formats: bits per element (several elements per byte, low bits first) and the code
+#: offset (code = q + offset, offset binary).
+PACKED_BITS: dict[str, int] = {"int4": 4, "int2": 2}
+PACKED_OFFSET: dict[str, int] = {"int4": 8, "int2": 2}
 #: Default elements per scale.
 DEFAULT_BLOCK_SIZE = 256
 #: Payload rows are padded to a multiple of this many bytes.
@@ -73,23 +80,31 @@ class PayloadLayout:
     values_offset: int
     """Byte offset of the values (= 4 * num_blocks rounded up to a multiple of 16)."""
     values_bytes: int
-    """N for int8/fp8, ceil(N / 2) for int4."""
+    """N for int8/fp8, ceil(N / 2) for int4, ceil(N / 4) for int2."""
     total_bytes: int
     """P: the padded payload size, a multiple of :data:`PAYLOAD_ALIGN`."""
 
 
-def check_block_size(block_size: int) -> None:
-    if block_size < 2 or block_size & (block_size - 1):
-        raise ValueError(f"compression block size must be a power of two >= 2, got {block_size}")
+def elements_per_byte(fmt: str) -> int:
+    """Elements one value byte holds: 2 for int4, 4 for int2, else 1."""
+    return 8 // PACKED_BITS[fmt] if fmt in PACKED_BITS else 1
+
+
+def check_block_size(block_size: int, fmt: str | None = None) -> None:
+    """A block is a power of two and, for a packed ``fmt``, whole bytes (4 elements for int2)."""
+    least = max(2, elements_per_byte(fmt) if fmt is not None else 2)
+    if block_size < least or block_size & (block_size - 1):
+        raise ValueError(f"compression block size must be a power of two >= {least}"
+                         f"{f' for {fmt}' if fmt is not None else ''}, got {block_size}")
 
 
 def payload_layout(numel: int, fmt: str, block_size: int = DEFAULT_BLOCK_SIZE) -> PayloadLayout:
     """The byte layout of the payload of a bucket of ``numel`` elements."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantized format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    check_block_size(block_size)
+    check_block_size(block_size, fmt)
     num_blocks = -(-numel // block_size)
-    values_bytes = -(-numel // 2) if fmt == "int4" else numel
+    values_bytes = -(-numel // elements_per_byte(fmt))
     values_offset = -(-4 * num_blocks // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
     used = values_offset + values_bytes
     total = -(-used // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
@@ -99,14 +114,14 @@ def payload_layout(numel: int, fmt: str, block_size: int = DEFAULT_BLOCK_SIZE) -
 def split_payload(payload: torch.Tensor, layout: PayloadLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Views ``(scales fp32 [num_blocks], values [values_bytes])`` of a ``uint8 [P]`` payload.
 
-    ``values`` is int8 for int8, uint8 (packed nibbles) for int4, float8_e4m3fn for fp8.
+    ``values`` is int8 for int8, uint8 (packed codes) for int4 / int2, float8_e4m3fn for fp8.
     """
     if payload.dtype != torch.uint8 or payload.shape != (layout.total_bytes,):
         raise ValueError(f"payload must be uint8 [{layout.total_bytes}], got {payload.dtype} {tuple(payload.shape)}")
     scales = payload[: 4 * layout.num_blocks].view(torch.float32)
     raw = payload[layout.values_offset: layout.values_offset + layout.values_bytes]
-    values = {"int8": lambda: raw.view(torch.int8), "int4": lambda: raw,
-              "fp8": lambda: raw.view(torch.float8_e4m3fn)}[layout.fmt]()
+    values = {"int8": lambda: raw.view(torch.int8), "fp8": lambda: raw.view(torch.float8_e4m3fn)}.get(
+        layout.fmt, lambda: raw)()
     return scales, values
 
 
@@ -144,7 +159,7 @@ def quantize_reference(v: torch.Tensor, fmt: str, block_size: int = DEFAULT_BLOC
 
     Returns ``(payload uint8 [P], dequant fp32 [N])``; see the module docstring for the math.
     """
-    # read 4N, write N (int8/fp8) or N/2 (int4) + 4N/block_size (scales) + 4N (dequant)
+    # read 4N, write N (int8/fp8) or N/2 (int4) or N/4 (int2) + 4N/block_size (scales) + 4N (dequant)
     if v.dtype != torch.float32 or v.dim() != 1:
         raise ValueError(f"quantize_reference needs a flat fp32 bucket, got {v.dtype} {tuple(v.shape)}")
     layout = payload_layout(v.numel(), fmt, block_size)
@@ -170,23 +185,28 @@ def quantize_reference(v: torch.Tensor, fmt: str, block_size: int = DEFAULT_BLOC
         qf = torch.round(y) + 0.0  # half to even, |y| <= QMAX; "+ 0.0" turns -0 into +0
         if fmt == "int8":
             values.copy_(qf.view(-1)[:n].to(torch.int8))
-        else:  # int4: nibble = q + 8, pairs (2i low, 2i+1 high); bs is even so pairs stay in a block
-            nib = (qf.view(-1).to(torch.int16) + 8).to(torch.uint8)  # (nb*bs,)
-            packed = nib[0::2] | (nib[1::2] << 4)  # (nb*bs/2,)
-            values.copy_(packed[: layout.values_bytes])
+        else:  # packed: code = q + offset, element g*i + j in bits [j*bits, (j+1)*bits) of byte i;
+            # a block is whole bytes (check_block_size), so a byte never straddles two scales
+            bits, g = PACKED_BITS[fmt], elements_per_byte(fmt)
+            codes = (qf.view(-1).to(torch.int16) + PACKED_OFFSET[fmt]).view(-1, g)  # (nb*bs/g, g)
+            packed = codes[:, 0].clone()
+            for j in range(1, g):
+                packed |= codes[:, j] << (j * bits)
+            values.copy_(packed.to(torch.uint8)[: layout.values_bytes])
     dequant = (qf * scale.unsqueeze(1)).view(-1)[:n]  # (N,)
     return payload, dequant
 
 
 def dequantize_reference(payload: torch.Tensor, layout: PayloadLayout) -> torch.Tensor:
     """fp32 ``[N]`` dequantized values of one payload (``float(q) * scale`` per element)."""
-    # read N (or N/2) + 4N/block_size, write 4N
+    # read N (or N/2, N/4) + 4N/block_size, write 4N
     scales, values = split_payload(payload, layout)
     n, bs = layout.numel, layout.block_size
-    if layout.fmt == "int4":
-        lo = (values & 15).to(torch.int16) - 8
-        hi = (values >> 4).to(torch.int16) - 8
-        q = torch.stack([lo, hi], dim=1).view(-1)[:n].float()  # (N,)
+    if layout.fmt in PACKED_BITS:
+        bits = PACKED_BITS[layout.fmt]
+        b = values.to(torch.int16)
+        fields = [(b >> (j * bits)) & ((1 << bits) - 1) for j in range(elements_per_byte(layout.fmt))]
+        q = (torch.stack(fields, dim=1).view(-1)[:n] - PACKED_OFFSET[layout.fmt]).float()  # (N,)
     else:
         q = values.float()  # (N,)
     block_scale = scales.repeat_interleave(bs)[:n] if n else scales.new_zeros(0)  # (N,)

@@ -7,7 +7,8 @@ multiply-adds into FMAs (``enable_fp_fusion=False``) except where torch itself u
 (which also never yields ``-0``).
 
 * :func:`encode_triton`: one pass. Read anchor (fp32), x (bf16/fp32), e (fp32); write the payload
-  (scales + values) and e_new. 4 + 2|4 + 4 bytes read, 1|0.5 + 4/block + 4 bytes written per element.
+  (scales + values) and e_new. 4 + 2|4 + 4 bytes read, 1|0.5|0.25 + 4/block + 4 bytes written per
+  element.
 * :func:`decode_triton`: one pass. Read the R payloads, write Delta (fp32); or, fused with the outer
   step, read/write theta and the momentum instead of writing Delta.
 
@@ -33,7 +34,9 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     triton = None
     tl = None
 
-_FMT_ID = {"int8": 0, "int4": 1, "fp8": 2}
+#: int4 (2 per byte) encodes even and odd elements as two half tiles; int2 (4 per byte) as 3-D tiles
+#: ``[ROWS, BLOCK / 4, 4]``, the 4 elements of a byte along the last axis
+_FMT_ID = {"int8": 0, "int4": 1, "fp8": 2, "int2": 3}
 #: Outer-step modes of the decode kernel.
 _MODE_DELTA, _MODE_SGD, _MODE_HEAVY_BALL, _MODE_NESTEROV = 0, 1, 2, 3
 
@@ -142,7 +145,16 @@ if triton is not None:
         """Encode blocks ``[pid*ROWS, pid*ROWS + ROWS)`` of the bucket (one scale per row of the tile)."""
         pid_rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,) block ids
         rows = pid_rows
-        if FMT == 1:  # int4: even and odd elements as two half tiles, packed into one byte each
+        if FMT == 3:  # int2: [ROWS, bytes, 4] tiles; the 4 elements of a byte along the last axis
+            NB: tl.constexpr = BLOCK // 4
+            byte = pid_rows[:, None] * NB + tl.arange(0, NB)[None, :]  # (ROWS, NB) byte index
+            offs3 = byte[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # (ROWS, NB, 4)
+            mask3 = offs3 < n
+            v3 = _load_v(anchor_ptr, x_ptr, e_ptr, offs3, mask3, HAS_X)
+            av3 = tl.abs(v3)
+            absmax = tl.max(tl.max(av3, axis=2), axis=1)
+            bad = tl.max(tl.max(((v3 != v3) | (av3 == float("inf"))).to(tl.int32), axis=2), axis=1)
+        elif FMT == 1:  # int4: even and odd elements as two half tiles, packed into one byte each
             HALF: tl.constexpr = BLOCK // 2
             pair = pid_rows[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (ROWS, HALF) byte index
             ev = 2 * pair
@@ -164,7 +176,14 @@ if triton is not None:
         tl.store(scales_ptr + rows, scale, mask=rows < num_blocks)
         scale2 = scale[:, None]  # (ROWS, 1)
         use = scale2 > 0  # False for 0 and NaN
-        if FMT == 1:
+        if FMT == 3:
+            scale3 = scale2[:, :, None]  # (ROWS, 1, 1)
+            q3, d3 = _quantize(v3, scale3, scale3 > 0, FMT, QMAX)
+            shifts = (tl.arange(0, 4) * 2)[None, None, :]
+            packed = tl.sum((q3.to(tl.int32) + 2) << shifts, axis=2)  # disjoint bits: the sum is the OR
+            tl.store(values_ptr + byte, packed.to(tl.uint8), mask=byte * 4 < n)
+            tl.store(e_out_ptr + offs3, v3 - d3, mask=mask3)
+        elif FMT == 1:
             q_e, d_e = _quantize(v_e, scale2, use, FMT, QMAX)
             q_o, d_o = _quantize(v_o, scale2, use, FMT, QMAX)
             packed = (q_e.to(tl.int32) + 8) | ((q_o.to(tl.int32) + 8) << 4)
@@ -182,13 +201,18 @@ if triton is not None:
     @triton.jit
     def _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, cols_idx, mask,
                  FMT: tl.constexpr, HIGH: tl.constexpr):
-        """Replica r's dequantized tile: ``float(q) * scale``; ``cols_idx`` indexes values (bytes).
+        """Replica r's dequantized tile: ``float(q) * scale``; ``cols_idx`` indexes values (bytes);
+        int2: ``cols_idx`` indexes elements (each loads its byte and takes its 2 bits).
 
         ``row_bytes`` and ``values_offset`` are multiples of 16 (the payload layout), and ``cols_idx``
         runs contiguously along each row, so the byte loads vectorize (16 B per instruction)."""
         r64 = rows * 0 + r  # (ROWS,) int64: r * row_bytes overflows int32 for R >= 3 at 1B elements
         s = tl.load(scales_ptr + r64 * row_floats + rows)[:, None]  # (ROWS, 1); rows clamped by the caller
         base = tl.multiple_of(r * row_bytes + values_offset, 16)
+        if FMT == 3:
+            raw = tl.load(values_ptr + base + cols_idx // 4, mask=mask)
+            q = (((raw.to(tl.int32) & 0xFF) >> ((cols_idx % 4) * 2).to(tl.int32)) & 3) - 2
+            return q.to(tl.float32) * s
         raw = tl.load(values_ptr + base + cols_idx, mask=mask)  # masked lanes: never stored
         if FMT == 1:
             b = raw.to(tl.int32) & 0xFF
@@ -328,7 +352,7 @@ def encode_triton(residual: torch.Tensor, fmt: str, block_size: int, *,
         return payload
     scales = payload[: 4 * layout.num_blocks].view(torch.float32)  # (num_blocks,)
     raw = payload[layout.values_offset: layout.values_offset + layout.values_bytes]
-    values = {"int8": raw.view(torch.int8), "int4": raw, "fp8": raw.view(torch.float8_e4m3fn)}[fmt]
+    values = {"int8": raw.view(torch.int8), "fp8": raw.view(torch.float8_e4m3fn)}.get(fmt, raw)
     rows = _rows_per_program(block_size)
     grid = (triton.cdiv(layout.num_blocks, rows),)
     _encode_kernel[grid](
@@ -382,8 +406,8 @@ def decode_triton(payloads: torch.Tensor, layout: PayloadLayout, out: torch.Tens
     if n == 0:
         return None if outer is not None else out
     scales = payloads.view(torch.float32)  # (R, P/4); P is a multiple of 16
-    values = {"int8": payloads.view(torch.int8), "int4": payloads,
-              "fp8": payloads.view(torch.float8_e4m3fn)}[layout.fmt]
+    values = {"int8": payloads.view(torch.int8), "fp8": payloads.view(torch.float8_e4m3fn)}.get(
+        layout.fmt, payloads)
     dummy = scales  # unused pointer slots (never dereferenced for the given MODE)
     rows = _rows_per_program(layout.block_size, elements_per_program or DECODE_ELEMENTS_PER_PROGRAM)
     grid = (triton.cdiv(layout.num_blocks, rows),)
