@@ -66,13 +66,14 @@ def test_int8_known_values_and_layout():
     payload4, _ = ref.quantize_reference(v4, "int4", 4)
     _, values4 = ref.split_payload(payload4, ref.payload_layout(3, "int4", 4))
     assert values4.tolist() == [(7 + 8) | ((-7 + 8) << 4), (3 + 8) | (8 << 4)]  # odd tail nibble = 8
-    # int2: ternary, scale = absmax; code = q + 2, element 4i + j in bits [2j, 2j + 2) of byte i
-    v2 = torch.tensor([2.0, -2.0, 0.8, 1.2, -1.0], dtype=torch.float32)  # one block of 8, scale 2
+    # int2: ternary, scale = absmax / 2; code = q + 2, element 4i + j in bits [2j, 2j + 2) of byte i
+    v2 = torch.tensor([4.0, -3.0, 0.8, 1.2, -1.0], dtype=torch.float32)  # one block of 8, scale 2
     payload2, dq2 = ref.quantize_reference(v2, "int2", 8)
     layout2 = ref.payload_layout(5, "int2", 8)
     scales2, values2 = ref.split_payload(payload2, layout2)
     assert scales2.tolist() == [2.0] and layout2.values_bytes == 2
-    # q = 1, -1, 0 (0.4), 1 (0.6), 0 (-0.5: half to even); the tail of the byte holds code 2 (q 0)
+    # q = 1 (2, clamped), -1 (-1.5, clamped), 0 (0.4), 1 (0.6), 0 (-0.5: half to even); the tail of the
+    # second byte holds code 2 (q 0)
     assert values2.tolist() == [3 | (1 << 2) | (2 << 4) | (3 << 6), 2 | (2 << 2) | (2 << 4) | (2 << 6)]
     assert dq2.tolist() == [2.0, -2.0, 0.0, 2.0, 0.0]
 

@@ -8,9 +8,14 @@ carries what that costs into the next round).
 
 Blockwise absmax quantization of a block ``b`` of ``v`` (formats in :data:`FORMATS`)::
 
-    scale_b = absmax(v_b) / QMAX                  (fp32, correctly rounded division)
+    scale_b = absmax(v_b) / SCALE_LEVEL           (fp32, correctly rounded division)
     q_i     = clamp(v_i / scale_b, -QMAX, QMAX)   (correctly rounded division)
               -> round half to even, never -0   (int8: QMAX 127, int4: QMAX 7, int2: QMAX 1)
+
+SCALE_LEVEL is QMAX, but for int2 (ternary), whose scale is absmax / 2: the level +-1 sits at half
+the block's absmax and the values under a quarter of it send 0 (for Gaussian-like blocks of 256 a
+third of the squared error of scale = absmax, which sends 0 below half the absmax). The clamped
+values (|v| in (1.5, 2] x scale) keep Sterbenz's lemma below: dequant = scale is within a factor 2.
               -> cast to float8_e4m3fn, RNE, never -0   (fp8: QMAX 448)
     dequant = float(q_i) * scale_b                (one fp32 rounding)
 
@@ -55,6 +60,8 @@ import torch
 FORMATS: tuple[str, ...] = ("int8", "int4", "fp8", "int2")
 #: Largest quantized magnitude per format (the scale maps absmax to it).
 QMAX: dict[str, float] = {"int8": 127.0, "int4": 7.0, "fp8": 448.0, "int2": 1.0}
+#: The level a block's absmax maps to (scale = absmax / SCALE_LEVEL): QMAX, but 2 for int2.
+SCALE_LEVEL: dict[str, float] = {**QMAX, "int2": 2.0}
 #: The packed formats: bits per element (several elements per byte, low bits first) and the code
 #: offset (code = q + offset, offset binary).
 PACKED_BITS: dict[str, int] = {"int4": 4, "int2": 2}
@@ -173,7 +180,8 @@ def quantize_reference(v: torch.Tensor, fmt: str, block_size: int = DEFAULT_BLOC
     absmax = vb.abs().amax(dim=1) if nb else vb.new_zeros(0)  # (nb,)
     bad = ~torch.isfinite(vb).all(dim=1)  # (nb,)
     # tensor / tensor: torch on CUDA turns a division by a Python scalar into a reciprocal multiply
-    scale = torch.where(bad, torch.full_like(absmax, float("nan")), absmax / torch.full_like(absmax, qmax))
+    scale = torch.where(bad, torch.full_like(absmax, float("nan")),
+                        absmax / torch.full_like(absmax, SCALE_LEVEL[fmt]))
     use = (scale > 0).unsqueeze(1)  # (nb, 1); False for 0 and NaN
     y = (vb / torch.where(use, scale.unsqueeze(1), torch.ones_like(vb[:, :1]))).clamp(-qmax, qmax)
     y = torch.where(use, y, torch.zeros_like(y))  # (nb, bs)

@@ -24,7 +24,7 @@ import os
 import torch
 
 from megatron_diloco.compression.reference import (
-    FORMATS, QMAX, PayloadLayout, decode_reference, encode_reference, inverse_replicas, payload_layout,
+    FORMATS, QMAX, SCALE_LEVEL, PayloadLayout, decode_reference, encode_reference, inverse_replicas, payload_layout,
 )
 
 try:  # Triton is a hard requirement on GPUs only; see use_triton().
@@ -139,7 +139,7 @@ if triton is not None:
         # sizes
         n, num_blocks,
         # meta-parameters
-        HAS_X: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
+        HAS_X: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr, SCALE_LEVEL: tl.constexpr,
         BLOCK: tl.constexpr, ROWS: tl.constexpr,
     ):
         """Encode blocks ``[pid*ROWS, pid*ROWS + ROWS)`` of the bucket (one scale per row of the tile)."""
@@ -172,7 +172,7 @@ if triton is not None:
             mask = offs < n
             v = _load_v(anchor_ptr, x_ptr, e_ptr, offs, mask, HAS_X)
             absmax, bad = _block_stats(v)
-        scale = tl.where(bad > 0, float("nan"), tl.math.div_rn(absmax, QMAX))  # (ROWS,)
+        scale = tl.where(bad > 0, float("nan"), tl.math.div_rn(absmax, SCALE_LEVEL))  # (ROWS,)
         tl.store(scales_ptr + rows, scale, mask=rows < num_blocks)
         scale2 = scale[:, None]  # (ROWS, 1)
         use = scale2 > 0  # False for 0 and NaN
@@ -358,7 +358,7 @@ def encode_triton(residual: torch.Tensor, fmt: str, block_size: int, *,
     _encode_kernel[grid](
         a, xx, residual, out, scales, values,
         n, layout.num_blocks,
-        HAS_X=has_x, FMT=_FMT_ID[fmt], QMAX=QMAX[fmt], BLOCK=block_size, ROWS=rows,
+        HAS_X=has_x, FMT=_FMT_ID[fmt], QMAX=QMAX[fmt], SCALE_LEVEL=SCALE_LEVEL[fmt], BLOCK=block_size, ROWS=rows,
         enable_fp_fusion=False,
     )
     return payload
