@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from common.runner import ExampleJob, Job, done, replica_worlds_job, run_jobs  # noqa: E402
+from megatron_diloco.config import BLOCKWISE  # noqa: E402
 from megatron_diloco.summary import parse_summaries  # noqa: E402
 
 H = 30
@@ -151,9 +152,9 @@ METHODS: dict[str, dict] = {
 }
 #: The package default (``--diloco-x`` alone) at H = 30 over 3000 steps: its auto warm-up is this
 #: method's (``tests/test_convergence_jobs.py::test_the_default_method_is_the_package_default``).
-DEFAULT_METHOD = "partial_auto_int4_hwarm900_wtau1"
+DEFAULT_METHOD = "partial_auto_int4_hwarm900_wtau1_w2"
 #: RESULTS §2.1's headline rows: the default ``--methods``, and the curves of the plot's left panel
-HEADLINE_METHODS = ("allreduce", DEFAULT_METHOD, "diloco_int4_hwarm900", "partial_auto_int4", "diloco_int4")
+HEADLINE_METHODS = ("allreduce", DEFAULT_METHOD, "diloco_int4_hwarm900_w2", "partial_auto_int4", "diloco_int4")
 #: The link the auto tau and the adaptive byte budget are sized for (Mbit/s): the issue's 1 Gbit.
 LINK_MBPS = 1000
 _VALID = re.compile(r"validation loss at iteration (\d+)( on validation set)? \| lm loss value: (\S+)")
@@ -178,8 +179,8 @@ def method_flags(name: str) -> list[str]:
         flags += ["--diloco-x-warmup-iters", "0"]  # the rows measured before the auto warm-up was the default
     elif m["overlap"] == "partial":  # tau_w: 0 in the rows measured before the warm-up overlapped (auto)
         flags += ["--diloco-x-warmup-overlap-steps", str(m.get("tau_w", 0))]
-    if "wc" in m:
-        flags += ["--diloco-x-warmup-compression", m["wc"]]
+    if named and m["codec"] in BLOCKWISE:  # wc: the main codec in the rows measured before int2 warm-ups
+        flags += ["--diloco-x-warmup-compression", m.get("wc", m["codec"])]
     if "tau" in m:
         flags += ["--diloco-x-overlap-steps", str(m["tau"]), "--diloco-x-merge", m.get("merge", "exact")]
     if m["codec"] == "adaptive" or m.get("tau") == "auto":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_diloco.config import CODECS, MERGE_RULES, OUTER_STATES, OVERLAP_MODES, DiLoCoXConfig
+from megatron_diloco.config import BLOCKWISE, CODECS, MERGE_RULES, OUTER_STATES, OVERLAP_MODES, DiLoCoXConfig
 
 
 def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -75,12 +75,12 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--diloco-x-compression", choices=list(CODECS),
                        default=defaults["compression"].default,
                        help="Pseudo-gradient codec (default int4; see the README).")
-    group.add_argument("--diloco-x-warmup-compression", default=None, metavar="CODEC",
-                       choices=[name for name, spec in CODECS.items() if spec.lossy and not spec.matrix],
+    group.add_argument("--diloco-x-warmup-compression", default=None, metavar="CODEC|auto",
+                       choices=["auto", *BLOCKWISE],
                        help="The codec of the exchanges launched into a warm-up round (int8, int4, fp8, "
                             "int2; with a blockwise --diloco-x-compression, whose error-feedback residual it "
-                            "shares). Default: --diloco-x-compression's. int2 (ternary) sends 1.9x fewer "
-                            "bytes than int4.")
+                            "shares). Default auto: int2 (ternary, 1.9x fewer bytes) under int4 with a "
+                            "warm-up, else --diloco-x-compression's.")
     group.add_argument("--diloco-x-rank", type=int, default=defaults["rank"].default,
                        help="Rank of the lowrank / lowrank-int8 codecs.")
     group.add_argument("--diloco-x-energy", type=float, default=defaults["energy"].default,
@@ -122,6 +122,20 @@ WARMUP_H_DIVISOR, WARMUP_H_MULTIPLE, WARMUP_MAX_SHARE = 3, 30, 3
 #: the auto warm-up overlap (``--diloco-x-warmup-overlap-steps``): at most H0 // WARMUP_OVERLAP_DIVISOR
 #: steps, a tenth of a warm-up round (benchmarks/RESULTS.md §2.1: 1, 2, 3, 4 of H0 = 10 measured)
 WARMUP_OVERLAP_DIVISOR = 10
+
+
+#: the auto warm-up codec per --diloco-x-compression (benchmarks/RESULTS.md §2.1: measured under int4)
+WARMUP_CODEC_AUTO: dict[str, str] = {"int4": "int2"}
+
+
+def resolve_warmup_compression(warmup_compression: str | None, compression: str, warmup_iters: int) -> str | None:
+    """The codec of the warm-up's exchanges from ``--diloco-x-warmup-compression`` (None or
+    ``auto``: :data:`WARMUP_CODEC_AUTO`'s for ``compression`` when there is a warm-up, else None, the
+    main codec's). An explicit codec is returned as given (:class:`DiLoCoXConfig` validates it), None
+    where it is ``compression`` itself."""
+    if warmup_compression not in (None, "auto"):
+        return None if warmup_compression == compression else warmup_compression
+    return WARMUP_CODEC_AUTO.get(compression) if warmup_iters else None
 
 
 def resolve_warmup_overlap(warmup_overlap_steps: int | None, warmup_local_steps: int | None, overlap: str) -> int:
@@ -185,7 +199,8 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
         mix_alpha=getattr(args, "diloco_x_mix_alpha", 0.5),
         eager_weight=args.diloco_x_eager_weight,
         compression=args.diloco_x_compression,
-        warmup_compression=getattr(args, "diloco_x_warmup_compression", None),
+        warmup_compression=resolve_warmup_compression(getattr(args, "diloco_x_warmup_compression", None),
+                                                      args.diloco_x_compression, warmup_iters),
         rank=args.diloco_x_rank,
         energy=args.diloco_x_energy,
         bandwidth_mbps=args.diloco_x_bandwidth_mbps,

@@ -43,6 +43,9 @@ CODECS: dict[str, CodecSpec] = {spec.name: spec for spec in (
     CodecSpec("lowrank-int8", lossy=True, collective="all-gather", matrix=True),
     CodecSpec("adaptive", lossy=True, collective="all-gather", matrix=True),
 )}
+#: The blockwise codecs (one async all-gather of a quantized payload, error feedback): the values of
+#: ``--diloco-x-warmup-compression``, the codecs ``--diloco-x-outer-state cpu`` takes besides ``none``.
+BLOCKWISE: tuple[str, ...] = tuple(name for name, spec in CODECS.items() if spec.lossy and not spec.matrix)
 #: k of the derived outer timeout: an exchange may take k times a round's compute (or k times the
 #: longest exchange seen) before the link counts as hung (see :meth:`DiLoCoXConfig.outer_timeout_s`).
 OUTER_TIMEOUT_HEADROOM: float = 4.0
@@ -283,10 +286,9 @@ class DiLoCoXConfig:
                     f"got {self.warmup_overlap_steps!r}"
                 )
         if self.warmup_compression is not None:
-            blockwise = [name for name, spec in CODECS.items() if spec.lossy and not spec.matrix]
-            if self.warmup_compression not in blockwise or self.compression not in blockwise:
+            if self.warmup_compression not in BLOCKWISE or self.compression not in BLOCKWISE:
                 raise ValueError(
-                    f"--diloco-x-warmup-compression must be one of {', '.join(blockwise)} with "
+                    f"--diloco-x-warmup-compression must be one of {', '.join(BLOCKWISE)} with "
                     f"--diloco-x-compression one of them too (they share the error-feedback residual), got "
                     f"{self.warmup_compression!r} with --diloco-x-compression {self.compression!r}")
             if not self.warmup_iters:

@@ -68,8 +68,8 @@ import math
 import sys
 from typing import Any
 
-from megatron_diloco.arguments import resolve_warmup, resolve_warmup_overlap
-from megatron_diloco.config import CODECS
+from megatron_diloco.arguments import resolve_warmup, resolve_warmup_compression, resolve_warmup_overlap
+from megatron_diloco.config import BLOCKWISE, CODECS
 
 #: Payload fraction of a TCP/IPv4 stream on Ethernet at MTU 1500 (1448 payload bytes per 1514 on the wire).
 TCP_EFFICIENCY = 1448 / 1514
@@ -87,10 +87,6 @@ MEASURED_RATIOS: dict[str, float] = {
 #: Boundary overhead per shard parameter: (boundary step - inner step) / shard params, measured on
 #: 4 x H200 (benchmarks/results/gpu_smoke.json: 179.0 - 173.2 ms over 42.77 M params).
 BOUNDARY_NS_PER_PARAM = 0.136
-
-
-#: The blockwise codecs (``reference.FORMATS``, without importing torch): a payload size by formula.
-BLOCKWISE: tuple[str, ...] = tuple(name for name, spec in CODECS.items() if spec.lossy and not spec.matrix)
 
 
 def blockwise_payload_bytes(numel: int, fmt: str, block_size: int = BLOCK_SIZE) -> int:
@@ -212,7 +208,7 @@ class PlanConfig:
     0: they block). None: auto, H0 // 10."""
     warmup_codec: str | None = None
     """The codec of the exchanges launched into a warm-up round (``--diloco-x-warmup-compression``, a
-    blockwise codec). None: ``codec``'s."""
+    blockwise codec). None: auto, as the package resolves it (int2 under int4)."""
     train_iters: int | None = None
     """Inner steps of the whole run (caps the auto warm-up; the warm-up's one-time cost as a share)."""
 
@@ -279,7 +275,7 @@ class PlanConfig:
             raise ValueError(f"--link-efficiency must be in (0, 1], got {self.link_efficiency!r}")
         _choice("link_scope", self.link_scope, ("cluster", "node", "gpu"))
         _choice("codec", self.codec, tuple(CODECS))
-        if self.warmup_codec is not None:
+        if self.warmup_codec not in (None, "auto"):
             _choice("warmup_codec", self.warmup_codec, BLOCKWISE)
             if self.codec not in BLOCKWISE:
                 raise ValueError(f"--warmup-codec needs a blockwise --codec ({', '.join(BLOCKWISE)}), "
@@ -391,6 +387,9 @@ class Plan:
     """(H0, W) of the warm-up as the package resolves the flags; (None, 0): none."""
     warmup_overlap_steps: int
     """tau_w as the package resolves ``--diloco-x-warmup-overlap-steps`` (``partial`` only; else 0)."""
+    warmup_codec: str
+    """The codec of the exchanges launched into a warm-up round, as the package resolves
+    ``--diloco-x-warmup-compression`` (``codec`` without a warm-up)."""
     warmup_exchange_s: float
     """One exchange launched into a warm-up round, seconds (``exchange_s`` but with ``warmup_codec``)."""
     warmup_exposed_s: float
@@ -526,9 +525,10 @@ def plan(cfg: PlanConfig) -> Plan:
     h0, w = resolve_warmup(cfg.warmup_local_steps, cfg.warmup_iters, H, cfg.train_iters)
     warm_rounds = w // h0 if h0 else 0
     tau_w = resolve_warmup_overlap(cfg.warmup_overlap_steps, h0, cfg.overlap) if w else 0
+    warm_codec = resolve_warmup_compression(cfg.warmup_codec, cfg.codec, w)
     warm_exchange = exchange
-    if cfg.warmup_codec is not None and R > 1:
-        warm_payload = 4 * shard * blockwise_payload_bytes(shard_int, cfg.warmup_codec) / (4 * shard_int)
+    if warm_codec is not None and R > 1:
+        warm_payload = 4 * shard * blockwise_payload_bytes(shard_int, warm_codec) / (4 * shard_int)
         warm_exchange = sites * (R - 1) * warm_payload / rate + (R - 1) * lat
     warm_min_h = max(1, math.ceil(warm_exchange / t_step)) if warm_exchange > 0 else 1
     if cfg.overlap == "none":
@@ -553,7 +553,8 @@ def plan(cfg: PlanConfig) -> Plan:
         round_s=round_s, min_hidden_local_steps=min_h, allreduce_bytes_per_link_per_step=ar_per_link,
         allreduce_comm_s=ar_comm, allreduce_step_s=ar_step, dilocox_tokens_per_s=dx_tps,
         allreduce_tokens_per_s=ar_tps, speedup_vs_allreduce=dx_tps / ar_tps,
-        warmup=(h0, w), warmup_overlap_steps=tau_w, warmup_exchange_s=warm_exchange,
+        warmup=(h0, w), warmup_overlap_steps=tau_w, warmup_codec=warm_codec or cfg.codec,
+        warmup_exchange_s=warm_exchange,
         warmup_exposed_s=warm_exposed, warmup_share=warm_share,
     )
 
@@ -627,7 +628,7 @@ def format_table(p: Plan) -> str:
         ("warm-up (once)", "none" if not p.warmup[1] else
          f"{p.warmup[1]} steps in rounds of {p.warmup[0]}"
          + (f", tau_w {p.warmup_overlap_steps}" if c.overlap == "partial" else "")
-         + (f", {c.warmup_codec} exchanges of {_fmt_s(p.warmup_exchange_s)}" if c.warmup_codec else "")
+         + (f", {p.warmup_codec} exchanges of {_fmt_s(p.warmup_exchange_s)}" if p.warmup_codec != c.codec else "")
          + f": {_fmt_s(p.warmup_exposed_s)} exposed in all"
          + (f" ({100 * p.warmup_share:.2g}% of the {c.train_iters}-step run's compute)" if p.warmup_share is not None
             else " (give --train-iters for its share of the run)")),

@@ -104,11 +104,12 @@ def test_defaults_are_the_measured_best():
     which the CLI resolves (it depends on --train-iters) and the dataclass leaves off."""
     cfg = config_from_args(parse())
     got = (cfg.replicas, cfg.local_steps, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.overlap,
-           cfg.overlap_steps, cfg.merge, cfg.compression, cfg.warmup_local_steps, cfg.warmup_overlap_steps)
-    assert got == (2, 500, 1.0, 0.0, True, "partial", None, "exact", "int4", 500 // 3, 500 // 3 // 10)
+           cfg.overlap_steps, cfg.merge, cfg.compression, cfg.warmup_local_steps, cfg.warmup_overlap_steps,
+           cfg.warmup_compression)
+    assert got == (2, 500, 1.0, 0.0, True, "partial", None, "exact", "int4", 500 // 3, 500 // 3 // 10, "int2")
     assert cfg.warmup_auto and not config_from_args(parse("--diloco-x-warmup-iters", "332")).warmup_auto
     assert dataclasses.replace(cfg, warmup_local_steps=None, warmup_iters=0, warmup_auto=False,
-                               warmup_overlap_steps=0) == DiLoCoXConfig()
+                               warmup_overlap_steps=0, warmup_compression=None) == DiLoCoXConfig()
 
 
 @pytest.mark.parametrize("argv, want", [
@@ -126,6 +127,25 @@ def test_auto_warmup_overlap(argv, want):
     args = parse("--diloco-x-local-steps", "30", *argv)
     args.train_iters = 3000
     assert config_from_args(args).warmup_overlap_steps == want
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], "int2"),  # auto: int2 under int4 with a warm-up
+    (["--diloco-x-warmup-compression", "auto"], "int2"),
+    (["--diloco-x-warmup-iters", "0"], None),  # no warm-up
+    (["--diloco-x-compression", "int8"], None),  # auto under another codec: its own
+    (["--diloco-x-compression", "none"], None),
+    (["--diloco-x-compression", "adaptive"], None),
+    (["--diloco-x-warmup-compression", "int4"], None),  # the main codec itself
+    (["--diloco-x-warmup-compression", "int8"], "int8"),
+    (["--diloco-x-compression", "int8", "--diloco-x-warmup-compression", "int2"], "int2"),
+])
+def test_auto_warmup_compression(argv, want):
+    """``--diloco-x-warmup-compression auto`` (the default): int2 under int4 with a warm-up, else
+    the main codec's (None); an explicit codec as given."""
+    args = parse("--diloco-x-local-steps", "30", *argv)
+    args.train_iters = 3000
+    assert config_from_args(args).warmup_compression == want
 
 
 def test_valid_setup_sets_the_replica_topology():

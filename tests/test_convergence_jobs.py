@@ -152,7 +152,8 @@ def test_int2_warmup_rows_are_judged_against_blocking_with_the_same_warmup_codec
     assert convergence.counterpart(names[2], defs, **blocking) == names[0]
     flags = convergence.method_flags(names[3])
     assert flags[flags.index("--diloco-x-warmup-compression") + 1] == "int2"
-    assert "--diloco-x-warmup-compression" not in convergence.method_flags(names[2])
+    old = convergence.method_flags(names[2])  # measured before the auto int2 warm-up: pinned to int4
+    assert old[old.index("--diloco-x-warmup-compression") + 1] == "int4"
 
 
 def test_every_method_is_a_valid_package_config():
