@@ -11,13 +11,13 @@ Blockwise absmax quantization of a block ``b`` of ``v`` (formats in :data:`FORMA
     scale_b = absmax(v_b) / SCALE_LEVEL           (fp32, correctly rounded division)
     q_i     = clamp(v_i / scale_b, -QMAX, QMAX)   (correctly rounded division)
               -> round half to even, never -0   (int8: QMAX 127, int4: QMAX 7, int2: QMAX 1)
+              -> cast to float8_e4m3fn, RNE, never -0   (fp8: QMAX 448)
+    dequant = float(q_i) * scale_b                (one fp32 rounding)
 
 SCALE_LEVEL is QMAX, but for int2 (ternary), whose scale is absmax / 2: the level +-1 sits at half
 the block's absmax and the values under a quarter of it send 0 (for Gaussian-like blocks of 256 a
 third of the squared error of scale = absmax, which sends 0 below half the absmax). The clamped
 values (|v| in (1.5, 2] x scale) keep Sterbenz's lemma below: dequant = scale is within a factor 2.
-              -> cast to float8_e4m3fn, RNE, never -0   (fp8: QMAX 448)
-    dequant = float(q_i) * scale_b                (one fp32 rounding)
 
 A block of zeros has ``scale 0`` and ``q 0``. A block holding a NaN or Inf gets ``scale NaN`` and
 ``q 0``, so :func:`has_nonfinite` finds it from the scales alone.
