@@ -92,12 +92,14 @@ def test_replicas_identical_and_no_cross_replica_traffic(tmp_path, overlap, prec
 def test_default_warmup_overlaps_a_tenth_of_its_rounds(tmp_path):
     """Megatron's and the package's defaults but H = 30 over 60 iterations: the auto warm-up is
     rounds of H0 = 10 for 20 steps (a third of the run), and its auto overlap H0 // 10 = 1: the
-    exchange launched at 10 lands at 11, the one at 20 (into a round of H) at the auto tau. Replicas
+    exchange launched at 10 (as int2, the auto warm-up codec) lands at 11, the one at 20 (into a
+    round of H, as int4) at the auto tau. Replicas
     bit-identical at every boundary, no cross-replica op between them."""
     recs, log = run_megatron(tmp_path, ["--train-iters", "60", "--diloco-x-local-steps", "30", *MEGATRON_DEFAULTS],
                              warmup=True)
     s = summary(log)
     assert (s["warmup_local_steps"], s["warmup_iters"], s["warmup_overlap_steps"]) == (10, 20, 1)
+    assert (s["compression"], s["warmup_compression"]) == ("int4", "int2")  # the warm-up round's exchange
     assert s["rounds"] == 3 and s["replicas_identical"]
     for rank, rec in enumerate(recs):
         assert [b for b, _ in rec["boundary_identical"]] == [10, 20, 50], rank
