@@ -92,7 +92,7 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Where the outer state (theta, outer momentum, error-feedback residual, eager "
                             "anchor) lives: gpu (default) or cpu (host memory, pinned; streamed through "
                             "the GPU in chunks at each boundary; same results, less GPU memory). cpu "
-                            "supports the codecs none, int8, int4, fp8.")
+                            f"supports the codecs none, {', '.join(BLOCKWISE)}.")
     group.add_argument("--diloco-x-outer-chunk-mb", type=float, default=defaults["outer_chunk_mb"].default,
                        help="--diloco-x-outer-state cpu: MiB of fp32 per staged chunk (default 16).")
     group.add_argument("--diloco-x-outer-store", default=None, metavar="HOST:PORT",

@@ -338,9 +338,8 @@ class DiLoCoXConfig:
             raise ValueError(f"--diloco-x-outer-state must be one of {', '.join(OUTER_STATES)}, "
                              f"got {self.outer_state!r}")
         if self.outer_state == "cpu" and CODECS[self.compression].matrix:
-            blockwise = ", ".join(name for name, spec in CODECS.items() if not spec.matrix)
             raise ValueError(
-                f"--diloco-x-outer-state cpu supports --diloco-x-compression {blockwise}, not "
+                f"--diloco-x-outer-state cpu supports --diloco-x-compression {', '.join(['none', *BLOCKWISE])}, not "
                 f"{self.compression!r} (its low-rank factors work per tensor on the whole shard); use "
                 "--diloco-x-outer-state gpu with it")
         if not (0.0 < self.outer_chunk_mb < float("inf")):

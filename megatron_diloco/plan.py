@@ -182,7 +182,7 @@ class PlanConfig:
     codec: str = "int4"
     """Pseudo-gradient codec (``--diloco-x-compression``)."""
     compression_ratio: float | None = None
-    """4 N / payload bytes. None: the exact blockwise formula (none/int8/int4/fp8) or the measured
+    """4 N / payload bytes. None: the exact blockwise formula (none/int8/int4/fp8/int2) or the measured
     :data:`MEASURED_RATIOS` (lowrank, lowrank-int8 at ``rank``, adaptive at ``energy``)."""
     rank: int = 4
     """Low-rank rank (ratio lookup in :data:`MEASURED_RATIOS`)."""
@@ -497,7 +497,12 @@ def plan(cfg: PlanConfig) -> Plan:
         sent = (R - 1) * payload  # all-gather of payloads
         steps = (R - 1) * (2 if spec.matrix else 1)  # low-rank: P, then Q
     per_link = sites * sent
-    exchange = per_link / rate + steps * lat if R > 1 else 0.0
+
+    def link_s(sent_bytes: float, collectives: int) -> float:
+        """Seconds one exchange takes on the slow link: its bytes over the link, plus latency."""
+        return sites * sent_bytes / rate + collectives * lat if R > 1 else 0.0
+
+    exchange = link_s(sent, steps)
     if cfg.overlap == "none":
         exposed = exchange
     else:
@@ -527,9 +532,8 @@ def plan(cfg: PlanConfig) -> Plan:
     tau_w = resolve_warmup_overlap(cfg.warmup_overlap_steps, h0, cfg.overlap) if w else 0
     warm_codec = resolve_warmup_compression(cfg.warmup_codec, cfg.codec, w)
     warm_exchange = exchange
-    if warm_codec is not None and R > 1:
-        warm_payload = 4 * shard * blockwise_payload_bytes(shard_int, warm_codec) / (4 * shard_int)
-        warm_exchange = sites * (R - 1) * warm_payload / rate + (R - 1) * lat
+    if warm_codec is not None:  # blockwise: one all-gather of payloads
+        warm_exchange = link_s((R - 1) * shard * blockwise_payload_bytes(shard_int, warm_codec) / shard_int, R - 1)
     warm_min_h = max(1, math.ceil(warm_exchange / t_step)) if warm_exchange > 0 else 1
     if cfg.overlap == "none":
         warm_exposed = max(0, warm_rounds - 1) * warm_exchange + (exchange if warm_rounds else 0.0)

@@ -2,7 +2,7 @@
 
 Modules, one concept each:
 
-* :mod:`.reference`: the pure-torch blockwise codecs (int8/int4/fp8) with error feedback: the spec.
+* :mod:`.reference`: the pure-torch blockwise codecs (int8/int4/fp8/int2) with error feedback: the spec.
 * :mod:`.triton_kernels`: the fused encode/decode kernels matching it bit for bit.
 * :mod:`.lowrank`: PowerSGD-style low-rank codec with a shared, warm-started basis.
 * :mod:`.policy`: adaptive ranks from captured energy, and the per-round byte budget.
