@@ -78,23 +78,27 @@ def ring_allreduce_bytes(payload_bytes: int, group_size: int) -> int:
 
 
 def wait_within(work, deadline: float | None) -> None:
-    """Wait for ``work`` (a ``dist.Work``, or anything with ``is_completed()`` and ``wait()``), but
-    not past ``deadline`` (a ``time.perf_counter()`` value; None: unbounded).
+    """Wait for ``work`` (a ``dist.Work``, or anything with ``is_completed()`` and ``wait()``) to
+    complete, but not past ``deadline`` (a ``time.perf_counter()`` value; None: unbounded).
 
     Polls ``is_completed()`` (sleeping 0.1 ms, doubling up to 10 ms) and raises ``TimeoutError`` once
     the deadline passes; then ``wait()``, which re-raises the backend's own error (a gloo timeout, a
-    closed connection) and, for NCCL, makes the current stream wait for the collective. Polling
-    works the same on every backend: ``Work.wait(timeout)`` blocks the host and, on NCCL, may abort
-    the communicator on expiry instead of returning to the caller.
+    closed connection) and, for NCCL, makes the current stream wait for the collective. The host
+    returns once the collective itself completed (NCCL: its end event on the communicator's stream;
+    never a sync of the caller's stream). Polling works the same on every backend:
+    ``Work.wait(timeout)`` returns at once on NCCL (it only orders the current stream) and, on
+    expiry, may abort the communicator instead of returning to the caller.
     """
-    if deadline is not None:
-        pause = 1e-4
-        while not work.is_completed():
+    pause = 1e-4
+    while not work.is_completed():
+        if deadline is not None:
             left = deadline - time.perf_counter()
             if left <= 0:
                 raise TimeoutError("did not complete before its deadline")
             time.sleep(min(pause, left))
-            pause = min(2 * pause, 1e-2)
+        else:
+            time.sleep(pause)
+        pause = min(2 * pause, 1e-2)
     work.wait()
 
 
@@ -188,18 +192,15 @@ class ExchangeHandle:
     """
 
     def __init__(self, buffer: torch.Tensor, work, stats: ExchangeStats,
-                 finish: Callable[[OuterNesterov | None, AfterStep | None], None], store: "OuterStore | None" = None,
-                 device_wait: bool = True) -> None:
+                 finish: Callable[[OuterNesterov | None, AfterStep | None], None],
+                 store: "OuterStore | None" = None) -> None:
         self.buffer = buffer
-        #: whether completing the collective leaves work on the device to wait for (an NCCL collective
-        #: on a GPU buffer; not one run on host copies over gloo, or on a worker thread): the exposed
-        #: time then includes a sync of the current stream
-        self.device_wait = device_wait and buffer.is_cuda
         self.store = store  # where ``buffer`` and the outer state live (None: on the device, whole)
         self.stats = stats
         self._work = work
         self._finish = finish
         self._launched = time.perf_counter()
+        #: when the collective was first seen completed (:meth:`poll`; a worker thread stamps its own)
         self._done_at: float | None = None
         self._finished = False
         #: restored from a checkpoint (:meth:`completed`): no exchange ran in this process, so its
@@ -210,12 +211,6 @@ class ExchangeHandle:
         self.timeout_s: float | None = None
         #: 1-based round whose pseudo-gradient this exchange carries (set by the launcher; 0: unknown)
         self.round = 0
-        if work is not None:
-            # Completion time from the collective's own future (fires on the comm thread/stream).
-            try:
-                work.get_future().then(self._mark_done)
-            except (RuntimeError, NotImplementedError):  # backends without futures
-                pass
 
     @classmethod
     def completed(cls, buffer: torch.Tensor, store: "OuterStore | None" = None) -> "ExchangeHandle":
@@ -225,9 +220,21 @@ class ExchangeHandle:
         handle.restored = True
         return handle
 
-    def _mark_done(self, fut):  # runs on the backend's completion path
-        self._done_at = time.perf_counter()
-        return None
+    def poll(self) -> bool:
+        """Whether the collective has completed; the first call that sees it completed stamps its
+        completion time (:attr:`ExchangeStats.exchange_s`). Non-blocking: ``Work.is_completed()``
+        (NCCL: a query of the collective's end event, no device sync). Called once per inner step
+        while the exchange is in flight (:meth:`megatron_diloco.sync.OuterSync.poll`), so an exchange
+        is timed to within one inner step (an upper bound), on every backend alike.
+
+        Why not the work's future: NCCL completes it when the collective is *enqueued* (torch: it
+        "does not wait for the entire operation to complete on GPU"), so a future timed every NCCL
+        exchange as ~0 s and auto tau fell to 1 on GPUs."""
+        if self._work is None:
+            return True
+        if self._done_at is None and self._work.is_completed():
+            self._done_at = time.perf_counter()
+        return self._done_at is not None
 
     @property
     def finished(self) -> bool:
@@ -239,20 +246,20 @@ class ExchangeHandle:
         return time.perf_counter() - self._launched
 
     def _wait_collective(self) -> None:
-        """Block until the collective completed (bounded by :attr:`timeout_s`); record the times."""
+        """Block until the collective completed (bounded by :attr:`timeout_s`); record the times.
+
+        The host waits for the collective itself (polling its completion), never for the stream of
+        the caller: the exposed time is the time the collective kept the training loop waiting, and
+        the kernels queued before the wait keep running meanwhile."""
         t0 = time.perf_counter()
         if self._work is not None:
             wait_within(self._work, None if self.timeout_s is None else self._launched + self.timeout_s)
-            if self.device_wait:
-                # Exposed time must include the device-side wait for the collective. (Host-side
-                # ones completed on the host: a worker thread drained its own stream first, see
-                # _ThreadWork.wait; host copies over gloo are copied back asynchronously.)
-                torch.cuda.current_stream(self.buffer.device).synchronize()
+            self.poll()
         t1 = time.perf_counter()
         self.stats.exposed_s = t1 - t0
         # no collective (one replica): it completed at its launch, not when it is waited for (auto tau,
         # sized by this duration, would otherwise keep asking for the steps it last waited)
-        done = self._done_at if self._done_at is not None else t1 if self._work is not None else self._launched
+        done = self._done_at if self._done_at is not None else self._launched
         self.stats.exchange_s = done - self._launched
         self._work = None
 
@@ -454,7 +461,7 @@ def _start_all_reduce(send: torch.Tensor, buffer: torch.Tensor, group, size: int
 
         step_chunks(outer, store, [send], step, after)
 
-    return ExchangeHandle(buffer, work, stats, finish, store, device_wait=staged is send)
+    return ExchangeHandle(buffer, work, stats, finish, store)
 
 
 def _start_all_gather(buffer: torch.Tensor, payload: torch.Tensor, codec, group, size: int,
@@ -486,7 +493,7 @@ def _start_all_gather(buffer: torch.Tensor, payload: torch.Tensor, codec, group,
         step_chunks(outer, store, [], lambda lo, hi, lead, o: codec.decode_range(rows, numel, lo, hi, outer=o),
                     after)
 
-    return ExchangeHandle(buffer, work, stats, finish, store, device_wait=staged_out is gathered)
+    return ExchangeHandle(buffer, work, stats, finish, store)
 
 
 class _ThreadWork:
@@ -667,7 +674,7 @@ def _start_on_worker(buffer: torch.Tensor, residual: torch.Tensor, codec, group,
         if outer is not None:
             outer_step(outer, buffer, None, after)
 
-    handle = ExchangeHandle(buffer, None, stats, finish, device_wait=False)
+    handle = ExchangeHandle(buffer, None, stats, finish)
     deadline = None if timeout_s is None else handle._launched + timeout_s
     lane = _worker_lane(executor, buffer.device) if buffer.is_cuda else None
 

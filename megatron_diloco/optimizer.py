@@ -192,8 +192,9 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         """Inner step; on every H-th call also the outer boundary. Returns the inner step's
         ``(update_successful, grad_norm, num_zeros_in_grad)``.
 
-        Between boundaries this adds to the inner step a counter and one comparison (``partial``: the
-        step the pending exchange lands on): no device work, no host sync, no collective.
+        Between boundaries this adds to the inner step a counter, one comparison (``partial``: the
+        step the pending exchange lands on) and, while an exchange is in flight, one non-blocking
+        query of its completion (:meth:`OuterSync.poll`): no device work, no host sync, no collective.
 
         On a step that ends with outer work (a boundary, ``partial``'s landing), the inner step's own
         parameter all-gather is deferred (Megatron's ``_defer_param_sync``): the outer work changes
@@ -213,6 +214,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             if outer_work:
                 self._defer_inner_param_gather(False)
         self.step_calls += 1
+        self.sync.poll()  # the exchange in flight: completed yet? (its time; non-blocking)
         if land:
             self._merge()
         elif since_boundary == 0:

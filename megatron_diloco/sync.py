@@ -647,6 +647,13 @@ class OuterSync:
         # the outer group: one rank per replica
         return wire_bytes(spec.collective, codec.payload_bytes(self.view.numel), self.config.replicas)
 
+    def poll(self) -> None:
+        """Note whether the exchange in flight has completed (its completion time: auto tau, the
+        derived timeout and the round log are sized from it). Call once per inner step, after it:
+        non-blocking, no device sync, no collective (:meth:`ExchangeHandle.poll`)."""
+        if self.pending is not None and not self.pending.finished:
+            self.pending.poll()
+
     def merge_due(self, steps_since_boundary: int) -> bool:
         """Whether the pending exchange is to be applied after this inner step (``partial``: tau
         steps after the boundary that launched it; ``steps_since_boundary`` in 1..H-1)."""
