@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_diloco.arguments import config_from_args, validate_megatron_args
 from megatron_diloco.config import DiLoCoXConfig
-from megatron_diloco.summary import format_summary
+from megatron_diloco.summary import format_summary, params_digest
 from megatron_diloco.replica_local import install_replica_local_collectives, replica_local_loss_reduction
 
 logger = logging.getLogger(__name__)
@@ -295,6 +295,8 @@ class _Installation:
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, local)
         table = torch.stack(gathered).cpu()
+        fps = [torch.empty(2, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+        dist.all_gather(fps, opt.params_fingerprint())
         has_loss = ~torch.isnan(table[:, 6])
         tokens = iteration * args.global_batch_size * args.seq_length
         if dist.get_rank() == 0:
@@ -327,6 +329,8 @@ class _Installation:
                 "first_loss": float(table[has_loss, 6].mean()) if has_loss.any() else None,
                 "final_loss": float(table[has_loss, 7].mean()) if has_loss.any() else None,
                 "replicas_identical": identical,
+                # the final model (fp32 main params) of this rank's replica: compare it between launches
+                "final_params_fingerprint": params_digest([f.tolist() for f in fps[:opt.topology.ranks_per_replica]]),
             }
             print(format_summary(summary), flush=True)
 

@@ -236,14 +236,16 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self._landed = stats  # reported with the round, at its boundary
 
     @torch.no_grad()
-    def _boundary(self) -> None:
+    def _boundary(self, final: bool = False) -> None:
+        """The boundary after this step (``final``: the last, shorter round of a run that ended
+        mid-round, :meth:`finish`: its exchange goes with the main codec, whatever the warm-up's)."""
         # mean inner-step time of this round (boundary work excluded): the adaptive byte budget; and
         # the next round's length (auto tau and the budget hide the exchange within it)
         now = time.perf_counter()
         cfg = self.diloco_config
         timed = self.step_calls - self._round_started_step  # whole iterations since the clock started
         self.sync.set_step_time((now - self._round_started) / timed if timed > 0 else None,
-                                next_round_steps=cfg.round_steps(self.step_calls))
+                                next_round_steps=cfg.local_steps if final else cfg.round_steps(self.step_calls))
         if not self._start_checked:
             self._check_replicas_started_alike()
         report = self.sync.boundary()
@@ -338,13 +340,30 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         }
 
     def finish(self) -> None:
-        """End of training: apply the exchange still in flight (collective over the outer group)."""
+        """End of training: leave every replica with the one model they all agree on, theta.
+
+        A run that ends mid-round (``--train-iters`` not on a boundary, or before the first one)
+        first takes one more boundary over the inner steps since the last (a shorter last round:
+        its pseudo-gradient is exchanged, blocking, with the main codec and its error feedback);
+        then the exchange still in flight is applied and x <- theta on every replica
+        (:meth:`OuterSync.drain`). So the final evaluation and Megatron's final save see the same
+        model on every replica, whatever the overlap rule. Collective over the outer groups and the
+        decision group."""
+        if self.step_calls > 0 and self.diloco_config.steps_since_boundary(self.step_calls) != 0:
+            self._boundary(final=True)
         stats = self.sync.drain()
         # always: Megatron turned the forward pre-hooks off after its loop, so with
         # --overlap-param-gather nothing would gather the last boundary's params
         self._publish_params(gather_now=True)
         if stats is not None:
             self._account(stats)
+
+    def params_fingerprint(self) -> torch.Tensor:
+        """:func:`megatron_diloco.shard_view.fingerprint` of this rank's fp32 main-parameter shards
+        (int64 ``[2]``, on their device). Local. Over the ranks of a replica, in rank order, they
+        identify the model (the shards partition its parameters for a given TP/PP/DP layout)."""
+        return fingerprint(self.view.shards) if self.view.shards else torch.zeros(
+            2, dtype=torch.int64, device=self.view.device)
 
     def replicas_identical(self) -> bool:
         """Whether this rank's shard and model params are bit-identical across the outer group.

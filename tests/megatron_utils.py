@@ -131,6 +131,17 @@ def summary(log: str) -> dict:
     return found[0]
 
 
+def assert_final_params_identical(records: list[dict], replicas: int = 2) -> None:
+    """Every replica ended training with the same model: each rank's fp32 main shards and model
+    parameters after ``DiLoCoXOptimizer.finish`` equal its outer-group peers' (rank r and r + k
+    world / R: replicas are contiguous blocks of ranks)."""
+    per = len(records) // replicas
+    for rank, rec in enumerate(records):
+        assert "final_fp" in rec, f"rank {rank} did not finish training"
+        peer = records[rank % per]["final_fp"]
+        assert rec["final_fp"] == peer, (rank, rec["final_fp"], peer)
+
+
 def traffic_between_boundaries(rec: dict) -> list[dict]:
     """The cross-replica ops a rank's training loop issued outside the outer boundaries, once
     started: none may exist (the one world barrier Megatron's ``print_datetime`` issues before the

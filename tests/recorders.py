@@ -19,7 +19,10 @@
     dispatched outside the inner optimizer's own step, and whether the step ran outer work (a
     boundary or ``partial``'s landing);
   * ``main_fp``: after every optimizer step, a bitwise fingerprint of each fp32 main-parameter shard;
-    ``loaded_fp``: the same right after a checkpoint was loaded.
+    ``loaded_fp``: the same right after a checkpoint was loaded;
+  * ``final_fp``: after the end of training (``DiLoCoXOptimizer.finish``), ``{"main", "model"}``:
+    fingerprints of the rank's fp32 main shards and of its model parameters (absent when the run
+    did not finish: interrupted, failed).
 
   Environment: ``DILOCO_TEST_PERTURB_REPLICA=R`` perturbs replica R's start weights (a replica that
   loaded other weights); ``DILOCO_TEST_STACKS=1`` adds each cross-replica op's call stack;
@@ -106,7 +109,7 @@ class TrainingRecorder(Recorder):
 
     name = "training"
     keys = ("losses", "boundary_identical", "cross_replica", "replica_gathers", "outer", "main_fp", "loaded_fp",
-            "step_ops")
+            "step_ops", "final_fp")
 
     def __init__(self, record: dict[str, Any]) -> None:
         super().__init__(record)
@@ -263,6 +266,14 @@ class TrainingRecorder(Recorder):
             record.setdefault("main_fp", []).append(
                 [opt.step_calls, [int(fingerprint([t])[0]) for t in opt.view.shards]])
             return out
+
+        @wrap(DiLoCoXOptimizer, "finish")
+        def finish(orig, opt):
+            orig(opt)
+            record["final_fp"] = {  # the model every replica ends with (compare across replicas)
+                "main": [int(x) for x in fingerprint(opt.view.shards)],
+                "model": [int(x) for x in fingerprint([p for d in opt.dist_opts for c in d.model_chunks
+                                                       for p in c.parameters()])]}
 
         @wrap(DiLoCoXOptimizer, "load_state_dict")
         def load_state_dict(orig, opt, state_dict):

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from tests.megatron_utils import losses, run_megatron, summary, traffic_between_boundaries
+from tests.megatron_utils import (assert_final_params_identical, losses, run_megatron, summary,
+                                  traffic_between_boundaries)
 
 pytestmark = pytest.mark.megatron
 
@@ -56,7 +57,9 @@ def main_thread_traffic(rec: dict) -> dict[int, list[str]]:
 def test_replicas_identical_and_no_cross_replica_traffic(tmp_path, overlap, precision):
     """With Megatron's default flags, over the whole training loop (counted per process group):
     no op crosses replicas in an inner step, and every boundary issues the same few; between
-    boundaries DiLoCoX's step dispatches no tensor op besides the inner optimizer's. bf16 matters:
+    boundaries DiLoCoX's step dispatches no tensor op besides the inner optimizer's. Replicas are
+    bit-identical at every boundary: the params under none / delayed, the shared outer state (theta,
+    m) under partial, whose params differ by design until the end; the params at the end. bf16 matters:
     Megatron's Float16Module wrapper keeps its own ``pg_collection``, which ``train_step`` reads for
     the per-step loss all-reduce."""
     recs, log = run_megatron(tmp_path, ["--train-iters", "12", "--diloco-x-local-steps", "4",
@@ -84,6 +87,7 @@ def test_replicas_identical_and_no_cross_replica_traffic(tmp_path, overlap, prec
             (rank, steps)
         assert all(n == 0 for _, n, outer in steps if not outer), (rank, steps)
         assert all(n > 0 for _, n, outer in steps if outer), (rank, steps)  # the counter sees outer work
+    assert_final_params_identical(recs)  # partial: the params at every boundary differ by design
     s = summary(log)
     assert s["rounds"] == 3 and s["replicas_identical"] and s["replicas"] == 2
     assert s["final_loss"] < s["first_loss"]
@@ -93,14 +97,15 @@ def test_default_warmup_overlaps_a_tenth_of_its_rounds(tmp_path):
     """Megatron's and the package's defaults but H = 30 over 60 iterations: the auto warm-up is
     rounds of H0 = 10 for 20 steps (a third of the run), and its auto overlap H0 // 10 = 1: the
     exchange launched at 10 (as int2, the auto warm-up codec) lands at 11, the one at 20 (into a
-    round of H, as int4) at the auto tau. Replicas
-    bit-identical at every boundary, no cross-replica op between them."""
+    round of H, as int4) at the auto tau. The shared outer state (theta, m) bit-identical at every
+    boundary, the params at the end, no cross-replica op between boundaries."""
     recs, log = run_megatron(tmp_path, ["--train-iters", "60", "--diloco-x-local-steps", "30", *MEGATRON_DEFAULTS],
                              warmup=True)
     s = summary(log)
     assert (s["warmup_local_steps"], s["warmup_iters"], s["warmup_overlap_steps"]) == (10, 20, 1)
     assert (s["compression"], s["warmup_compression"]) == ("int4", "int2")  # the warm-up round's exchange
     assert s["rounds"] == 3 and s["replicas_identical"]
+    assert_final_params_identical(recs)
     for rank, rec in enumerate(recs):
         assert [b for b, _ in rec["boundary_identical"]] == [10, 20, 50], rank
         assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
@@ -111,8 +116,8 @@ def test_default_warmup_overlaps_a_tenth_of_its_rounds(tmp_path):
 
 def test_warmup_rounds_then_h(tmp_path):
     """``--diloco-x-warmup-local-steps 2 --diloco-x-warmup-iters 4`` with H = 4 over 12 iterations:
-    boundaries at 2, 4, 8 and 12 (partial, tau fixed at 1 so that runs land alike), the replicas
-    bit-identical at each, no cross-replica op between them, the round count 4; the warm-up's round
+    boundaries at 2, 4, 8 and 12 (partial, tau fixed at 1 so that runs land alike), the shared outer
+    state (theta, m) bit-identical at each and the params at the end, no cross-replica op between them, the round count 4; the warm-up's round
     (2..4) blocks (no landing at 3), the rounds of H land one step late (5, 9); a checkpoint saved
     inside the warm-up (iteration 3) resumes on the same schedule, bit for bit. With H0 = H the
     warm-up changes nothing: the losses of the plain run, bit for bit. With
@@ -133,6 +138,7 @@ def test_warmup_rounds_then_h(tmp_path):
         assert set(traffic) == {2, 4, 8, 12}, (rank, traffic)
         assert {s for s, _, outer in rec["step_ops"] if outer} == {2, 4, 5, 8, 9, 12}, rank  # + landings
         assert all(n == 0 for _, n, outer in rec["step_ops"] if not outer), rank
+    assert_final_params_identical(recs)
     s = summary(log)
     assert s["rounds"] == 4 and s["replicas_identical"]
     assert (s["local_steps"], s["warmup_local_steps"], s["warmup_iters"], s["warmup_overlap_steps"]) == (4, 2, 4, 0)
@@ -333,8 +339,9 @@ def test_three_d_layout_tp2_pp2_two_replicas(tmp_path):
 def test_interleaved_pipeline_resumes_exactly(tmp_path):
     """Megatron's interleaved pipeline schedule (``--num-layers-per-virtual-pipeline-stage``, as
     production recipes run PP) at the defaults and Megatron's default checkpoint format: 2 replicas x
-    PP 2 x 2 model chunks per stage. Each rank's outer state covers both chunks' shard, replicas are
-    bit-identical after every boundary, nothing crosses them between boundaries, and a torch_dist
+    PP 2 x 2 model chunks per stage. Each rank's outer state covers both chunks' shard, the replicas'
+    shared outer state (theta, m) is bit-identical after every boundary and their params at the end,
+    nothing crosses them between boundaries, and a torch_dist
     resume mid-round reproduces the uninterrupted run bit for bit. The auto warm-up stays on (H0 = 1 for
     the first 4 steps, then rounds of 4)."""
     base = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
@@ -348,6 +355,7 @@ def test_interleaved_pipeline_resumes_exactly(tmp_path):
         assert o["model_chunks"] == 2, (rank, o)
         assert o["theta_numel"] == o["main_shard_numel"] == o["model_params_on_rank"] > 0, (rank, o)
     assert full[0]["outer"] == full[2]["outer"] and full[1]["outer"] == full[3]["outer"]
+    assert_final_params_identical(full)
     s = summary(log)
     assert s["replicas_identical"] and s["rounds"] == 6 and s["final_loss"] < s["first_loss"]
     ckpt = str(tmp_path / "ckpt")
@@ -470,3 +478,27 @@ def test_forked_ranks_run_as_torchrun_ranks(tmp_path):
     for key in ("losses", "main_fp", "boundary_identical", "cross_replica"):
         assert [rec.get(key) for rec in forked] == [rec.get(key) for rec in started], key
     assert losses(forked)[1]  # the comparison covered a logged loss
+
+
+@pytest.mark.parametrize("overlap", ["partial", "none"])
+def test_run_ending_mid_round_ends_with_one_model(tmp_path, overlap):
+    """Megatron's and the package's defaults (partial: auto tau, the auto warm-up) with H = 4 over 10
+    iterations: the run ends after the last boundary's exchange has landed, mid-round. The end of
+    training takes one more, shorter round (a boundary at 10) and applies it, so every replica ends
+    with the same model: the fp32 main params and the model params, compared rank by rank across
+    replicas (not the outer state), and the summary says so, counts the last round, and carries the
+    final parameters' fingerprint (the digest of replica 0's ranks' shards)."""
+    from megatron_diloco.summary import params_digest
+    from tests.megatron_utils import assert_final_params_identical
+
+    recs, log = run_megatron(tmp_path, ["--train-iters", "10", "--diloco-x-local-steps", "4",
+                                        "--diloco-x-overlap", overlap, *MEGATRON_DEFAULTS], warmup=True)
+    assert_final_params_identical(recs)
+    s = summary(log)
+    for rank, rec in enumerate(recs):
+        steps = [b for b, _ in rec["boundary_identical"]]
+        assert steps[-1] == 10 and steps[-2] < 10 and len(steps) == s["rounds"], (rank, steps)
+        assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
+    assert s["replicas_identical"] and s["iterations"] == 10
+    assert s["final_params_fingerprint"] == params_digest([r["final_fp"]["main"] for r in recs[:2]])
+    assert s["final_loss"] < s["first_loss"]
