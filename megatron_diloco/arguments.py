@@ -279,6 +279,12 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
     if getattr(args, "fp8_param_gather", False):
         raise ValueError("--fp8-param-gather cannot be used with --diloco-x yet: the outer step needs "
                          "high-precision model parameters to copy the outer parameters into")
+    if config.outer_state == "cpu" and getattr(args, "async_save", False):
+        raise ValueError("--async-save cannot be used with --diloco-x-outer-state cpu: Megatron's async writer "
+                         "takes host tensors as they are, uncloned, and moves their storage to shared memory "
+                         "while training goes on, so it would write a mix of rounds of the outer state held in "
+                         "host memory and break its staging; use --diloco-x-outer-state gpu with --async-save, "
+                         "or drop --async-save")
     if getattr(args, "optimizer", "adam") not in ("adam", "sgd"):
         raise ValueError(f"--optimizer {args.optimizer} cannot be used with --diloco-x; use adam or sgd "
                          "(the inner optimizer must be Megatron's distributed optimizer)")

@@ -155,6 +155,17 @@ def test_valid_setup_sets_the_replica_topology():
     assert args.num_distributed_optimizer_instances == 2
 
 
+def test_async_save_with_the_host_outer_state_is_refused_naming_both_flags():
+    """Megatron's async writer moves host tensors' storage to shared memory in place and writes them
+    later: the host-held outer state would be saved as a mix of rounds. Refused before training,
+    naming both flags; the device layout keeps --async-save."""
+    args = megatron_args(async_save=True)
+    with pytest.raises(ValueError, match="--async-save.*--diloco-x-outer-state cpu"):
+        validate_megatron_args(args, DiLoCoXConfig(replicas=2, outer_state="cpu"))
+    validate_megatron_args(args, DiLoCoXConfig(replicas=2, outer_state="gpu"))
+    assert args.async_save
+
+
 @pytest.mark.parametrize("kw, flag", [
     (dict(data_parallel_size=3), "--diloco-x-replicas"),
     (dict(num_distributed_optimizer_instances=4), "--num-distributed-optimizer-instances"),
