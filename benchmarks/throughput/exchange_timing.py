@@ -1,8 +1,8 @@
 """How long an exchange takes, as the training loop measures it, when a peer launches it late.
 
 Two replicas (one rank each) run ``partial`` overlap with auto tau and the default codec (int4) on a
-flat shard, inner steps of a fixed host time (``--step-s``; on a GPU each step also synchronizes the
-device, as Megatron's per-step grad-norm ``.item()`` does). Replica 1 launches every exchange
+flat shard, inner steps of a fixed host time (``--step-s``; on a GPU each step also synchronizes the compute
+stream, as Megatron's per-step grad-norm ``.item()`` does). Replica 1 launches every exchange
 ``--delay-s`` late (a sleep injected before its launch, after the boundary's decision all-reduce),
 so replica 0's exchange completes ``delay`` after its launch. The run reports what replica 0
 measured for the first exchange (``exchange_s``) and the tau every rank agreed on at the next
@@ -68,8 +68,8 @@ def delayed_launch_case(rank: int, world: int, delay_s: float, step_s: float, lo
         for k in range(1, local_steps + 1):
             time.sleep(step_s)  # the inner step's host time
             param.sub_(1e-3 * (rank + 1))
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)  # Megatron's per-step .item() (grad norm, loss scale)
+            if dev.type == "cuda":  # Megatron's per-step .item() (grad norm, loss scale): a sync of the
+                torch.cuda.current_stream(dev).synchronize()  # compute stream, not of the collective's
             steps_timed += 1
             poll()
             if sync.merge_due(k % local_steps):
