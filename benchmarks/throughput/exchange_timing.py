@@ -85,11 +85,14 @@ def delayed_launch_case(rank: int, world: int, delay_s: float, step_s: float, lo
 
 
 def _commit() -> str:
+    """``DILOCO_COMMIT`` when set (a copied tree's git metadata may be another commit's), else git's."""
+    if os.environ.get("DILOCO_COMMIT"):
+        return os.environ["DILOCO_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("DILOCO_COMMIT", "unknown")
+        return "unknown"
 
 
 def main() -> None:
