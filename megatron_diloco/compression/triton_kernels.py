@@ -24,7 +24,8 @@ import os
 import torch
 
 from megatron_diloco.compression.reference import (
-    FORMATS, QMAX, SCALE_LEVEL, PayloadLayout, decode_reference, encode_reference, inverse_replicas, payload_layout,
+    FORMATS, PACKED_BITS, PACKED_OFFSET, QMAX, SCALE_LEVEL, PayloadLayout, decode_reference, elements_per_byte,
+    encode_reference, inverse_replicas, payload_layout,
 )
 
 try:  # Triton is a hard requirement on GPUs only; see use_triton().
@@ -34,8 +35,9 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     triton = None
     tl = None
 
-#: int4 (2 per byte) encodes even and odd elements as two half tiles; int2 (4 per byte) as 3-D tiles
-#: ``[ROWS, BLOCK / 4, 4]``, the 4 elements of a byte along the last axis
+#: Format ids of the kernels. The packed formats (int4: 2 elements per byte, int2: 4) share one path:
+#: contiguous ``[ROWS, BLOCK]`` tiles (vectorized loads and stores of the fp32 data), viewed as
+#: ``[ROWS, BLOCK / EPB, EPB]`` to pack or unpack a byte's EPB codes
 _FMT_ID = {"int8": 0, "int4": 1, "fp8": 2, "int2": 3}
 #: Outer-step modes of the decode kernel.
 _MODE_DELTA, _MODE_SGD, _MODE_HEAVY_BALL, _MODE_NESTEROV = 0, 1, 2, 3
@@ -140,89 +142,59 @@ if triton is not None:
         n, num_blocks,
         # meta-parameters
         HAS_X: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr, SCALE_LEVEL: tl.constexpr,
-        BLOCK: tl.constexpr, ROWS: tl.constexpr,
+        EPB: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
     ):
         """Encode blocks ``[pid*ROWS, pid*ROWS + ROWS)`` of the bucket (one scale per row of the tile)."""
         pid_rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,) block ids
         rows = pid_rows
-        if FMT == 3:  # int2: [ROWS, bytes, 4] tiles; the 4 elements of a byte along the last axis
-            NB: tl.constexpr = BLOCK // 4
-            byte = pid_rows[:, None] * NB + tl.arange(0, NB)[None, :]  # (ROWS, NB) byte index
-            offs3 = byte[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # (ROWS, NB, 4)
-            mask3 = offs3 < n
-            v3 = _load_v(anchor_ptr, x_ptr, e_ptr, offs3, mask3, HAS_X)
-            av3 = tl.abs(v3)
-            absmax = tl.max(tl.max(av3, axis=2), axis=1)
-            bad = tl.max(tl.max(((v3 != v3) | (av3 == float("inf"))).to(tl.int32), axis=2), axis=1)
-        elif FMT == 1:  # int4: even and odd elements as two half tiles, packed into one byte each
-            HALF: tl.constexpr = BLOCK // 2
-            pair = pid_rows[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (ROWS, HALF) byte index
-            ev = 2 * pair
-            od = ev + 1
-            mask_e = ev < n
-            mask_o = od < n
-            v_e = _load_v(anchor_ptr, x_ptr, e_ptr, ev, mask_e, HAS_X)
-            v_o = _load_v(anchor_ptr, x_ptr, e_ptr, od, mask_o, HAS_X)
-            amax_e, bad_e = _block_stats(v_e)
-            amax_o, bad_o = _block_stats(v_o)
-            absmax = tl.maximum(amax_e, amax_o)
-            bad = tl.maximum(bad_e, bad_o)
-        else:
-            offs = pid_rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK)
-            mask = offs < n
-            v = _load_v(anchor_ptr, x_ptr, e_ptr, offs, mask, HAS_X)
-            absmax, bad = _block_stats(v)
+        offs = pid_rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK), contiguous rows
+        mask = offs < n
+        v = _load_v(anchor_ptr, x_ptr, e_ptr, offs, mask, HAS_X)
+        absmax, bad = _block_stats(v)
         scale = tl.where(bad > 0, float("nan"), tl.math.div_rn(absmax, SCALE_LEVEL))  # (ROWS,)
         tl.store(scales_ptr + rows, scale, mask=rows < num_blocks)
         scale2 = scale[:, None]  # (ROWS, 1)
         use = scale2 > 0  # False for 0 and NaN
-        if FMT == 3:
-            scale3 = scale2[:, :, None]  # (ROWS, 1, 1)
-            q3, d3 = _quantize(v3, scale3, scale3 > 0, FMT, QMAX)
-            shifts = (tl.arange(0, 4) * 2)[None, None, :]
-            packed = tl.sum((q3.to(tl.int32) + 2) << shifts, axis=2)  # disjoint bits: the sum is the OR
-            tl.store(values_ptr + byte, packed.to(tl.uint8), mask=byte * 4 < n)
-            tl.store(e_out_ptr + offs3, v3 - d3, mask=mask3)
-        elif FMT == 1:
-            q_e, d_e = _quantize(v_e, scale2, use, FMT, QMAX)
-            q_o, d_o = _quantize(v_o, scale2, use, FMT, QMAX)
-            packed = (q_e.to(tl.int32) + 8) | ((q_o.to(tl.int32) + 8) << 4)
-            tl.store(values_ptr + pair, packed.to(tl.uint8), mask=mask_e)
-            tl.store(e_out_ptr + ev, v_e - d_e, mask=mask_e)
-            tl.store(e_out_ptr + od, v_o - d_o, mask=mask_o)
+        q, d = _quantize(v, scale2, use, FMT, QMAX)
+        tl.store(e_out_ptr + offs, v - d, mask=mask)
+        if EPB > 1:  # packed (int4, int2): element EPB i + j in bits [j BITS, (j + 1) BITS) of byte i
+            NB: tl.constexpr = BLOCK // EPB
+            codes = tl.reshape(q.to(tl.int32) + OFFSET, [ROWS, NB, EPB])  # (ROWS, NB, EPB), order kept
+            shifts = (tl.arange(0, EPB) * BITS)[None, None, :]
+            packed = tl.sum(codes << shifts, axis=2)  # disjoint bits: the sum is the OR  (ROWS, NB)
+            byte = pid_rows[:, None] * NB + tl.arange(0, NB)[None, :]  # (ROWS, NB) byte index
+            tl.store(values_ptr + byte, packed.to(tl.uint8), mask=byte * EPB < n)
+        elif FMT == 2:
+            tl.store(values_ptr + offs, q.to(tl.float8e4nv), mask=mask)
         else:
-            q, d = _quantize(v, scale2, use, FMT, QMAX)
-            if FMT == 2:
-                tl.store(values_ptr + offs, q.to(tl.float8e4nv), mask=mask)
-            else:
-                tl.store(values_ptr + offs, q.to(tl.int8), mask=mask)
-            tl.store(e_out_ptr + offs, v - d, mask=mask)
+            tl.store(values_ptr + offs, q.to(tl.int8), mask=mask)
 
     @triton.jit
     def _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, cols_idx, mask,
-                 FMT: tl.constexpr, HIGH: tl.constexpr):
-        """Replica r's dequantized tile: ``float(q) * scale``; ``cols_idx`` indexes values (bytes);
-        int2: ``cols_idx`` indexes elements (each loads its byte and takes its 2 bits).
+                 FMT: tl.constexpr):
+        """Replica r's dequantized tile (int8, fp8): ``float(q) * scale``; ``cols_idx`` indexes values.
 
         ``row_bytes`` and ``values_offset`` are multiples of 16 (the payload layout), and ``cols_idx``
         runs contiguously along each row, so the byte loads vectorize (16 B per instruction)."""
         r64 = rows * 0 + r  # (ROWS,) int64: r * row_bytes overflows int32 for R >= 3 at 1B elements
         s = tl.load(scales_ptr + r64 * row_floats + rows)[:, None]  # (ROWS, 1); rows clamped by the caller
         base = tl.multiple_of(r * row_bytes + values_offset, 16)
-        if FMT == 3:
-            raw = tl.load(values_ptr + base + cols_idx // 4, mask=mask)
-            q = (((raw.to(tl.int32) & 0xFF) >> ((cols_idx % 4) * 2).to(tl.int32)) & 3) - 2
-            return q.to(tl.float32) * s
         raw = tl.load(values_ptr + base + cols_idx, mask=mask)  # masked lanes: never stored
-        if FMT == 1:
-            b = raw.to(tl.int32) & 0xFF
-            if HIGH:
-                q = ((b >> 4) - 8).to(tl.float32)
-            else:
-                q = ((b & 15) - 8).to(tl.float32)
-        else:
-            q = raw.to(tl.float32)
-        return q * s
+        return raw.to(tl.float32) * s
+
+    @triton.jit
+    def _dequant_packed(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, byte, mask,
+                        EPB: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr):
+        """Replica r's dequantized tile of a packed format (int4, int2) as ``[ROWS, NB, EPB]``: byte
+        ``byte`` (``[ROWS, NB]``, contiguous along each row: vectorized loads) holds its EPB
+        elements' codes in bits ``[j BITS, (j + 1) BITS)``; ``float(code - OFFSET) * scale``."""
+        r64 = rows * 0 + r
+        s = tl.load(scales_ptr + r64 * row_floats + rows)[:, None, None]  # (ROWS, 1, 1)
+        base = tl.multiple_of(r * row_bytes + values_offset, 16)
+        raw = tl.load(values_ptr + base + byte, mask=mask).to(tl.int32) & 0xFF  # (ROWS, NB)
+        shifts = (tl.arange(0, EPB) * BITS)[None, None, :]
+        codes = (raw[:, :, None] >> shifts) & ((1 << BITS) - 1)  # (ROWS, NB, EPB)
+        return (codes - OFFSET).to(tl.float32) * s
 
     @triton.jit
     def _finish(acc, offs, mask, out_ptr, theta_ptr, m_ptr, inv_r, neg_lr, mu,
@@ -254,38 +226,31 @@ if triton is not None:
         # scalars (fp32)
         inv_r, neg_lr, mu,
         # meta-parameters
-        NUM_REPLICAS: tl.constexpr, FMT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-        MODE: tl.constexpr, NATIVE_FMA: tl.constexpr,
+        NUM_REPLICAS: tl.constexpr, FMT: tl.constexpr, EPB: tl.constexpr, BITS: tl.constexpr,
+        OFFSET: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
+        NATIVE_FMA: tl.constexpr,
     ):
         """Dequantize + sum (replica order 0..R-1) + average (+ outer step) for ROWS blocks."""
         row_ids = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
         rows = tl.minimum(row_ids, num_blocks - 1)  # clamp: tail rows reload the last scale, masked below
-        if FMT == 1:
-            HALF: tl.constexpr = BLOCK // 2
-            pair = row_ids[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (ROWS, HALF)
-            ev = 2 * pair
-            mask_e = ev < n
-            mask_o = ev + 1 < n
-            acc_e = _dequant(scales_ptr, values_ptr, 0, row_floats, row_bytes, values_offset, rows, pair, mask_e,
-                             FMT, False)
-            acc_o = _dequant(scales_ptr, values_ptr, 0, row_floats, row_bytes, values_offset, rows, pair, mask_e,
-                             FMT, True)
+        offs = row_ids[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK)
+        mask = offs < n
+        if EPB > 1:  # packed: accumulate as [ROWS, NB, EPB], back to [ROWS, BLOCK] once (order kept)
+            NB: tl.constexpr = BLOCK // EPB
+            byte = row_ids[:, None] * NB + tl.arange(0, NB)[None, :]  # (ROWS, NB)
+            bmask = byte * EPB < n
+            acc3 = _dequant_packed(scales_ptr, values_ptr, 0, row_floats, row_bytes, values_offset, rows, byte,
+                                   bmask, EPB, BITS, OFFSET)
             for r in tl.static_range(1, NUM_REPLICAS):
-                acc_e += _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, pair,
-                                  mask_e, FMT, False)
-                acc_o += _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, pair,
-                                  mask_e, FMT, True)
-            _finish(acc_e, ev, mask_e, out_ptr, theta_ptr, m_ptr, inv_r, neg_lr, mu, MODE, NATIVE_FMA)
-            _finish(acc_o, ev + 1, mask_o, out_ptr, theta_ptr, m_ptr, inv_r, neg_lr, mu, MODE, NATIVE_FMA)
+                acc3 += _dequant_packed(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows,
+                                        byte, bmask, EPB, BITS, OFFSET)
+            acc = tl.reshape(acc3, [ROWS, BLOCK])
         else:
-            offs = row_ids[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK)
-            mask = offs < n
-            acc = _dequant(scales_ptr, values_ptr, 0, row_floats, row_bytes, values_offset, rows, offs, mask,
-                           FMT, False)
+            acc = _dequant(scales_ptr, values_ptr, 0, row_floats, row_bytes, values_offset, rows, offs, mask, FMT)
             for r in tl.static_range(1, NUM_REPLICAS):
                 acc += _dequant(scales_ptr, values_ptr, r, row_floats, row_bytes, values_offset, rows, offs, mask,
-                                FMT, False)
-            _finish(acc, offs, mask, out_ptr, theta_ptr, m_ptr, inv_r, neg_lr, mu, MODE, NATIVE_FMA)
+                                FMT)
+        _finish(acc, offs, mask, out_ptr, theta_ptr, m_ptr, inv_r, neg_lr, mu, MODE, NATIVE_FMA)
 
 
 #: Elements per program and warps per program of the decode kernel (tuned on an H100, see
@@ -297,6 +262,13 @@ DECODE_NUM_WARPS = 4
 def _rows_per_program(block_size: int, elements: int = 4096) -> int:
     """Blocks per program: ~``elements`` elements per program (a power of two)."""
     return max(1, elements // block_size)
+
+
+def _packing(fmt: str) -> dict[str, int]:
+    """The kernels' packing meta-parameters: elements per byte, bits per code, code offset (q + OFFSET);
+    1 / 8 / 0 for the byte formats."""
+    epb = elements_per_byte(fmt)
+    return {"EPB": epb, "BITS": PACKED_BITS.get(fmt, 8), "OFFSET": PACKED_OFFSET.get(fmt, 0)}
 
 
 def _require_kernels(device: torch.device) -> None:
@@ -358,8 +330,8 @@ def encode_triton(residual: torch.Tensor, fmt: str, block_size: int, *,
     _encode_kernel[grid](
         a, xx, residual, out, scales, values,
         n, layout.num_blocks,
-        HAS_X=has_x, FMT=_FMT_ID[fmt], QMAX=QMAX[fmt], SCALE_LEVEL=SCALE_LEVEL[fmt], BLOCK=block_size, ROWS=rows,
-        enable_fp_fusion=False,
+        HAS_X=has_x, FMT=_FMT_ID[fmt], QMAX=QMAX[fmt], SCALE_LEVEL=SCALE_LEVEL[fmt], **_packing(fmt),
+        BLOCK=block_size, ROWS=rows, enable_fp_fusion=False,
     )
     return payload
 
@@ -417,7 +389,7 @@ def decode_triton(payloads: torch.Tensor, layout: PayloadLayout, out: torch.Tens
         n, layout.num_blocks, layout.total_bytes // 4, layout.total_bytes, layout.values_offset,
         inverse_replicas(r), float(torch.tensor(-lr, dtype=torch.float32)),
         float(torch.tensor(mu, dtype=torch.float32)),
-        NUM_REPLICAS=r, FMT=_FMT_ID[layout.fmt], BLOCK=layout.block_size, ROWS=rows, MODE=mode,
+        NUM_REPLICAS=r, FMT=_FMT_ID[layout.fmt], **_packing(layout.fmt), BLOCK=layout.block_size, ROWS=rows, MODE=mode,
         NATIVE_FMA=not interpreting(), num_warps=num_warps or DECODE_NUM_WARPS,
         enable_fp_fusion=False,
     )
