@@ -120,11 +120,11 @@ def _reduces_on_host(group: dist.ProcessGroup | None) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-#: theta's fingerprint in the decision all-reduce: the two int64 sums of
-#: :func:`megatron_diloco.shard_view.fingerprint` folded into [0, 2^52) (exact in float64). With
-#: 2^32 < MIX < P - 1000003 a single flipped bit changes the value (the two sums change by d and
-#: d x w, w <= 1000003, so the fold by d (MIX + w), never a multiple of the prime P), up to the 64-bit
-#: wrap-around of the sums
+#: theta's fingerprint in the decision all-reduce: the two int64 sums (a0, a1) of
+#: :func:`megatron_diloco.shard_view.fingerprint` folded to (MIX a0 + a1) mod P in [0, 2^52), exact in
+#: float64 (P prime). One flipped bit changes a0 by d = +-2^j (j < 32) and a1 by d w (position weight
+#: 1 <= w <= 1000003), so the fold by d (MIX + w) mod P, never 0 since 0 < MIX + w < P: it is always
+#: seen (but where the 64-bit sums wrap around, a 2^-52 chance)
 _FP_PRIME, _FP_MIX = 2**52 - 47, 2**32 + 15
 
 
@@ -197,8 +197,10 @@ class OuterSync:
             ``none``'s all-reduce with ``--diloco-x-outer-state cpu`` (on host memory, so that the
             device keeps no fp32 buffer for it).
         decision_group: the group that agrees on skipping a round (a NaN/Inf pseudo-gradient
-            anywhere): it must span **every rank of the model** (all replicas, stages and shards), so
-            that no stage applies a round that another skips; every boundary is collective over it.
+            anywhere) and compares theta across replicas: it must span **every rank of the model**
+            (all replicas, stages and shards), so that no stage applies a round that another skips;
+            every boundary is collective over it. A tuple: reduced over in order (the replica's
+            world, then the outer group), the first varying fastest in the ranks' numbering.
             None: the default (world) group when ``torch.distributed`` is initialized, else local.
             :func:`megatron_diloco.topology.decision_group_of_world` makes a gloo one.
 

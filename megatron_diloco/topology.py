@@ -36,8 +36,9 @@ class Topology:
     thread on a GPU (low-rank / adaptive): see :func:`host_mirror_of_outer_groups`. None otherwise."""
     decision_group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None
     """A gloo group over every rank of the world (all replicas, all stages and shards): carries the
-    one 1-element MAX all-reduce per boundary that decides, for the whole model, whether the round is
-    skipped (a NaN/Inf pseudo-gradient anywhere); see :func:`decision_group_of_world`. With replicas
+    one MAX all-reduce per boundary that decides, for the whole model, whether the round is skipped
+    (a NaN/Inf pseudo-gradient anywhere), agrees on tau and compares theta's fingerprints across
+    replicas (:meth:`megatron_diloco.sync.OuterSync._any_rank_nonfinite`); see :func:`decision_group_of_world`. With replicas
     in separate worlds (:func:`from_outer_store`): the replica's world group, then the outer group
     (a MAX over both reaches every rank of every replica)."""
     separate_worlds: bool = False
