@@ -187,8 +187,12 @@ class _Installation:
         from megatron_diloco.topology import from_outer_store, from_parallel_state
 
         if self.args.diloco_x_outer_store is not None:  # this world is one replica
-            topology = from_outer_store(self.config.replicas, self.args.diloco_x_replica_index,
-                                        self.args.diloco_x_outer_store, self.config.distributed_timeout_minutes)
+            try:  # the join handshake refuses launches whose flags differ, before anything is trained
+                topology = from_outer_store(self.config.replicas, self.args.diloco_x_replica_index,
+                                            self.args.diloco_x_outer_store, self.config.distributed_timeout_minutes,
+                                            description=self.describe_launch(inner))
+            except ValueError as err:
+                raise SystemExit(f"megatron-diloco: error: {err}") from None
         else:
             for chunk in model_chunks:
                 make_gradient_reduction_replica_local(chunk, self.config.replicas)
@@ -197,6 +201,20 @@ class _Installation:
         install_replica_local_collectives(
             self.args, at_boundary=lambda: self.config.steps_since_boundary(opt.step_calls) == 0)
         return self.optimizer
+
+    def describe_launch(self, inner) -> dict:
+        """What must agree with the other launches (:func:`megatron_diloco.handshake.describe_launch`):
+        this launch's flags, versions and every rank's fp32 main shards (their digests, all-gathered
+        over this launch's world: collective, once, every rank must call it)."""
+        from megatron.core import package_info
+
+        from megatron_diloco.handshake import describe_launch, shard_digest
+        from megatron_diloco.optimizer import distributed_optimizers
+
+        mine = shard_digest(_shard_layout(distributed_optimizers(inner)))
+        shards: list = [None] * dist.get_world_size()
+        dist.all_gather_object(shards, mine)
+        return describe_launch(self.args, self.config, shards, package_info.__version__)
 
     def replica_data_loader(self, build):
         """Replicas in separate worlds (``--diloco-x-outer-store``): each world's data loaders take the
@@ -333,6 +351,19 @@ class _Installation:
                 "final_params_fingerprint": params_digest([f.tolist() for f in fps[:opt.topology.ranks_per_replica]]),
             }
             print(format_summary(summary), flush=True)
+
+
+def _shard_layout(dist_opts: list) -> list[tuple[tuple[int, ...], int, int]]:
+    """This rank's fp32 main shards, in the order of the outer state (``optimizer._main_params``):
+    per shard (the model parameter's shape, the shard's start in it, its element count)."""
+    out = []
+    for d in dist_opts:
+        for g, group in enumerate(d.optimizer.param_groups):
+            # DistributedOptimizer lists a group's fp32-param shards, then its fp16/bf16 ones
+            for model_param in [*d.model_fp32_groups[g], *d.model_float16_groups[g]]:
+                span = d._get_model_param_range_map(model_param)["param"]
+                out.append((tuple(model_param.shape), span.start, span.size))
+    return out
 
 
 def make_gradient_reduction_replica_local(ddp_chunk: torch.nn.Module, replicas: int) -> None:

@@ -6,7 +6,7 @@ the result into the model parameters and re-gathers them inside the replica.
 
 Process groups: the outer group (one rank per replica, same shard) carries the pseudo-gradient
 exchange and, once, at the first boundary, the start-weights fingerprint; the decision group (gloo,
-the whole world) carries the one-element skip decision per boundary; ``replica_groups``
+the whole world) carries the skip decision per boundary (with tau and theta's fingerprints); ``replica_groups``
 (intra-replica groups: intra-DP and model-parallel) carry the pseudo-gradient norm for logging and
 the param gathers. Nothing else crosses replicas between boundaries.
 """

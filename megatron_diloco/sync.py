@@ -88,6 +88,12 @@ logger = logging.getLogger(__name__)
 _set_group_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
 
 
+class ReplicasDivergedError(RuntimeError):
+    """The outer parameters theta, which every replica must hold bit for bit, differ between replicas
+    at a boundary (:meth:`OuterSync._any_rank_nonfinite` compares their fingerprints). Raised on every
+    rank of every replica before anything of the round is launched."""
+
+
 class OuterGroupError(RuntimeError):
     """An operation over an outer group (or the skip-decision group) did not complete within
     ``--diloco-x-outer-timeout-minutes`` of its start, or the backend reported it failed: a peer
@@ -112,6 +118,21 @@ def _reduces_on_host(group: dist.ProcessGroup | None) -> bool:
     if group is None or dist.get_world_size(group) <= 1:
         return True
     return dist.get_backend(group) == "gloo"
+
+
+#: theta's fingerprint in the decision all-reduce: the two int64 sums (a0, a1) of
+#: :func:`megatron_diloco.shard_view.fingerprint` folded to (MIX a0 + a1) mod P in [0, 2^52), exact in
+#: float64 (P prime). One flipped bit changes a0 by d = +-2^j (j < 32) and a1 by d w (position weight
+#: 1 <= w <= 1000003), so the fold by d (MIX + w) mod P, never 0 since 0 < MIX + w < P: it is always
+#: seen (but where the 64-bit sums wrap around, a 2^-52 chance)
+_FP_PRIME, _FP_MIX = 2**52 - 47, 2**32 + 15
+
+
+def _fingerprint_value(fp: torch.Tensor) -> float:
+    """``fp`` (int64 ``[2]``, :func:`megatron_diloco.shard_view.fingerprint`) as one float64 in
+    [0, 2^52), exactly representable; a host sync (16 bytes)."""
+    a0, a1 = (v % 2**64 for v in fp.tolist())
+    return float((a0 * _FP_MIX + a1) % _FP_PRIME)
 
 
 def _sum_of_squares(norms: list[torch.Tensor]) -> float:
@@ -176,8 +197,10 @@ class OuterSync:
             ``none``'s all-reduce with ``--diloco-x-outer-state cpu`` (on host memory, so that the
             device keeps no fp32 buffer for it).
         decision_group: the group that agrees on skipping a round (a NaN/Inf pseudo-gradient
-            anywhere): it must span **every rank of the model** (all replicas, stages and shards), so
-            that no stage applies a round that another skips; every boundary is collective over it.
+            anywhere) and compares theta across replicas: it must span **every rank of the model**
+            (all replicas, stages and shards), so that no stage applies a round that another skips;
+            every boundary is collective over it. A tuple: reduced over in order (the replica's
+            world, then the outer group), the first varying fastest in the ranks' numbering.
             None: the default (world) group when ``torch.distributed`` is initialized, else local.
             :func:`megatron_diloco.topology.decision_group_of_world` makes a gloo one.
 
@@ -267,6 +290,9 @@ class OuterSync:
         self.longest_exchange_s = 0.0
         self._backstop_s: float | None = None  # the groups' own timeout as last set
         self._arm_timeouts()
+        #: the per-boundary theta agreement (:meth:`_any_rank_nonfinite`): (this rank's slot, slots,
+        #: its outer group's id) among the decision groups' ranks; None: nothing to compare
+        self._agreement = self._agreement_slot()
 
     # ---------------- timeouts ----------------
     def timeout_s(self) -> float:
@@ -358,10 +384,14 @@ class OuterSync:
             offset += t.numel()
         return acc
 
-    def _pseudo_gradient_into_x(self) -> float:
-        """x <- start - x on the shards, in place; returns the squared norm (a host sync)."""
+    def _pseudo_gradient_into_x(self, theta_fp: torch.Tensor | None = None) -> float:
+        """x <- start - x on the shards, in place; returns the squared norm (a host sync).
+        ``theta_fp``: also fingerprint the anchor into it (int64 ``[2]``, in place; the anchor is
+        theta but with eager)."""
         norms: list[torch.Tensor] = []
         for lo, hi, (a,) in self.store.stream(self.anchor):
+            if theta_fp is not None:
+                fingerprint([a], start=lo, acc=theta_fp)
             xs = self.view.pieces(lo, hi)
             if xs:
                 torch._foreach_neg_(xs)
@@ -369,21 +399,42 @@ class OuterSync:
                 norms += torch._foreach_norm(xs, 2)
         return _sum_of_squares(norms)
 
-    def _any_rank_nonfinite(self, sq: float, overlap_steps: int = 0) -> tuple[bool, int]:
+    def _any_rank_nonfinite(self, sq: float, overlap_steps: int = 0,
+                            theta_fp: torch.Tensor | None = None) -> tuple[bool, int]:
         """Whether any rank's pseudo-gradient shard, in any replica, stage or shard, holds a NaN/Inf.
 
         ``sq`` is this rank's squared norm of it (already on the host, no extra pass over the shard):
         non-finite when the shard holds a NaN/Inf, or when its fp32 norm overflows (entries near
-        1e19: a diverged round, skipped as well). A 1-element MAX all-reduce over the decision group
+        1e19: a diverged round, skipped as well). One MAX all-reduce over the decision group
         (every rank of the model; blocking, bounded by :meth:`timeout_s`) makes every rank take the
         same decision before anything is sent: a NaN in one stage skips the round of all stages.
 
         The same all-reduce agrees on ``overlap_steps`` (partial: this rank's tau; the largest wins,
-        so that the slowest rank's exchange is hidden). Returns ``(skip, agreed tau)``."""
+        so that the slowest rank's exchange is hidden), and compares theta across replicas:
+        ``theta_fp`` is the fingerprint (int64 ``[2]``) of this rank's theta as it stands at the
+        decision, taken in the boundary's pass that last read or wrote it (None: not known this
+        boundary, then not compared). The float64 vector is ``[skip, tau, fp[W], gid[W]]`` over the W
+        ranks of the decision groups: each rank writes its slot (fp folded to 52 bits, its outer
+        group's id), the others hold -1, so the MAX delivers every rank's to every rank, and every
+        rank raises :class:`ReplicasDivergedError` alike when the members of some outer group
+        disagree (:meth:`_check_theta_agrees`), before anything of the round is launched.
+
+        Cost per boundary: the all-reduce carries 16 B per rank of the world instead of 8 B in all
+        (16 KB at 1024 ranks: still latency-bound, one collective as before); the fingerprint is two
+        int64 sums over the rank's theta shard inside a pass that streams theta anyway (no extra
+        PCIe crossing with the host layout); one 16-byte device-to-host copy. Nothing with one
+        replica. Returns ``(skip, agreed tau)``."""
         groups = [g for g in self.decision_groups if dist.get_world_size(g) > 1]
         on_host = all(dist.get_backend(g) == "gloo" for g in groups)
-        flag = torch.tensor([0.0 if math.isfinite(sq) else 1.0, float(overlap_steps)], dtype=torch.float32,
-                            device="cpu" if on_host else self.view.device)
+        slots = self._agreement[1] if self._agreement is not None else 0
+        flag = torch.full((2 + 2 * slots,), -1.0, dtype=torch.float64)  # [skip, tau, fp[W], gid[W]]
+        flag[0], flag[1] = 0.0 if math.isfinite(sq) else 1.0, float(overlap_steps)
+        if self._agreement is not None:
+            slot, _, gid = self._agreement
+            flag[2 + slot] = _fingerprint_value(theta_fp) if theta_fp is not None else -1.0
+            flag[2 + slots + slot] = float(gid)
+        if not on_host:
+            flag = flag.to(self.view.device)
         for group in groups:
             bound = self.timeout_s()
             started = time.perf_counter()
@@ -392,8 +443,71 @@ class OuterSync:
             except (RuntimeError, TimeoutError) as err:
                 raise self._failure("the skip decision (non-finite check)", group, bound,
                                     time.perf_counter() - started, err) from err
-        skip, tau = flag.tolist()
-        return bool(skip), int(tau)
+        values = flag.tolist()
+        if self._agreement is not None:
+            self._check_theta_agrees(values[2:2 + slots], values[2 + slots:])
+        return bool(values[0]), int(values[1])
+
+    def _agreement_slot(self) -> tuple[int, int, int] | None:
+        """This rank's place in the theta agreement of :meth:`_any_rank_nonfinite`: (its slot among
+        the decision groups' ranks, their number W, the id of its outer group), or None where there
+        is nothing to compare (one replica, no decision group). The slot numbers ranks as the outer
+        group lists them (:func:`dist.get_process_group_ranks`): the global rank in one world; with
+        replicas in separate worlds, whose decision groups are the replica's world then the outer
+        group, ``replica x world + rank``. The outer group's id is its lowest member. Local."""
+        if self.group is None or dist.get_world_size(self.group) <= 1 or not self.decision_groups:
+            return None
+        slot, slots = 0, 1
+        for g in self.decision_groups:  # mixed radix: the first group varies fastest
+            slot += g.rank() * slots
+            slots *= g.size()
+        members = dist.get_process_group_ranks(self.group)
+        if slot not in members or max(members) >= slots:
+            return None  # groups numbered otherwise than topology.py's (not compared)
+        return slot, slots, min(members)
+
+    def _check_theta_agrees(self, fps: list[float], gids: list[float]) -> None:
+        """Raise :class:`ReplicasDivergedError` when the members of some outer group hold different
+        theta fingerprints (``fps``, ``gids``: per slot, as the decision delivered them; -1: not
+        known). Replica r of a group is its r-th member. The same lists on every rank: all raise."""
+        members: dict[int, list[tuple[int, float]]] = {}
+        for slot, (fp, gid) in enumerate(zip(fps, gids)):
+            if gid >= 0:
+                members.setdefault(int(gid), []).append((slot, fp))
+        odd: set[int] = set()
+        where: list[str] = []  # the disagreeing outer groups, by their ranks
+        for group in members.values():
+            known = [fp for _, fp in group if fp >= 0]
+            if len(set(known)) <= 1:
+                continue
+            common = max(known, key=lambda v: (known.count(v), -known.index(v)))  # ties: lowest replica
+            odd.update(r for r, (_, fp) in enumerate(group) if fp >= 0 and fp != common)
+            where.append("[ranks " + ", ".join(str(slot) for slot, _ in group) + "]")
+        if not odd:
+            return
+        listed = ", ".join(map(str, sorted(odd)))
+        raise ReplicasDivergedError(
+            f"DiLoCoX round {self.rounds}: the outer parameters theta differ across replicas at this "
+            f"boundary: replica{'s' if len(odd) > 1 else ''} {listed} differ{'' if len(odd) > 1 else 's'} from "
+            f"the others in {len(where)} of {len(members)} outer groups ({', '.join(where[:4])}"
+            f"{', ...' if len(where) > 4 else ''}); theta must be bit-identical "
+            "on every replica. Likely causes: a payload corrupted on the outer link, a decode or outer step "
+            "that is not bit-reproducible across the replicas' devices (other GPU generations, library or "
+            "package versions), or memory corruption. Nothing of this round was launched; resume from the "
+            "last checkpoint with --load (it holds one theta for every replica) on hardware and software "
+            "that agree.")
+
+    def _new_theta_fp(self) -> torch.Tensor | None:
+        """A zero fingerprint accumulator (int64 ``[2]``, on the shard's device) when theta is compared
+        at the boundaries (:meth:`_any_rank_nonfinite`), else None."""
+        return torch.zeros(2, dtype=torch.int64, device=self.view.device) if self._agreement is not None else None
+
+    @staticmethod
+    def _fingerprinting(theta_fp: torch.Tensor | None) -> AfterStep | None:
+        """Fingerprint the new theta into ``theta_fp`` inside the outer step's pass (None: nothing)."""
+        if theta_fp is None:
+            return None
+        return AfterStep([], lambda lo, hi, th, extra: fingerprint([th], start=lo, acc=theta_fp))
 
     def _complete(self, handle: ExchangeHandle, outer: OuterNesterov | None = None,
                   after: AfterStep | None = None) -> None:
@@ -519,10 +633,11 @@ class OuterSync:
         self._arm_timeouts()
         if self.config.overlap == "partial":
             return self._partial_boundary()
+        theta_fp = self._new_theta_fp()  # theta as the decision sees it (None: not compared)
         if self.config.overlap == "none":
             with record_function("megatron_diloco::prepare"):
-                sq = self._pseudo_gradient_into_x()
-                if self._any_rank_nonfinite(sq)[0]:
+                sq = self._pseudo_gradient_into_x(theta_fp)  # theta: the anchor
+                if self._any_rank_nonfinite(sq, theta_fp=theta_fp)[0]:
                     return self._skip(sq, completed=None)
                 handle = self._launch()
             with record_function("megatron_diloco::perform"):
@@ -531,16 +646,21 @@ class OuterSync:
             return RoundReport(self.rounds, True, handle.stats, handle.stats, sq)
 
         # delayed / eager: x holds delta_t after this; ``delta`` still holds Delta_{t-1} (in flight).
+        # theta's fingerprint: from the outer step's pass when an exchange is applied here, else from
+        # the pseudo-gradient's (delayed: theta is its anchor; eager: not known, not compared)
+        applies = self.pending is not None
+        if not applies and self.eager_anchor is not None:
+            theta_fp = None
         with record_function("megatron_diloco::prepare"):
-            sq = self._pseudo_gradient_into_x()
+            sq = self._pseudo_gradient_into_x(None if applies else theta_fp)
         completed = None
         with record_function("megatron_diloco::perform"):
             if self.pending is not None:
-                self._complete(self.pending, self.outer)
+                self._complete(self.pending, self.outer, self._fingerprinting(theta_fp))
                 completed = self.pending.stats
                 self.pending = None
         with record_function("megatron_diloco::launch"):
-            if self._any_rank_nonfinite(sq)[0]:
+            if self._any_rank_nonfinite(sq, theta_fp=theta_fp)[0]:
                 return self._skip(sq, completed)
             self.pending = self._launch()  # also a_r (eager) and x <- a_r
             self.x_is_theta = self.eager_anchor is None
@@ -561,6 +681,7 @@ class OuterSync:
         completed = None
         if self.pending is not None:
             completed = self.merge()
+        theta_fp = self._new_theta_fp()  # theta as the decision sees it: fingerprinted in this pass
         with record_function("megatron_diloco::prepare"):
             norms: list[torch.Tensor] = []
             x_l = self.launch_point  # None unless partial + exact
@@ -573,6 +694,8 @@ class OuterSync:
             d_out = self.delta if encode or self._host_all_reduce else None
             for lo, hi, (th, d, lp, e) in self.store.stream(self.theta, self.delta, x_l, self.residual,
                                                             write=[x_l, d_out], scratch=[self.delta, x_l]):
+                if theta_fp is not None:
+                    fingerprint([th], start=lo, acc=theta_fp)
                 xs = self.view.pieces(lo, hi)
                 if xs:
                     torch.cat(xs, out=d)
@@ -587,7 +710,7 @@ class OuterSync:
                     residual_sq.append(torch.dot(d, d))
             sq = _sum_of_squares(norms)
         with record_function("megatron_diloco::launch"):
-            skip, self.apply_at = self._any_rank_nonfinite(sq, self._choose_overlap_steps())
+            skip, self.apply_at = self._any_rank_nonfinite(sq, self._choose_overlap_steps(), theta_fp)
             if skip:
                 return self._skip(sq, completed)  # e untouched; the payload and e_new are dropped
             if encode:

@@ -36,8 +36,9 @@ class Topology:
     thread on a GPU (low-rank / adaptive): see :func:`host_mirror_of_outer_groups`. None otherwise."""
     decision_group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None
     """A gloo group over every rank of the world (all replicas, all stages and shards): carries the
-    one 1-element MAX all-reduce per boundary that decides, for the whole model, whether the round is
-    skipped (a NaN/Inf pseudo-gradient anywhere); see :func:`decision_group_of_world`. With replicas
+    one MAX all-reduce per boundary that decides, for the whole model, whether the round is skipped
+    (a NaN/Inf pseudo-gradient anywhere), agrees on tau and compares theta's fingerprints across
+    replicas (:meth:`megatron_diloco.sync.OuterSync._any_rank_nonfinite`); see :func:`decision_group_of_world`. With replicas
     in separate worlds (:func:`from_outer_store`): the replica's world group, then the outer group
     (a MAX over both reaches every rank of every replica)."""
     separate_worlds: bool = False
@@ -140,7 +141,8 @@ def _gloo_group(store, rank: int, size: int, timeout: datetime.timedelta, name: 
     return group
 
 
-def from_outer_store(replicas: int, replica_index: int, address: str, timeout_minutes: float) -> Topology:
+def from_outer_store(replicas: int, replica_index: int, address: str, timeout_minutes: float,
+                     description: dict | None = None) -> Topology:
     """The topology when each replica is its own torch.distributed world (its own ``torchrun``, e.g.
     one job per cluster, or several single-GPU replicas sharing one GPU), joined only through a
     TCP store at ``address`` (``HOST:PORT``; hosted by replica 0's rank 0, which must be reachable
@@ -150,7 +152,12 @@ def from_outer_store(replicas: int, replica_index: int, address: str, timeout_mi
     Outer group k: a gloo group over rank k of every replica (CPU tensors; GPU shards travel as host
     copies, :func:`megatron_diloco.collectives.start_exchange`); its position = ``replica_index``.
     The skip decision reduces over the replica's world (gloo) and then the outer group. Ranks in
-    errors are numbered ``replica_index x world + rank``."""
+    errors are numbered ``replica_index x world + rank``.
+
+    ``description``: what must agree across the launches (:func:`megatron_diloco.handshake.describe_launch`,
+    the same on every rank of this launch): compared with every other launch's through the store
+    before any group is built (:func:`megatron_diloco.handshake.join_launches`); a difference raises
+    ``ValueError`` naming the flag and both values, on every rank of every launch."""
     world, rank = dist.get_world_size(), dist.get_rank()
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -161,6 +168,10 @@ def from_outer_store(replicas: int, replica_index: int, address: str, timeout_mi
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store = dist.TCPStore(host, int(port), replicas * world, is_master=(replica_index == 0 and rank == 0),
                           timeout=timeout, wait_for_workers=False)
+    if description is not None:
+        from megatron_diloco.handshake import join_launches
+
+        join_launches(store, replica_index, replicas, rank, description, address, timeout.total_seconds())
     outer = None
     if replicas > 1:
         outer = _gloo_group(dist.PrefixStore(f"diloco_x/outer/{rank}", store), replica_index, replicas,

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from tests.dist_utils import free_port
-from tests.megatron_utils import RUNNER, TINY, harness_args, losses, torchrun
+from tests.megatron_utils import RUNNER, TINY, harness_args, losses, summary, torchrun
 
 pytestmark = pytest.mark.megatron
 
@@ -63,7 +63,7 @@ def test_separate_worlds_train_as_one_world(tmp_path, flags):
     got = {}
     for r, (out, (code, log)) in enumerate(results):
         assert code == 0, log[-4000:]
-        assert "replicas_identical" in log
+        assert summary(log)["replicas_identical"] is True, summary(log)  # this launch's rank 0's summary
         # datasets sized for the R replicas' samples, as the one world sizes them (each launch reads
         # every R-th share: sized for one launch, they ran out at half the run)
         assert len(sizes) == 3 and _dataset_sizes(log) == sizes, (sizes, _dataset_sizes(log))
@@ -72,6 +72,33 @@ def test_separate_worlds_train_as_one_world(tmp_path, flags):
     one_fp = [rec["main_fp"][-1] for rec in _records(one)]
     sep_fp = [_records(out)[0]["main_fp"][-1] for out, _ in results]
     assert one_fp == sep_fp
+
+
+@pytest.mark.parametrize("flag, values", [
+    ("--diloco-x-compression", ["int8", "int4"]),  # payloads of other sizes
+    ("--train-iters", ["8", "12"]),  # a Megatron flag: the rounds and the end differ
+], ids=["codec", "train-iters"])
+def test_launches_that_disagree_are_refused_before_training(tmp_path, flag, values):
+    """Two launches joined through one store with one flag apart: both stop before their first
+    iteration, each naming the flag, its own value and the other replica's (the join handshake,
+    megatron_diloco.handshake; before it, nothing compared the launches' flags)."""
+    base = [*TINY, "--pipeline-model-parallel-size", "1", "--diloco-x-local-steps", "4",
+            "--global-batch-size", "4", *(["--train-iters", "8"] if flag != "--train-iters" else [])]
+    store = f"127.0.0.1:{free_port()}"
+
+    def replica(r: int):
+        out = tmp_path / f"replica{r}"
+        out.mkdir()
+        return torchrun([RUNNER, *harness_args(out), *base, flag, values[r], "--diloco-x-outer-store", store,
+                         "--diloco-x-replica-index", str(r)], nproc=1, timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(replica, range(2)))
+    for r, (code, log) in enumerate(results):
+        assert code != 0, log[-4000:]
+        assert "megatron-diloco: error: the launches joined through --diloco-x-outer-store" in log, log[-4000:]
+        assert f"{flag} is {values[r]} here, {values[1 - r]} in replica {1 - r}" in log, log[-4000:]
+        assert not re.search(r"iteration\s+1/", log), "a launch trained before refusing"
 
 
 def test_outer_store_flags_are_checked(tmp_path):

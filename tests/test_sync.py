@@ -485,10 +485,11 @@ def test_worker_thread_exchange_matches_host_allgather(codec, device):
 
 def _error_worker(rank, world):
     cfg = DiLoCoXConfig(replicas=world, local_steps=1, overlap="none", compression="int4")
-    torch.manual_seed(rank)
-    x = torch.randn(2000)
+    torch.manual_seed(0)
+    x = torch.randn(2000)  # the replicas start alike (theta is compared at every boundary)
     sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
     theta = sync.theta.clone()
+    torch.manual_seed(1 + rank)
     x.sub_(0.1 * torch.randn(2000))
     v = theta - x  # residual starts at 0: the codec's input is the pseudo-gradient
     report = sync.boundary()
@@ -932,3 +933,49 @@ def test_partial_auto_overlap_steps_agreed_by_all_ranks():
 def test_partial_flags_validated(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         DiLoCoXConfig(compression="none", local_steps=10, **kwargs)
+
+
+# ------------------------------------------------------------------ theta agreement per boundary
+def _diverged_theta_worker(rank: int, world: int, overlap: str, codec: str, where: str, decision: str) -> None:
+    from megatron_diloco.sync import ReplicasDivergedError
+
+    # 2 replicas {0, 1}, {2, 3} x 2 shards: outer groups {0, 2} and {1, 3}
+    outer = [dist.new_group([0, 2], backend="gloo"), dist.new_group([1, 3], backend="gloo")][rank % 2]
+    kwargs = {}
+    if decision == "separate":  # as topology.from_outer_store wires it: the replica's world, then the outer group
+        replica = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")][rank // 2]
+        kwargs["decision_group"] = (replica, outer)
+    cfg = DiLoCoXConfig(replicas=2, local_steps=1, outer_lr=0.7, outer_momentum=0.9, overlap=overlap,
+                        overlap_steps=1 if overlap == "partial" else None, compression=codec, outer_state=where,
+                        outer_chunk_mb=256 * 4 / 2**20)  # cpu: chunks of 256 elements, a tail chunk
+    x = torch.linspace(0, 1, 600) + rank % 2
+    sync = OuterSync(ShardView([x]), cfg, outer, **kwargs)
+    for _ in range(3):  # the replicas agree: the check passes every boundary
+        x.sub_(0.01 * (rank + 1))
+        assert not sync.boundary().skipped
+    if rank == 3:  # one bit of one element of replica 1's theta at one shard (rank 1 holds its peer)
+        sync.theta.view(torch.int32)[300] ^= 1 << 20
+    x.sub_(0.01 * (rank + 1))
+    with pytest.raises(ReplicasDivergedError) as raised:
+        sync.boundary()
+    msg = str(raised.value)
+    assert msg.startswith("DiLoCoX round 4: the outer parameters theta differ across replicas at this boundary: "
+                          "replica 1 differs from the others in 1 of 2 outer groups ([ranks 1, 3])"), msg
+    assert sync.pending is None  # nothing of the round was launched
+
+
+@pytest.mark.parametrize("overlap, codec, where, decision", [
+    ("none", "none", "gpu", "world"),
+    ("delayed", "int8", "gpu", "separate"),
+    ("eager", "int4", "cpu", "world"),
+    ("partial", "int8", "cpu", "separate"),
+])
+def test_a_diverged_theta_stops_the_next_boundary_on_every_rank(overlap, codec, where, decision):
+    """theta of one replica at one shard loses one bit between boundaries (as a corrupted transfer or
+    a decode that differs across devices would leave it): the next boundary raises on every rank of
+    both replicas and both shards, naming the round, the replica and the group, before anything of the
+    round is launched; the three boundaries before it, with the replicas agreeing, pass. Every way theta
+    is fingerprinted: the pseudo-gradient's pass (``none``), the outer step's (``delayed``, ``eager``),
+    ``partial``'s prepare pass; the host layout in chunks; the decision over the world, or over the
+    replica's world then the outer group (separate launches)."""
+    run_world(_diverged_theta_worker, 4, overlap, codec, where, decision)

@@ -1,0 +1,112 @@
+"""The join handshake of separately launched replicas (``megatron_diloco.handshake``): what must agree
+is compared, what may differ is not, and a difference is refused by every launch over a real TCP
+store, naming the flag and both values. (Two real Megatron launches refused:
+``tests/test_separate_worlds.py::test_launches_that_disagree_are_refused_before_training``.)"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+
+import pytest
+import torch.distributed as dist
+
+from megatron_diloco.config import DiLoCoXConfig
+from megatron_diloco.handshake import describe_launch, differences, join_launches, shard_digest
+from tests.dist_utils import free_port
+
+#: per rank of a 2-rank launch: (param shape, start, size) of its fp32 main shards
+LAYOUT = [[((64, 32), 0, 1024), ((64,), 0, 32)], [((64, 32), 1024, 1024), ((64,), 32, 32)]]
+
+
+def _args(**overrides) -> argparse.Namespace:
+    base = dict(world_size=2, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                virtual_pipeline_model_parallel_size=None, context_parallel_size=1, data_parallel_size=2,
+                train_iters=8, train_samples=None, global_batch_size=4, micro_batch_size=2,
+                rampup_batch_size=None, seq_length=64, seed=1234, optimizer="adam", lr=3e-4, min_lr=0.0,
+                lr_decay_style="linear", lr_decay_iters=None, lr_warmup_iters=2, lr_warmup_fraction=None,
+                lr_warmup_init=0.0, weight_decay=0.01, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.999,
+                adam_eps=1e-8, sgd_momentum=0.9, num_layers=2, hidden_size=64, ffn_hidden_size=256,
+                num_attention_heads=2, num_query_groups=None, kv_channels=32, max_position_embeddings=64,
+                padded_vocab_size=128)
+    return argparse.Namespace(**{**base, **overrides})
+
+
+def _describe(config: DiLoCoXConfig | None = None, layout=LAYOUT, **args) -> dict:
+    config = config or DiLoCoXConfig(local_steps=4, compression="int8")
+    return describe_launch(_args(**args), config, [shard_digest(rank) for rank in layout], "0.19.2")
+
+
+CFG = DiLoCoXConfig(local_steps=4, compression="int8", outer_lr=0.7)
+
+
+@pytest.mark.parametrize("theirs, phrase", [
+    (dict(config=dataclasses.replace(CFG, compression="fp8")),
+     '--diloco-x-compression is int8 here, fp8 in replica 1'),
+    (dict(config=dataclasses.replace(CFG, outer_lr=1.0)), "--diloco-x-outer-lr is 0.7 here, 1.0 in replica 1"),
+    (dict(config=dataclasses.replace(CFG, local_steps=5)), "--diloco-x-local-steps is 4 here, 5 in replica 1"),
+    (dict(config=dataclasses.replace(CFG, nesterov=False)), "--diloco-x-no-nesterov is off here, on in replica 1"),
+    (dict(config=dataclasses.replace(CFG, warmup_local_steps=2, warmup_iters=4)),
+     "--diloco-x-warmup-iters is 0 here, 4 in replica 1"),
+    (dict(train_iters=10), "--train-iters is 8 here, 10 in replica 1"),
+    (dict(global_batch_size=8), "--global-batch-size is 4 here, 8 in replica 1"),
+    (dict(tensor_model_parallel_size=2, data_parallel_size=1),
+     "--tensor-model-parallel-size is 1 here, 2 in replica 1"),
+    (dict(layout=[LAYOUT[0], [((64, 32), 1024, 1000), ((64,), 32, 32)]]),
+     "fp32 main shards of rank 1: 1056 elements here, 1032 in replica 1"),
+    (dict(layout=[LAYOUT[0], [((64, 32), 1000, 1024), ((64,), 32, 32)]]),
+     "fp32 main shards of rank 1: 1056 elements on both, cut differently"),
+], ids=["codec", "outer-lr", "H", "nesterov", "warmup", "train-iters", "global-batch", "layout", "shard-size",
+        "shard-cut"])
+def test_a_difference_names_the_flag_and_both_values(theirs, phrase):
+    mine = _describe(CFG)
+    found = differences(mine, _describe(**{"config": CFG, **theirs}), 1)
+    assert any(phrase in f for f in found), found
+    # the other launch states the same difference from its side
+    back = differences(_describe(**{"config": CFG, **theirs}), mine, 0)
+    assert len(back) == len(found) and back
+
+
+def test_what_may_differ_or_is_unused_is_not_compared():
+    """The outer state's place and chunking, timeouts and the given bandwidth are per launch (same bits,
+    or agreed at run time); the low-rank rank and the adaptive energy matter only to their codecs."""
+    other = dataclasses.replace(CFG, outer_state="cpu", outer_chunk_mb=4.0, outer_timeout_minutes=30.0,
+                                distributed_timeout_minutes=20.0, bandwidth_mbps=100.0, rank=8, energy=0.5)
+    assert differences(_describe(CFG), _describe(other), 1) == []
+    lowrank = dataclasses.replace(CFG, compression="lowrank")
+    assert "--diloco-x-rank is 4 here, 8 in replica 1" in differences(
+        _describe(lowrank), _describe(dataclasses.replace(lowrank, rank=8)), 1)
+
+
+def _join(address: str, replica: int, description: dict, replicas: int = 2):
+    """One launch of one rank: its store client (replica 0 hosts it), then the handshake."""
+    host, port = address.split(":")
+    store = dist.TCPStore(host, int(port), replicas, is_master=replica == 0,
+                          timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    try:
+        join_launches(store, replica, replicas, 0, description, address, timeout_s=30)
+        return None
+    except ValueError as err:
+        return str(err)
+
+
+def test_launches_that_disagree_refuse_alike_through_the_store():
+    """Two launches (threads, each its store client, replica 0 hosting it) with different codecs:
+    both refuse, each naming the flag, its own value and the other's; agreeing launches join."""
+    address = f"127.0.0.1:{free_port()}"
+    # launches of one rank each (the store's host waits for as many reads as the launches have ranks)
+    mine = _describe(CFG, layout=LAYOUT[:1], world_size=1, data_parallel_size=1)
+    theirs = _describe(dataclasses.replace(CFG, compression="int4"), layout=LAYOUT[:1], world_size=1,
+                       data_parallel_size=1)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        errors = list(pool.map(lambda r: _join(address, r, [mine, theirs][r]), range(2)))
+    assert errors[0] is not None and errors[1] is not None, errors
+    assert '--diloco-x-compression is int8 here, int4 in replica 1' in errors[0], errors[0]
+    assert '--diloco-x-compression is int4 here, int8 in replica 0' in errors[1], errors[1]
+    assert "--diloco-x-replica-index 1 of --diloco-x-replicas 2" in errors[1]
+
+    address = f"127.0.0.1:{free_port()}"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(lambda r: _join(address, r, mine), range(2))) == [None, None]
