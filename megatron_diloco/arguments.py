@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_diloco.compat.help import escape_unformattable_help
 from megatron_diloco.config import BLOCKWISE, CODECS, MERGE_RULES, OUTER_STATES, OVERLAP_MODES, DiLoCoXConfig
 
 
@@ -110,6 +111,7 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "max(--distributed-timeout-minutes, 4 x H x inner-step time of the last round, "
                             "4 x the longest exchange so far); give it when one exchange may take longer "
                             "than that (e.g. a first blocking exchange over a very slow link).")
+    escape_unformattable_help(parser)  # megatron-core 0.19.2 has a help string argparse cannot print
     return parser
 
 

@@ -5,6 +5,8 @@
   torch's Adam (no TE/Apex) or in fp32, on any device (``distopt_resume.apply()``).
 - ``compat.distopt_sgd``: torch SGD under Megatron's distributed optimizer, which asserts without
   an ``init_state_fn`` (``distopt_sgd.apply()``; also applied by ``install()`` for ``--optimizer sgd``).
+- ``compat.help``: ``--help`` on Megatron's parser, whose megatron-core 0.19.2 help strings include one
+  that argparse cannot format (``escape_unformattable_help``, called by ``add_diloco_x_args``).
 - ``compat.wheel``: a pip-installed megatron-core has prebuilt dataset helpers but no Makefile;
   skip the compile step that would ``sys.exit(1)`` (``wheel.apply()``, any device).
 
