@@ -15,8 +15,10 @@ setup(
         "psutil",  # checkpoint saving
     ],
     extras_require={
-        "te": ["transformer-engine"],
-        "apex": ["apex"],
+        # Transformer Engine's PyTorch extension (builds against the installed torch; NVIDIA's PyTorch
+        # containers ship it). NVIDIA Apex has no PyPI release (the PyPI package "apex" is another
+        # project): build it from github.com/NVIDIA/apex or use a container that has it.
+        "te": ["transformer-engine[pytorch]"],
         "test": ["pytest"],
         "bench": ["matplotlib>=3.8"],  # the benchmarks' plots (pinned: requirements-bench.txt)
     },
