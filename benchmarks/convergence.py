@@ -66,6 +66,10 @@ CPU_MODEL = """
 _O = dict(eta=1.0, mu=0.0)
 METHODS: dict[str, dict] = {
     "allreduce": {},
+    # the package default: --diloco-x alone at the run's H (--local-steps), every other DiLoCoX setting
+    # as the package resolves it (auto warm-up, tau, tau_w, warm-up codec); only the link is given,
+    # the 1 Gbit auto tau is sized for
+    "default": {"default": True},
     # one replica alone (its own batch, no partner): the floor any R-replica method must beat
     "single": {"alone": True},
     "diloco": dict(overlap="none", codec="none", **_O),
@@ -150,9 +154,12 @@ METHODS: dict[str, dict] = {
                                     flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900"],
                                     **_O),
 }
-#: The package default (``--diloco-x`` alone) at H = 30 over 3000 steps: its auto warm-up is this
-#: method's (``tests/test_convergence_jobs.py::test_the_default_method_is_the_package_default``).
-DEFAULT_METHOD = "partial_auto_int4_hwarm900_wtau1_w2"
+#: The package default (``--diloco-x`` alone) at whatever H the run uses: no copy of its settings
+#: (``tests/test_convergence_jobs.py::test_the_default_method_is_the_package_default``).
+DEFAULT_METHOD = "default"
+#: The rows that measured the package default at H = 30 over 3000 steps before the harness ran
+#: ``--diloco-x`` alone (the same resolved flags at that H; RESULTS §2.1)
+MEASURED_AS_DEFAULT = ("partial_auto_int4_hwarm900_wtau1_w2",)
 #: RESULTS §2.1's headline rows: the default ``--methods``, and the curves of the plot's left panel
 HEADLINE_METHODS = ("allreduce", DEFAULT_METHOD, "diloco_int4_hwarm900_w2", "partial_auto_int4", "diloco_int4")
 #: The link the auto tau and the adaptive byte budget are sized for (Mbit/s): the issue's 1 Gbit.
@@ -164,13 +171,15 @@ _PARAMS = re.compile(r"number of parameters on \([^)]*\) model parallel rank \([
 def communicates(method: dict) -> bool:
     """Whether a method definition (an entry of :data:`METHODS`) is DiLoCo(X): R replicas joined by
     the outer groups (else one world: allreduce, single)."""
-    return "overlap" in method
+    return "overlap" in method or bool(method.get("default"))
 
 
 def method_flags(name: str) -> list[str]:
     m = METHODS[name]
     if not communicates(m):
         return ["--no-diloco-x", *m.get("flags", [])]
+    if m.get("default"):  # H comes with the common flags (--local-steps)
+        return ["--diloco-x", "--diloco-x-replicas", str(REPLICAS), "--diloco-x-bandwidth-mbps", str(LINK_MBPS)]
     flags = ["--diloco-x", "--diloco-x-replicas", str(REPLICAS), "--diloco-x-overlap", m["overlap"],
              "--diloco-x-compression", m["codec"], "--diloco-x-outer-lr", str(m["eta"]),
              "--diloco-x-outer-momentum", str(m["mu"])]
@@ -405,7 +414,8 @@ def plot(result: dict, path: Path) -> bool:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     # curves of the headline rows only (all when none of them was run): ~20 curves are unreadable
-    headline = [n for n in HEADLINE_METHODS if n in result["methods"]] or list(result["methods"])
+    headline = [n for n in (*HEADLINE_METHODS, *MEASURED_AS_DEFAULT) if n in result["methods"]] or \
+        list(result["methods"])
     for name, row in sorted(result["methods"].items()):
         if row.get("curve") and name in headline:
             xs, ys = zip(*row["curve"])
