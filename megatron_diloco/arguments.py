@@ -30,11 +30,15 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="H0: rounds of H0 inner steps (1..H) during the first --diloco-x-warmup-iters "
                             "steps, then rounds of H; with --diloco-x-overlap partial these shorter rounds "
                             "overlap at most --diloco-x-warmup-overlap-steps. Default auto: "
-                            f"H // {WARMUP_H_DIVISOR}.")
+                            f"H // {WARMUP_H_DIVISOR} (the auto warm-up applies to --diloco-x-overlap partial "
+                            "and none only, where it was measured; with delayed / eager auto means no warm-up).")
     group.add_argument("--diloco-x-warmup-iters", type=_int_or_auto, default=None, metavar="W|auto",
                        help="Inner steps of the warm-up (a multiple of H0); 0: no warm-up. Default auto: "
-                            f"{WARMUP_H_MULTIPLE} x H, at most 1/{WARMUP_MAX_SHARE} of --train-iters, rounded down to a "
-                            "multiple of H0 (none when that is 0 or H < 3). Measured: 900 steps of H0 10 "
+                            f"{WARMUP_H_MULTIPLE} x H, at most 1/{WARMUP_MAX_SHARE} of the run's iterations "
+                            "(--train-iters, or --train-samples as Megatron converts it), rounded down to a "
+                            "multiple of H0 (none when that is 0 or H < 3), with --diloco-x-overlap partial or "
+                            "none only (measured there; delayed / eager: none, give the flags to have one). "
+                            "Measured: 900 steps of H0 10 "
                             "before H 30 took the default from +4.1%% to +1.9%% above AllReduce "
                             "(benchmarks/RESULTS.md 2.1).")
     group.add_argument("--diloco-x-warmup-overlap-steps", type=_int_or_auto, default=None, metavar="TAU_W|auto",
@@ -124,6 +128,12 @@ WARMUP_H_DIVISOR, WARMUP_H_MULTIPLE, WARMUP_MAX_SHARE = 3, 30, 3
 WARMUP_OVERLAP_DIVISOR = 10
 
 
+#: the overlap modes the auto warm-up was measured with (benchmarks/RESULTS.md §2.1: partial and
+#: blocking); under ``delayed`` / ``eager`` the ``auto`` warm-up rules resolve to no warm-up (never
+#: measured there: rounds of H0 with a whole round of delay were seen to raise the loss)
+WARMUP_AUTO_OVERLAPS: tuple[str, ...] = ("partial", "none")
+
+
 #: the auto warm-up codec per --diloco-x-compression (benchmarks/RESULTS.md §2.1: measured under int4)
 WARMUP_CODEC_AUTO: dict[str, str] = {"int4": "int2"}
 
@@ -150,10 +160,12 @@ def resolve_warmup_overlap(warmup_overlap_steps: int | None, warmup_local_steps:
 
 
 def resolve_warmup(warmup_local_steps: int | None, warmup_iters: int | None, local_steps: int,
-                   train_iters: int | None) -> tuple[int | None, int]:
+                   train_iters: int | None, overlap: str = "partial") -> tuple[int | None, int]:
     """(H0, W) of the warm-up from the two flags, None meaning ``auto`` (see their help); (None, 0):
-    no warm-up. An explicit value is returned as given (:class:`DiLoCoXConfig` validates it)."""
-    if warmup_iters == 0:
+    no warm-up. An explicit value is returned as given (:class:`DiLoCoXConfig` validates it). An
+    ``auto`` W is a warm-up only under the overlap modes it was measured with
+    (:data:`WARMUP_AUTO_OVERLAPS`); under ``delayed`` / ``eager`` it resolves to none."""
+    if warmup_iters == 0 or (warmup_iters is None and overlap not in WARMUP_AUTO_OVERLAPS):
         return None, 0
     h0 = local_steps // WARMUP_H_DIVISOR if warmup_local_steps is None else warmup_local_steps
     if warmup_iters is not None:
@@ -181,7 +193,7 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
     """Build the validated config from parsed ``--diloco-x*`` arguments (raises ``ValueError``)."""
     warmup_local_steps, warmup_iters = resolve_warmup(
         getattr(args, "diloco_x_warmup_local_steps", None), getattr(args, "diloco_x_warmup_iters", None),
-        args.diloco_x_local_steps, getattr(args, "train_iters", None))
+        args.diloco_x_local_steps, getattr(args, "train_iters", None), args.diloco_x_overlap)
     return DiLoCoXConfig(
         replicas=args.diloco_x_replicas,
         local_steps=args.diloco_x_local_steps,

@@ -527,7 +527,7 @@ def plan(cfg: PlanConfig) -> Plan:
     # ---- the warm-up (one-time): rounds of H0; with partial each overlaps at most tau_w steps ----
     # (all but the warm-up's last exchange launch into a warm-up round: --warmup-codec's; the last
     # one launches into a round of H and takes ``codec``)
-    h0, w = resolve_warmup(cfg.warmup_local_steps, cfg.warmup_iters, H, cfg.train_iters)
+    h0, w = resolve_warmup(cfg.warmup_local_steps, cfg.warmup_iters, H, cfg.train_iters, cfg.overlap)
     warm_rounds = w // h0 if h0 else 0
     tau_w = resolve_warmup_overlap(cfg.warmup_overlap_steps, h0, cfg.overlap) if w else 0
     warm_codec = resolve_warmup_compression(cfg.warmup_codec, cfg.codec, w)

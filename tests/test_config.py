@@ -98,6 +98,27 @@ def test_auto_warmup(argv, train_iters, want):
     assert (cfg.warmup_local_steps, cfg.warmup_iters) == want
 
 
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_auto_warmup_only_where_measured(overlap):
+    """The auto warm-up (H0, W, tau_w and the int2 warm-up codec) was measured under ``partial`` and
+    ``none`` only (benchmarks/RESULTS.md §2.1): under ``delayed`` / ``eager`` (rounds of H0 with a whole
+    round of delay, never measured) ``auto`` resolves to no warm-up; explicit flags still give one."""
+    args = parse("--diloco-x-local-steps", "30", "--diloco-x-overlap", overlap)
+    args.train_iters = 3000
+    cfg = config_from_args(args)
+    assert (cfg.warmup_local_steps, cfg.warmup_iters, cfg.warmup_overlap_steps, cfg.warmup_compression) == (
+        None, 0, 0, None)
+    assert cfg.steps_since_boundary(10) == 10 and cfg.round_steps(0) == 30  # rounds of H from the start
+    args = parse("--diloco-x-local-steps", "30", "--diloco-x-overlap", overlap, "--diloco-x-warmup-iters", "60")
+    args.train_iters = 3000
+    explicit = config_from_args(args)
+    assert (explicit.warmup_local_steps, explicit.warmup_iters, explicit.warmup_compression) == (10, 60, "int2")
+    for measured in ("partial", "none"):
+        args = parse("--diloco-x-local-steps", "30", "--diloco-x-overlap", measured)
+        args.train_iters = 3000
+        assert (config_from_args(args).warmup_local_steps, config_from_args(args).warmup_iters) == (10, 900)
+
+
 def test_defaults_are_the_measured_best():
     """--diloco-x alone: partial overlap with auto tau and the exact merge, eta 1, mu 0, int4, the
     auto warm-up (benchmarks/RESULTS.md §2); the CLI and the dataclass agree but for the warm-up,
