@@ -224,6 +224,25 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
     )
 
 
+def resolve_run_length(config: DiLoCoXConfig, args: argparse.Namespace) -> bool:
+    """Re-resolve the ``auto`` warm-up against the run's iterations once Megatron knows them and
+    return whether it changed. Under ``--train-samples`` Megatron sets ``args.train_iters`` (from the
+    samples and the global batch, its batch-size schedule included: ``update_train_iters``) only
+    when it builds the LR scheduler, after :func:`config_from_args` resolved the warm-up without it:
+    the cap (a third of the run) is applied here. ``config`` is updated in place (H0, W, tau_w, the
+    warm-up codec; validated), so every holder of it sees the same schedule."""
+    if not config.warmup_auto:
+        return False
+    fresh = config_from_args(args)
+    fields = ("warmup_local_steps", "warmup_iters", "warmup_overlap_steps", "warmup_compression")
+    if all(getattr(fresh, f) == getattr(config, f) for f in fields):
+        return False
+    for f in fields:
+        setattr(config, f, getattr(fresh, f))
+    config.validate()
+    return True
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

@@ -165,6 +165,7 @@ class _Installation:
             # Megatron advances the LR schedule on successful steps only: with fp16 each replica's
             # position differs, and the optimizer checkpoints it per replica
             scheduler = get_scheduler(optimizer, *a, **k)
+            self.run_length_known()  # --train-samples: Megatron has just set args.train_iters
             if hasattr(optimizer, "attach_lr_scheduler"):
                 optimizer.attach_lr_scheduler(scheduler)
             return scheduler
@@ -197,6 +198,22 @@ class _Installation:
         install_replica_local_collectives(
             self.args, at_boundary=lambda: self.config.steps_since_boundary(opt.step_calls) == 0)
         return self.optimizer
+
+    def run_length_known(self) -> None:
+        """Megatron built the LR scheduler, so ``args.train_iters`` is set (under ``--train-samples`` it
+        is only now): apply the auto warm-up's cap (a third of the run) to the schedule
+        (:func:`megatron_diloco.arguments.resolve_run_length`), before the first step and before a
+        checkpoint load (which may keep the checkpoint's schedule instead). Every rank resolves the
+        same flags, so the replicas agree."""
+        from megatron_diloco.arguments import resolve_run_length
+
+        if not resolve_run_length(self.config, self.args):
+            return
+        if self.optimizer is not None and self.config.warmup_compression is None:
+            self.optimizer.sync.warmup_codec = None  # the warm-up vanished: rounds of H only
+        if dist.get_rank() == 0:
+            print(f"megatron-diloco: --train-iters {self.args.train_iters} (from --train-samples): warm-up "
+                  f"H0 {self.config.warmup_local_steps} for {self.config.warmup_iters} steps", flush=True)
 
     def replica_data_loader(self, build):
         """Replicas in separate worlds (``--diloco-x-outer-store``): each world's data loaders take the

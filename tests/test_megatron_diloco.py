@@ -109,6 +109,20 @@ def test_default_warmup_overlaps_a_tenth_of_its_rounds(tmp_path):
         assert all(n == 0 for _, n, o in rec["step_ops"] if not o), rank
 
 
+def test_auto_warmup_capped_under_train_samples(tmp_path):
+    """``--train-samples`` instead of ``--train-iters`` (Megatron sets the iterations only after
+    ``install()``, when it builds the LR scheduler): the auto warm-up is still at most a third of the
+    run. 96 samples of global batch 8 = 12 iterations, H 4: rounds of H0 = 1 for 4 steps, then of 4
+    (uncapped it would be 30 H = 120 steps: rounds of 1 for the whole run)."""
+    recs, log = run_megatron(tmp_path, ["--train-samples", "96", "--lr-warmup-iters", "0", "--lr-warmup-samples", "16",
+                                        "--diloco-x-local-steps", "4", *MEGATRON_DEFAULTS], warmup=True)
+    s = summary(log)
+    assert (s["iterations"], s["warmup_local_steps"], s["warmup_iters"]) == (12, 1, 4)
+    assert s["rounds"] == 6 and s["replicas_identical"]
+    for rank, rec in enumerate(recs):
+        assert [b for b, _ in rec["boundary_identical"]] == [1, 2, 3, 4, 8, 12], rank
+
+
 def test_warmup_rounds_then_h(tmp_path):
     """``--diloco-x-warmup-local-steps 2 --diloco-x-warmup-iters 4`` with H = 4 over 12 iterations:
     boundaries at 2, 4, 8 and 12 (partial, tau fixed at 1 so that runs land alike), the replicas
