@@ -138,6 +138,8 @@ class _Installation:
 
         def diloco_train_step(*a, **k):
             model = a[2] if len(a) > 2 else k["model"]
+            if self.optimizer is not None:  # the round's step time counts iterations, not what runs between
+                self.optimizer.mark_iteration_start()
             with replica_local_loss_reduction(model):
                 out = train_step(*a, **k)
             self.record_loss(out[0])

@@ -97,8 +97,12 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self.view = ShardView(_main_params(self.dist_opts))
         self.sync = OuterSync(self.view, config, topology.outer_group, _shard_shapes(self.dist_opts),
                               host_group=topology.outer_host_group, decision_group=topology.decision_group)
-        self._round_started: float | None = None  # when the clock of this round's inner-step time started
-        self._round_started_step = 0  # step_calls from which it counts whole iterations
+        # the round's inner-step time: the sum of its iterations' spans, each from the start of the
+        # iteration (mark_iteration_start: Megatron's train_step; else the end of the previous step())
+        # to the end of the inner step; evaluations, saves and the outer work between are not in it
+        self._iteration_started: float | None = None
+        self._last_step_ended: float | None = None
+        self._round_step_s, self._round_timed_steps = 0.0, 0
         self.step_calls = 0
         self.totals = ExchangeStats()
         self.last_report: RoundReport | None = None
@@ -198,10 +202,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         On a step that ends with outer work (a boundary, ``partial``'s landing), the inner step's own
         parameter all-gather is deferred (Megatron's ``_defer_param_sync``): the outer work changes
         the main params, and :meth:`_publish_params` gathers them once."""
-        if self._round_started is None:  # the first step of a run or after a resume: its forward and
-            # backward ran before the clock started, so the timed span is one iteration short
-            self._round_started = time.perf_counter()
-            self._round_started_step = self.step_calls + 1
+        started = self._iteration_started if self._iteration_started is not None else self._last_step_ended
+        self._iteration_started = None
         since_boundary = self.diloco_config.steps_since_boundary(self.step_calls + 1)
         land = self.sync.merge_due(since_boundary)  # partial: the exchange lands tau steps after its launch
         outer_work = land or since_boundary == 0
@@ -212,12 +214,24 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         finally:
             if outer_work:
                 self._defer_inner_param_gather(False)
+        if started is not None:  # this iteration's inner time (the outer work below is not in it)
+            self._round_step_s += time.perf_counter() - started
+            self._round_timed_steps += 1
         self.step_calls += 1
         if land:
             self._merge()
         elif since_boundary == 0:
             self._boundary()
+        self._last_step_ended = time.perf_counter()
         return result
+
+    def mark_iteration_start(self) -> None:
+        """The training iteration whose ``step()`` comes next starts now (``megatron_diloco.install``
+        calls it at the start of Megatron's ``train_step``): its forward, backward and inner step
+        count towards the round's mean step time; what runs between iterations (evaluation,
+        checkpoint saves) does not. Without it an iteration is timed from the end of the previous
+        ``step()`` (the first one of a run or after a resume is then not timed)."""
+        self._iteration_started = time.perf_counter()
 
     def _defer_inner_param_gather(self, defer: bool) -> None:
         """Whether the inner step skips its synchronous parameter all-gather (intra-replica DP group;
@@ -235,12 +249,13 @@ class DiLoCoXOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def _boundary(self) -> None:
-        # mean inner-step time of this round (boundary work excluded): the adaptive byte budget; and
-        # the next round's length (auto tau and the budget hide the exchange within it)
-        now = time.perf_counter()
+        # mean inner-step time of this round (its iterations only: no evaluation, save, landing or
+        # boundary work): auto tau, the adaptive byte budget, the derived timeout; and the next
+        # round's length (auto tau and the budget hide the exchange within it)
         cfg = self.diloco_config
-        timed = self.step_calls - self._round_started_step  # whole iterations since the clock started
-        self.sync.set_step_time((now - self._round_started) / timed if timed > 0 else None,
+        timed, total = self._round_timed_steps, self._round_step_s
+        self._round_step_s, self._round_timed_steps = 0.0, 0
+        self.sync.set_step_time(total / timed if timed > 0 else None,
                                 next_round_steps=cfg.round_steps(self.step_calls))
         if not self._start_checked:
             self._check_replicas_started_alike()
@@ -254,8 +269,6 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self.last_report = report
         if self.on_round is not None:
             self.on_round(self.round_metrics(report))
-        self._round_started = time.perf_counter()
-        self._round_started_step = self.step_calls
 
     def _check_replicas_started_alike(self) -> None:
         """First boundary (after any load): ``theta``, the weights every replica started from, must be
@@ -733,7 +746,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         sync.rounds = 0
         sync.skipped_rounds = 0
         self.step_calls = 0
-        self._round_started = None
+        self._round_step_s, self._round_timed_steps = 0.0, 0
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"[DiLoCoX] outer loop restarted from the current params ({reason}): theta <- fp32 main "
                   "params, outer momentum 0, residual 0, nothing in flight, round 0", flush=True)

@@ -18,12 +18,17 @@
     (aten ops, counted by a dispatch mode on the training thread) that ``DiLoCoXOptimizer.step``
     dispatched outside the inner optimizer's own step, and whether the step ran outer work (a
     boundary or ``partial``'s landing);
+  * ``step_time``: per boundary, ``[step_calls, mean inner-step time]`` as the optimizer measured it for
+    that round (``OuterSync.step_time_s``); ``train_step_s``: ``[iteration, seconds]``, the wall time
+    of every ``train_step`` call (DiLoCoX's own wrapper inside);
   * ``main_fp``: after every optimizer step, a bitwise fingerprint of each fp32 main-parameter shard;
     ``loaded_fp``: the same right after a checkpoint was loaded.
 
   Environment: ``DILOCO_TEST_PERTURB_REPLICA=R`` perturbs replica R's start weights (a replica that
   loaded other weights); ``DILOCO_TEST_STACKS=1`` adds each cross-replica op's call stack;
-  ``DILOCO_TEST_REPLICAS`` the replica blocks of a ``--no-diloco-x`` run (default 2).
+  ``DILOCO_TEST_REPLICAS`` the replica blocks of a ``--no-diloco-x`` run (default 2);
+  ``DILOCO_TEST_EVAL_SLEEP_S=S`` makes every evaluation (``evaluate_and_print_results``) S seconds
+  longer (work between iterations that the round's step time must not count).
 
 * ``checkpoint`` (the checkpoint tests and ``benchmarks/memory/checkpoint_memory.py``;
   :class:`CheckpointRecorder`), per rank:
@@ -57,6 +62,7 @@ import io
 import os
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -106,11 +112,12 @@ class TrainingRecorder(Recorder):
 
     name = "training"
     keys = ("losses", "boundary_identical", "cross_replica", "replica_gathers", "outer", "main_fp", "loaded_fp",
-            "step_ops")
+            "step_ops", "step_time", "train_step_s")
 
     def __init__(self, record: dict[str, Any]) -> None:
         super().__init__(record)
-        record.update(losses=[], boundary_identical=[], cross_replica=[], replica_gathers={}, step_ops=[])
+        record.update(losses=[], boundary_identical=[], cross_replica=[], replica_gathers={}, step_ops=[],
+                      step_time=[], train_step_s=[])
         self.ctx = {"in_train": False, "in_train_step": False, "in_boundary": False, "iteration": 0,
                     "instrumenting": False}
 
@@ -184,10 +191,19 @@ class TrainingRecorder(Recorder):
         def train_step(orig, *a, **k):
             ctx["iteration"] += 1
             ctx["in_train_step"] = True
+            started = time.perf_counter()
             try:
                 return orig(*a, **k)
             finally:
                 ctx["in_train_step"] = False
+                record["train_step_s"].append([ctx["iteration"], time.perf_counter() - started])
+
+        sleep_s = float(os.environ.get("DILOCO_TEST_EVAL_SLEEP_S", "0"))
+        if sleep_s:
+            @wrap(training, "evaluate_and_print_results")
+            def evaluate_and_print_results(orig, *a, **k):
+                time.sleep(sleep_s)
+                return orig(*a, **k)
 
         def mark_boundary(orig, opt_or_sync):
             ctx["in_boundary"] = True
@@ -205,6 +221,7 @@ class TrainingRecorder(Recorder):
             ctx["in_boundary"] = True
             try:
                 out = orig(opt, report)
+                record["step_time"].append([opt.step_calls, opt.sync.step_time_s])
                 if CODECS[opt.diloco_config.compression].matrix and opt.sync.pending is not None:
                     # The low-rank exchange runs on a worker thread that owns the outer group until it
                     # completes, and the check all-gathers on that group: skip it (None) rather than

@@ -123,6 +123,22 @@ def test_auto_warmup_capped_under_train_samples(tmp_path):
         assert [b for b, _ in rec["boundary_identical"]] == [1, 2, 3, 4, 8, 12], rank
 
 
+def test_step_time_counts_inner_steps_only(tmp_path):
+    """The round's mean step time (auto tau, the adaptive budget, the derived timeout) times the
+    iterations only: an evaluation (``--eval-interval 4``, made 6 s longer) between them is not in
+    it. Each round's value is at most the longest ``train_step`` of the round (its timed span lies
+    inside each one), where counting the evaluation would add 6 s / H = 1.5 s per step."""
+    recs, _ = run_megatron(tmp_path, ["--train-iters", "12", "--diloco-x-local-steps", "4", "--eval-interval", "4",
+                                      "--eval-iters", "1", *MEGATRON_DEFAULTS],
+                           env={"DILOCO_TEST_EVAL_SLEEP_S": "6"})
+    for rank, rec in enumerate(recs):
+        durations = dict(rec["train_step_s"])
+        assert [b for b, _ in rec["step_time"]] == [4, 8, 12], rank
+        for boundary, step_time in rec["step_time"]:
+            longest = max(durations[it] for it in range(boundary - 3, boundary + 1))
+            assert 0 < step_time <= longest, (rank, boundary, step_time, longest)
+
+
 def test_warmup_rounds_then_h(tmp_path):
     """``--diloco-x-warmup-local-steps 2 --diloco-x-warmup-iters 4`` with H = 4 over 12 iterations:
     boundaries at 2, 4, 8 and 12 (partial, tau fixed at 1 so that runs land alike), the replicas
