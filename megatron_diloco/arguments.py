@@ -90,8 +90,13 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--diloco-x-energy", type=float, default=defaults["energy"].default,
                        help="adaptive: captured-energy target per tensor, in (0, 1].")
     group.add_argument("--diloco-x-bandwidth-mbps", type=float, default=None,
-                       help="adaptive: slow-link bandwidth (Mbit/s) for the per-round byte cap; "
-                            "default: measured over the outer group at the first boundary.")
+                       help="The site's slow link (Mbit/s of payload, each way): the one link a replica's "
+                            "ranks share to reach the other replicas. Every rank of the replica that holds "
+                            "a shard sends its exchange at the same time, so each counts on this / their "
+                            "number (as the planner's --link-mbps with --link-scope cluster). Sizes auto "
+                            "tau (--diloco-x-overlap-steps) and the adaptive codec's per-round byte cap. "
+                            "Default: adaptive measures it at the first boundary (all outer groups at "
+                            "once, so a rank's share directly); auto tau then uses measured exchange times.")
     group.add_argument("--diloco-x-outer-state", choices=OUTER_STATES, default=defaults["outer_state"].default,
                        help="Where the outer state (theta, outer momentum, error-feedback residual, eager "
                             "anchor) lives: gpu (default) or cpu (host memory, pinned; streamed through "

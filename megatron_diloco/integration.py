@@ -340,9 +340,8 @@ class _Installation:
                 "tokens_per_s": tokens / wall_s if wall_s > 0 else math.nan,
                 "compression_ratio": float(table[:, 4].sum() / table[:, 5].sum()) if table[:, 5].sum() else None,
                 "skipped_rounds": opt.sync.skipped_rounds,
-                # outer link used for the adaptive byte budget (given, or measured on rank 0's group)
-                "link_mbps": (opt.sync.link_bytes_per_s * 8 / 1e6
-                              if opt.sync.link_bytes_per_s is not None else None),
+                # the site's link (--diloco-x-bandwidth-mbps, or rank 0's measured share x its sharers)
+                "link_mbps": opt.sync.link_mbps,
                 "first_loss": float(table[has_loss, 6].mean()) if has_loss.any() else None,
                 "final_loss": float(table[has_loss, 7].mean()) if has_loss.any() else None,
                 "replicas_identical": identical,

@@ -96,7 +96,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self.dist_opts = distributed_optimizers(inner)
         self.view = ShardView(_main_params(self.dist_opts))
         self.sync = OuterSync(self.view, config, topology.outer_group, _shard_shapes(self.dist_opts),
-                              host_group=topology.outer_host_group, decision_group=topology.decision_group)
+                              host_group=topology.outer_host_group, decision_group=topology.decision_group,
+                              link_sharers=self._link_sharers())
         # the round's inner-step time: the sum of its iterations' spans, each from the start of the
         # iteration (mark_iteration_start: Megatron's train_step; else the end of the previous step())
         # to the end of the inner step; evaluations, saves and the outer work between are not in it
@@ -566,12 +567,11 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         return {"inner": sd, "diloco_x": self._outer_state(),
                 "diloco_x_replica": self._per_replica_state()}
 
-    def _checkpoint_layout(self) -> tuple[int, int]:
-        """``(offset, T)``: where this rank's flat shard vector starts in its replica's concatenation
-        (ranks ordered by ``rank_in_replica``) and that concatenation's length T (the same on every
-        replica). The first call all-gathers 3 int64 per rank over the default (world) group, so it must
-        be made on every rank (checkpoint save / load are); cached afterwards."""
-        cached = self.__dict__.get("_ckpt_layout")
+    def _layout_table(self) -> list[tuple[int, int, int]]:
+        """``(replica index, rank in replica, shard numel)`` of every rank of the world. The first call
+        all-gathers 3 int64 per rank over the default (world) group, so it must be made on every rank
+        (construction, checkpoint save / load are); cached afterwards."""
+        cached = self.__dict__.get("_layout_rows")
         if cached is not None:
             return cached
         topo = self.topology
@@ -579,7 +579,28 @@ class DiLoCoXOptimizer(MegatronOptimizer):
                             device=self.view.device)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, mine)
-        table = [tuple(int(x) for x in row.tolist()) for row in rows]
+        table = self._layout_rows = [tuple(int(x) for x in row.tolist()) for row in rows]
+        return table
+
+    def _link_sharers(self) -> int:
+        """S: the ranks of this rank's replica that hold a shard, i.e. whose outer groups' exchanges
+        cross the site's slow link at the same time (each counts on 1 / S of
+        ``--diloco-x-bandwidth-mbps``). Collective over the world on the first call
+        (:meth:`_layout_table`)."""
+        if not dist.is_initialized():
+            return 1
+        replica = self.topology.replica_index
+        return sum(1 for r, _, n in self._layout_table() if r == replica and n > 0)
+
+    def _checkpoint_layout(self) -> tuple[int, int]:
+        """``(offset, T)``: where this rank's flat shard vector starts in its replica's concatenation
+        (ranks ordered by ``rank_in_replica``) and that concatenation's length T (the same on every
+        replica). Collective over the world on the first call (:meth:`_layout_table`); cached."""
+        cached = self.__dict__.get("_ckpt_layout")
+        if cached is not None:
+            return cached
+        topo = self.topology
+        table = self._layout_table()
         totals: dict[int, int] = {}
         for replica, _, n in table:
             totals[replica] = totals.get(replica, 0) + n

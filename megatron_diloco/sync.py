@@ -77,7 +77,7 @@ from megatron_diloco.collectives import (
     AfterStep, DaemonWorker, ExchangeHandle, ExchangeStats, Outbox, bounded_all_reduce, measure_link_bandwidth,
     start_exchange, wire_bytes,
 )
-from megatron_diloco.config import CODECS, OUTER_TIMEOUT_HEADROOM, DiLoCoXConfig
+from megatron_diloco.config import CODECS, OUTER_TIMEOUT_HEADROOM, DiLoCoXConfig, link_share_bytes_per_s
 from megatron_diloco.outer import OuterNesterov
 from megatron_diloco.outer_store import OuterStore, chunk_elements
 from megatron_diloco.shard_view import ShardView, fingerprint
@@ -189,8 +189,12 @@ class OuterSync:
     def __init__(self, view: ShardView, config: DiLoCoXConfig, group: dist.ProcessGroup | None,
                  shapes: list[tuple[int, ...]] | None = None,
                  host_group: dist.ProcessGroup | None = None,
-                 decision_group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None) -> None:
+                 decision_group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None,
+                 link_sharers: int = 1) -> None:
         self.view = view
+        #: S: the ranks of this replica whose exchanges cross the site's slow link at once (those
+        #: holding a shard); a rank's share of ``--diloco-x-bandwidth-mbps`` is 1 / S of it
+        self.link_sharers = max(1, int(link_sharers))
         self.config = config
         self.group = group
         if decision_group is None and dist.is_available() and dist.is_initialized():
@@ -254,9 +258,10 @@ class OuterSync:
         self.pending: ExchangeHandle | None = None
         self.rounds = 0
         self.skipped_rounds = 0
-        #: bytes/s of the outer link: --diloco-x-bandwidth-mbps, else measured at the first boundary
-        #: (adaptive only; None until then, or without an outer link)
-        self.link_bytes_per_s: float | None = (config.bandwidth_mbps * 1e6 / 8
+        #: payload bytes/s this rank can count on over the slow link: its share of
+        #: --diloco-x-bandwidth-mbps (the site's link / S), else measured at the first boundary (by every
+        #: outer group at once: a share directly; adaptive only; None until then, or without an outer link)
+        self.link_bytes_per_s: float | None = (link_share_bytes_per_s(config.bandwidth_mbps, self.link_sharers)
                                                if config.bandwidth_mbps is not None else None)
         self._link_measured = False
         #: mean inner-step time of the last round (:meth:`set_step_time`; None until known)
@@ -267,6 +272,12 @@ class OuterSync:
         self.longest_exchange_s = 0.0
         self._backstop_s: float | None = None  # the groups' own timeout as last set
         self._arm_timeouts()
+
+    @property
+    def link_mbps(self) -> float | None:
+        """The site's slow link in Mbit/s as this rank sizes its exchanges by it (the meaning of
+        ``--diloco-x-bandwidth-mbps``): its share x S; None while unknown."""
+        return None if self.link_bytes_per_s is None else self.link_bytes_per_s * 8 / 1e6 * self.link_sharers
 
     # ---------------- timeouts ----------------
     def timeout_s(self) -> float:
@@ -492,6 +503,8 @@ class OuterSync:
             if self.pending is not None and not self.pending.finished:
                 return  # the worker thread owns the group (and the link); measure next time
             self._link_measured = True
+            if self.view.numel == 0:  # an empty shard sends nothing (nor does its outer group: same
+                return                # shard position); measuring with the S ranks that send only
             self._arm_timeouts()
             bound = self.timeout_s()
             started = time.perf_counter()
@@ -502,9 +515,10 @@ class OuterSync:
                 raise self._failure("the link measurement", self.group, bound,
                                     time.perf_counter() - started, err, round_=self.rounds + 1) from err
             if self.link_bytes_per_s is not None:
-                logger.info("DiLoCoX: measured outer link %.1f Mbit/s (all-gather, per rank); adaptive "
-                            "byte budget = that x H x step time (set --diloco-x-bandwidth-mbps to fix it)",
-                            self.link_bytes_per_s * 8 / 1e6)
+                logger.info("DiLoCoX: measured outer link %.1f Mbit/s per rank (all-gather, all outer groups at "
+                            "once: about %.1f Mbit/s for the site's %d sending ranks); adaptive byte budget = "
+                            "the rank's share x H x step time (set --diloco-x-bandwidth-mbps to fix it)",
+                            self.link_bytes_per_s * 8 / 1e6, self.link_mbps, self.link_sharers)
         if self.link_bytes_per_s is None or self.step_time_s is None:
             return
         from megatron_diloco.compression import byte_budget

@@ -272,6 +272,8 @@ class TrainingRecorder(Recorder):
                     "delta_held": opt.sync.store.held(opt.sync.delta),  # the exchange buffer in host memory
                     # the exchange runs on the outer group's gloo mirror, not on the outer group itself
                     "exchange_on_mirror": opt.sync.exchange_group is not opt.sync.group,
+                    # the replica's ranks that share the site's link (--diloco-x-bandwidth-mbps / S each)
+                    "link_sharers": opt.sync.link_sharers,
                     "model_params_on_rank": sum(p.numel() for d in opt.dist_opts for c in d.model_chunks
                                                 for p in c.parameters()),
                     # distinct model chunks of the rank (virtual pipeline stages)

@@ -132,6 +132,8 @@ def test_step_time_counts_inner_steps_only(tmp_path):
                                       "--eval-iters", "1", *MEGATRON_DEFAULTS],
                            env={"DILOCO_TEST_EVAL_SLEEP_S": "6"})
     for rank, rec in enumerate(recs):
+        # (PP 2 per replica, both stages hold a shard: each sends over the site's link at half its rate)
+        assert rec["outer"]["link_sharers"] == 2, rank
         durations = dict(rec["train_step_s"])
         assert [b for b, _ in rec["step_time"]] == [4, 8, 12], rank
         for boundary, step_time in rec["step_time"]:
