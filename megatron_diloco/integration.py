@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_diloco.arguments import config_from_args, validate_megatron_args
-from megatron_diloco.config import DiLoCoXConfig
+from megatron_diloco.config import CODECS, DiLoCoXConfig
 from megatron_diloco.summary import format_summary
 from megatron_diloco.replica_local import install_replica_local_collectives, replica_local_loss_reduction
 
@@ -191,7 +191,8 @@ class _Installation:
 
         if self.args.diloco_x_outer_store is not None:  # this world is one replica
             topology = from_outer_store(self.config.replicas, self.args.diloco_x_replica_index,
-                                        self.args.diloco_x_outer_store, self.config.distributed_timeout_minutes)
+                                        self.args.diloco_x_outer_store, self.config.distributed_timeout_minutes,
+                                        worker_group=CODECS[self.config.compression].matrix)
         else:
             for chunk in model_chunks:
                 make_gradient_reduction_replica_local(chunk, self.config.replicas)
