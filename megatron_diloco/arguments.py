@@ -248,6 +248,22 @@ def resolve_run_length(config: DiLoCoXConfig, args: argparse.Namespace) -> bool:
     return True
 
 
+def resolve_kept_warmup(config: DiLoCoXConfig, had_warmup: bool) -> None:
+    """A resume kept its checkpoint's auto warm-up (H0, W) over the one this run's flags resolved
+    (``DiLoCoXOptimizer._keep_schedule``): make tau_w and the warm-up codec go with it, then validate.
+    No warm-up kept: tau_w 0, no warm-up codec. A warm-up kept where this run's flags resolved none
+    (so tau_w and the codec were resolved without one; an explicit value would have been refused):
+    the ``auto`` rules for it. Otherwise this run's values stay (validated against the kept H0).
+    Raises ``ValueError`` naming the flag when they do not fit."""
+    if not config.warmup_iters:
+        config.warmup_local_steps = None
+        config.warmup_overlap_steps, config.warmup_compression = 0, None
+    elif not had_warmup:
+        config.warmup_overlap_steps = resolve_warmup_overlap(None, config.warmup_local_steps, config.overlap)
+        config.warmup_compression = resolve_warmup_compression(None, config.compression, config.warmup_iters)
+    config.validate()
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

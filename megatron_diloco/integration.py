@@ -212,8 +212,8 @@ class _Installation:
 
         if not resolve_run_length(self.config, self.args):
             return
-        if self.optimizer is not None and self.config.warmup_compression is None:
-            self.optimizer.sync.warmup_codec = None  # the warm-up vanished: rounds of H only
+        if self.optimizer is not None:
+            self.optimizer.sync.schedule_changed()
         if dist.get_rank() == 0:
             print(f"megatron-diloco: --train-iters {self.args.train_iters} (from --train-samples): warm-up "
                   f"H0 {self.config.warmup_local_steps} for {self.config.warmup_iters} steps", flush=True)

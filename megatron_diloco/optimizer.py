@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.optimizer import ChainedOptimizer, DistributedOptimizer, MegatronOptimizer
 
+from megatron_diloco.arguments import resolve_kept_warmup
 from megatron_diloco.collectives import ExchangeStats, host_copy
 from megatron_diloco.config import DiLoCoXConfig
 from megatron_diloco.shard_view import ShardView, fingerprint
@@ -547,7 +548,14 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         if saved is None or saved == cfg.schedule():
             return
         if cfg.warmup_auto and saved["local_steps"] == cfg.local_steps:
+            had_warmup = bool(cfg.warmup_iters)
             cfg.warmup_local_steps, cfg.warmup_iters = saved["warmup_local_steps"], saved["warmup_iters"]
+            try:  # tau_w and the warm-up codec were resolved for the other warm-up: fit them to this one
+                resolve_kept_warmup(cfg, had_warmup)
+            except ValueError as err:
+                raise ValueError(f"resuming with the checkpoint's auto warm-up (H0 {cfg.warmup_local_steps}, "
+                                 f"{cfg.warmup_iters} steps): {err}") from None
+            self.sync.schedule_changed()
             logger.info("DiLoCoX: the auto warm-up keeps the checkpoint's schedule: H0 %s for %s steps",
                         cfg.warmup_local_steps, cfg.warmup_iters)
             return

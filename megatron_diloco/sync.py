@@ -205,6 +205,7 @@ class OuterSync:
             tuple(decision_group) if isinstance(decision_group, (tuple, list))
             else (decision_group,) if decision_group is not None else ())
         spec = CODECS[config.compression]
+        self._shapes = shapes
         self.codec = _build_codec(config, view, shapes)
         #: --diloco-x-warmup-compression: the codec of the exchanges launched into a warm-up round
         #: (blockwise, like ``codec``; the two share ``residual``), else None
@@ -643,6 +644,15 @@ class OuterSync:
         else:
             return cap
         return min(cap, max(1, math.ceil(seconds / self.step_time_s)))
+
+    def schedule_changed(self) -> None:
+        """The warm-up of :attr:`config` changed (a resume keeping its checkpoint's, or the run length
+        known late): build, keep or drop :attr:`warmup_codec` to match ``config.warmup_compression``."""
+        name = self.config.warmup_compression
+        if name is None:
+            self.warmup_codec = None
+        elif self.warmup_codec is None or self.warmup_codec.name != name:
+            self.warmup_codec = _build_codec(self.config, self.view, self._shapes, name)
 
     def _round_codec(self):
         """The codec of the exchange about to launch: :attr:`warmup_codec` when it launches into a
