@@ -475,6 +475,9 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             # the LR-schedule position: Megatron advances it on successful steps only (see attach_lr_scheduler)
             "lr_schedule_steps": (self.__dict__["lr_scheduler"].num_steps
                                   if self.__dict__.get("lr_scheduler") is not None else None),
+            # this replica's own timings (auto tau, budget, timeout): the live run agrees on tau by MAX
+            # over every rank's, so each replica resumes with its own (the outer meta holds replica 0's)
+            "timings": self.sync.timings(),
         }
 
     def _load_replica_meta(self, meta: dict) -> None:
@@ -501,6 +504,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
                 d.grad_scaler.load_state_dict(scaler)
         # applied right after Megatron restored replica 0's schedule (attach_lr_scheduler)
         self._lr_schedule_steps_to_restore = meta.get("lr_schedule_steps")
+        if meta.get("timings") is not None:  # (older checkpoints: replica 0's, from the outer meta)
+            self.sync.load_timings(meta["timings"])
 
     def attach_lr_scheduler(self, scheduler: Any) -> None:
         """Checkpoint this replica's own position in the LR schedule (``scheduler``: Megatron's

@@ -757,14 +757,31 @@ class OuterSync:
             # replica); a given --diloco-x-bandwidth-mbps is not stored: the flag of the resumed run wins
             "link_measured": self._link_measured,
             "link_bytes_per_s": self.link_bytes_per_s if self._link_measured else None,
-            # what auto tau, the adaptive budget and the derived timeout are sized from, so that a
-            # resumed run's next boundary chooses as the uninterrupted run's does (timings: this
-            # rank's; the torch_dist checkpoint keeps replica 0's, which every replica resumes with)
-            "step_time_s": self.step_time_s,
-            "last_exchange": None if self.last_completed is None else {
-                "bytes_sent": self.last_completed.bytes_sent, "exchange_s": self.last_completed.exchange_s},
-            "longest_exchange_s": self.longest_exchange_s,
+            # what auto tau, the adaptive budget and the derived timeout are sized from (this rank's;
+            # the torch_dist checkpoint keeps replica 0's here, and each replica's own in its per-replica
+            # state, which a resume restores: DiLoCoXOptimizer._replica_meta)
+            **self.timings(),
         }
+
+    def timings(self) -> dict:
+        """This rank's own measurements that auto tau, the adaptive budget and the derived timeout are
+        sized from (the step time, the last completed exchange's bytes and duration, the longest
+        exchange): checkpointed per replica (``DiLoCoXOptimizer``), so that every replica resumes with
+        its own, as the uninterrupted run's next boundary uses them (tau agreed by MAX over all ranks)."""
+        return {"step_time_s": self.step_time_s,
+                "last_exchange": None if self.last_completed is None else {
+                    "bytes_sent": self.last_completed.bytes_sent, "exchange_s": self.last_completed.exchange_s},
+                "longest_exchange_s": self.longest_exchange_s}
+
+    def load_timings(self, state: dict) -> None:
+        """Restore :meth:`timings` (absent entries keep what is there)."""
+        if state.get("step_time_s") is not None:
+            self.step_time_s = float(state["step_time_s"])
+        if state.get("last_exchange") is not None:
+            last = state["last_exchange"]
+            self.last_completed = ExchangeStats(bytes_sent=int(last["bytes_sent"]),
+                                                exchange_s=float(last["exchange_s"]))
+        self.longest_exchange_s = float(state.get("longest_exchange_s", self.longest_exchange_s))
 
     def load_state_dict(self, state: dict) -> None:
         if state["theta"].numel() != self.theta.numel():
@@ -781,14 +798,9 @@ class OuterSync:
             value = state.get("link_bytes_per_s")
             self.link_bytes_per_s = float(value) if value is not None else None
         # the measurements auto tau and the adaptive budget use (absent from older checkpoints: measured
-        # anew, auto tau = H until an exchange completes)
-        if state.get("step_time_s") is not None:
-            self.step_time_s = float(state["step_time_s"])
-        if state.get("last_exchange") is not None:
-            last = state["last_exchange"]
-            self.last_completed = ExchangeStats(bytes_sent=int(last["bytes_sent"]),
-                                                exchange_s=float(last["exchange_s"]))
-        self.longest_exchange_s = float(state.get("longest_exchange_s", self.longest_exchange_s))
+        # anew, auto tau = H until an exchange completes); the replica's own, where its checkpoint
+        # state holds them, replace these afterwards (DiLoCoXOptimizer._load_replica_meta)
+        self.load_timings(state)
         self.outer.load_state_dict(state)
         self.apply_at = int(state.get("apply_at", self.apply_at))
         if hasattr(self.codec, "load_state_dict"):

@@ -50,7 +50,10 @@
     ShardedTensors, their bytes, how many of them alias a live tensor (main shard, optimizer state,
     outer state: not a copy), the pickled size of each ShardedObject (skipped with
     ``DILOCO_CKPT_OBJECT_SIZES=0``: serializing them allocates), and the rank's shard numel;
-  * ``restart``: the reason string of each ``DiLoCoXOptimizer.restart_outer_loop_from_params`` call.
+  * ``restart``: the reason string of each ``DiLoCoXOptimizer.restart_outer_loop_from_params`` call;
+  * ``timings_saved``: per save, ``[step_calls, timings]`` of the rank's ``OuterSync`` (``[step time,
+    [last exchange bytes, seconds] or None, longest exchange]``: what auto tau is sized from);
+    ``timings_loaded``: the same right after a checkpoint was loaded.
 
 Nothing here changes training.
 """
@@ -323,7 +326,7 @@ class CheckpointRecorder(Recorder):
 
     name = "checkpoint"
     keys = ("scaler", "adam_step", "save_memory", "main_shard_numel", "model_fp", "loaded_model_fp",
-            "opt_fp", "loaded_opt_fp", "save_entries", "restart")
+            "opt_fp", "loaded_opt_fp", "save_entries", "restart", "timings_saved", "timings_loaded")
 
     def __init__(self, record: dict[str, Any]) -> None:
         super().__init__(record)
@@ -440,6 +443,21 @@ class CheckpointRecorder(Recorder):
         def restart(orig, opt, reason, *a, **k):
             record.setdefault("restart", []).append(str(reason))
             return orig(opt, reason, *a, **k)
+
+        def timings(opt) -> list:
+            sync, last = opt.sync, opt.sync.last_completed
+            return [sync.step_time_s, None if last is None else [last.bytes_sent, last.exchange_s],
+                    sync.longest_exchange_s]
+
+        @wrap(DiLoCoXOptimizer, "_replica_meta")  # called when a checkpoint is written
+        def replica_meta(orig, opt):
+            record.setdefault("timings_saved", []).append([opt.step_calls, timings(opt)])
+            return orig(opt)
+
+        @wrap(DiLoCoXOptimizer, "load_state_dict")
+        def load_state_dict(orig, opt, state_dict):
+            orig(opt, state_dict)
+            record["timings_loaded"] = [opt.step_calls, timings(opt)]
 
 
 #: The recorders of ``--record tests.recorders:NAME``.

@@ -168,3 +168,20 @@ def test_diloco_checkpoint_loads_into_plain_megatron(tmp_path):
     assert init - dx_mean > 1.0, (init, dx_mean)
     assert abs(plain_mean - dx_mean) < 0.2 * (init - dx_mean), (plain_mean, dx_mean, init)
     assert "outer loop restarted" not in log
+
+
+def test_resume_keeps_each_replicas_timings(tmp_path):
+    """Auto tau is agreed by MAX over every rank's own timings (step time, last exchange, longest
+    exchange); a resume must give each rank its own again, not replica 0's on every replica. Save at
+    6 (the default partial overlap, auto tau: an exchange in flight, completed by the save) and resume:
+    every rank loads exactly the timings it saved."""
+    ckpt = str(tmp_path / "ckpt")
+    base = ["--train-iters", "8", "--diloco-x-local-steps", "4", "--save-interval", "1000", "--no-load-rng"]
+    leg1, _ = run_megatron(tmp_path, base + ["--save", ckpt, "--exit-interval", "6"], recorders=CHECKPOINT)
+    leg2, _ = run_megatron(tmp_path, base + ["--load", ckpt], recorders=CHECKPOINT)
+    saved = [rec["timings_saved"][-1] for rec in leg1]
+    assert all(step == 6 for step, _ in saved), saved
+    assert saved[0][1] != saved[2][1], saved  # the replicas' own measurements differ (rank 0 vs rank 2)
+    for rank, rec in enumerate(leg2):
+        assert rec["timings_loaded"] == saved[rank], (rank, rec["timings_loaded"], saved[rank])
+
