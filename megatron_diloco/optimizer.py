@@ -763,8 +763,10 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         outer group: call it on every rank). Model params are left as they are (they hold x already).
 
         Resets :class:`OuterSync` through its attributes (``theta``, ``outer.momentum_buffer``,
-        ``residual``, ``anchor``, ``pending``, ``rounds``, ``skipped_rounds``); codec state (low-rank
-        warm-start bases, adaptive plan) is kept. The log line is printed on global rank 0 only."""
+        ``residual``, ``anchor``, ``pending``, ``apply_at``, ``rounds``, ``skipped_rounds``) and this
+        optimizer's round state (a landed exchange not yet reported, ``totals``, the round's timing; the
+        start weights are checked again at the first boundary); codec state (low-rank warm-start bases,
+        adaptive plan) and the measurements of the link and the step time are kept. The log line is printed on global rank 0 only."""
         sync = self.sync
         if sync.pending is not None:
             sync.pending.wait()
@@ -779,8 +781,15 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         sync.x_is_theta = True
         sync.rounds = 0
         sync.skipped_rounds = 0
+        # partial: when the (now dropped) exchange was to land; a fresh loop's value
+        sync.apply_at = self.diloco_config.local_steps if self.diloco_config.overlap_steps is None \
+            else self.diloco_config.overlap_steps
         self.step_calls = 0
         self._round_step_s, self._round_timed_steps = 0.0, 0
+        self._landed = None  # an exchange of the old loop that landed: not this loop's first round's
+        self.totals = ExchangeStats()  # bytes and times of this loop's rounds, as ``rounds`` counts them
+        self.last_report = None
+        self._start_checked = False  # the new theta: the replicas' start weights are compared again
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"[DiLoCoX] outer loop restarted from the current params ({reason}): theta <- fp32 main "
                   "params, outer momentum 0, residual 0, nothing in flight, round 0", flush=True)

@@ -55,6 +55,9 @@
     [last exchange bytes, seconds] or None, longest exchange]``: what auto tau is sized from);
     ``timings_loaded``: the same right after a checkpoint was loaded.
 
+  Environment: ``DILOCO_TEST_RESTART_AFTER_STEP=N`` calls ``restart_outer_loop_from_params`` on every
+  rank right after the N-th ``step()`` (once): a new outer loop started mid-run.
+
 Nothing here changes training.
 """
 
@@ -458,6 +461,18 @@ class CheckpointRecorder(Recorder):
         def load_state_dict(orig, opt, state_dict):
             orig(opt, state_dict)
             record["timings_loaded"] = [opt.step_calls, timings(opt)]
+
+        restart_after = int(os.environ.get("DILOCO_TEST_RESTART_AFTER_STEP", "0"))
+        if restart_after:
+            done = []
+
+            @wrap(DiLoCoXOptimizer, "step")
+            def step(orig, opt):
+                out = orig(opt)
+                if opt.step_calls == restart_after and not done:
+                    done.append(True)
+                    opt.restart_outer_loop_from_params(f"test: restart after step {restart_after}")
+                return out
 
 
 #: The recorders of ``--record tests.recorders:NAME``.

@@ -13,6 +13,7 @@ The runs go through the harness with the tests' ``checkpoint`` and ``training`` 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,20 @@ def test_resume_keeps_each_replicas_timings(tmp_path):
     for rank, rec in enumerate(leg2):
         assert rec["timings_loaded"] == saved[rank], (rank, rec["timings_loaded"], saved[rank])
 
+
+def test_restart_mid_run_starts_a_fresh_outer_loop(tmp_path):
+    """``restart_outer_loop_from_params`` after step 8 of 16 (delayed, H 4: the exchange launched at 8
+    is waited for and dropped): a fresh outer loop, its first boundary checks the start weights again
+    and launches without applying, its counters (rounds, bytes) are the new loop's only: the same
+    bytes as an 8-step run's."""
+    base = ["--diloco-x-local-steps", "4", "--diloco-x-overlap", "delayed"]
+    recs, log = run_megatron(tmp_path, ["--train-iters", "16", *base], recorders=CHECKPOINT,
+                             env={"DILOCO_TEST_RESTART_AFTER_STEP": "8"})
+    assert all(rec["restart"] == ["test: restart after step 8"] for rec in recs)
+    rounds = re.findall(r"\[DiLoCoX\] round +(\d+) \| step +(\d+) \| (\w+)", log)
+    assert [(int(r), int(s), a) for r, s, a in rounds] == [(1, 4, "launched"), (2, 8, "applied"),
+                                                           (1, 4, "launched"), (2, 8, "applied")], rounds
+    _, fresh = run_megatron(tmp_path, ["--train-iters", "8", *base])
+    s, want = summary(log), summary(fresh)
+    assert s["rounds"] == 2 and s["replicas_identical"]
+    assert s["bytes_sent_per_rank"] == want["bytes_sent_per_rank"] > 0
