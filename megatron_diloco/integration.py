@@ -280,12 +280,19 @@ class _Installation:
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
         tb, wb = get_tensorboard_writer(), get_wandb_writer()
+        if tb is None and wb is None:
+            return
+        # at Megatron's iteration, as its own scalars: the boundary runs inside train_step of iteration
+        # args.curr_iteration + 1 (the optimizer's step count restarts at 0 with a new outer loop, e.g.
+        # after --no-load-optim / --finetune, while Megatron's iteration continues)
+        curr = getattr(self.args, "curr_iteration", None)
+        iteration = curr + 1 if curr is not None else m["step"]
         scalars = {f"diloco_x/{k}": float(v) for k, v in m.items() if k not in ("round", "step")}
         if tb is not None:
             for k, v in scalars.items():
-                tb.add_scalar(k, v, m["step"])
+                tb.add_scalar(k, v, iteration)
         if wb is not None:
-            wb.log(scalars, m["step"])
+            wb.log(scalars, iteration)
 
     # ------------------------------------------------------------------ summary
     def record_loss(self, loss_dict: dict) -> None:

@@ -203,3 +203,28 @@ def test_restart_mid_run_starts_a_fresh_outer_loop(tmp_path):
     s, want = summary(log), summary(fresh)
     assert s["rounds"] == 2 and s["replicas_identical"]
     assert s["bytes_sent_per_rank"] == want["bytes_sent_per_rank"] > 0
+
+
+def test_tensorboard_scalars_at_megatrons_iteration(tmp_path):
+    """``diloco_x/*`` TensorBoard scalars are written at Megatron's iteration, as its own scalars are,
+    also when a run starts a new outer loop from a checkpoint's weights (``--no-load-optim``: the
+    optimizer's step count restarts at 0, Megatron's iteration continues from 8). Read back from the
+    event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def scalar_steps(folder) -> dict[str, list[int]]:
+        events = EventAccumulator(str(folder))
+        events.Reload()
+        return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+    ckpt, first, second = tmp_path / "ckpt", tmp_path / "tb1", tmp_path / "tb2"
+    base = ["--diloco-x-local-steps", "4", "--save-interval", "1000", "--no-load-rng"]
+    run_megatron(tmp_path, base + ["--train-iters", "8", "--save", str(ckpt), "--tensorboard-dir", str(first)])
+    _, log = run_megatron(tmp_path, base + ["--train-iters", "16", "--load", str(ckpt), "--no-load-optim",
+                                            "--tensorboard-dir", str(second)])
+    assert "outer loop restarted" in log
+    for folder, boundaries, iterations in ((first, [4, 8], range(1, 9)), (second, [12, 16], range(9, 17))):
+        steps = scalar_steps(folder)
+        assert steps["lm loss"] == list(iterations), steps["lm loss"]  # Megatron's own
+        ours = {tag: s for tag, s in steps.items() if tag.startswith("diloco_x/")}
+        assert ours and all(s == boundaries for s in ours.values()), ours
