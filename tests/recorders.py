@@ -18,6 +18,8 @@
     (aten ops, counted by a dispatch mode on the training thread) that ``DiLoCoXOptimizer.step``
     dispatched outside the inner optimizer's own step, and whether the step ran outer work (a
     boundary or ``partial``'s landing);
+  * ``rounds``: per boundary, the rank's ``DiLoCoXOptimizer.round_metrics`` (``step``, ``bytes_sent``:
+    the wire bytes of the exchange applied in that round, ...);
   * ``step_time``: per boundary, ``[step_calls, mean inner-step time]`` as the optimizer measured it for
     that round (``OuterSync.step_time_s``); ``train_step_s``: ``[iteration, seconds]``, the wall time
     of every ``train_step`` call (DiLoCoX's own wrapper inside);
@@ -118,12 +120,12 @@ class TrainingRecorder(Recorder):
 
     name = "training"
     keys = ("losses", "boundary_identical", "cross_replica", "replica_gathers", "outer", "main_fp", "loaded_fp",
-            "step_ops", "step_time", "train_step_s")
+            "step_ops", "step_time", "train_step_s", "rounds")
 
     def __init__(self, record: dict[str, Any]) -> None:
         super().__init__(record)
         record.update(losses=[], boundary_identical=[], cross_replica=[], replica_gathers={}, step_ops=[],
-                      step_time=[], train_step_s=[])
+                      step_time=[], train_step_s=[], rounds=[])
         self.ctx = {"in_train": False, "in_train_step": False, "in_boundary": False, "iteration": 0,
                     "instrumenting": False}
 
@@ -228,6 +230,7 @@ class TrainingRecorder(Recorder):
             try:
                 out = orig(opt, report)
                 record["step_time"].append([opt.step_calls, opt.sync.step_time_s])
+                record["rounds"].append(dict(out))
                 if CODECS[opt.diloco_config.compression].matrix and opt.sync.pending is not None:
                     # The low-rank exchange runs on a worker thread that owns the outer group until it
                     # completes, and the check all-gathers on that group: skip it (None) rather than

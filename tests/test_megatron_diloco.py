@@ -99,9 +99,18 @@ def test_default_warmup_overlaps_a_tenth_of_its_rounds(tmp_path):
                              warmup=True)
     s = summary(log)
     assert (s["warmup_local_steps"], s["warmup_iters"], s["warmup_overlap_steps"]) == (10, 20, 1)
-    assert (s["compression"], s["warmup_compression"]) == ("int4", "int2")  # the warm-up round's exchange
+    assert (s["compression"], s["warmup_compression"]) == ("int4", "int2")  # as configured
     assert s["rounds"] == 3 and s["replicas_identical"]
+    from megatron_diloco.compression.reference import payload_layout
+
     for rank, rec in enumerate(recs):
+        # as used: the exchange launched at 10 (into a warm-up round) carried int2 payloads, the one
+        # launched at 20 (into a round of H) int4: each rank's wire bytes, R - 1 = 1 payload of its shard,
+        # reported by the round it landed in (20 and 50)
+        n = rec["outer"]["theta_numel"]
+        sent = {m["step"]: m["bytes_sent"] for m in rec["rounds"]}
+        assert sent == {10: 0, 20: payload_layout(n, "int2").total_bytes, 50: payload_layout(n, "int4").total_bytes}, \
+            (rank, n, sent)
         assert [b for b, _ in rec["boundary_identical"]] == [10, 20, 50], rank
         assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
         outer = sorted(b for b, _, o in rec["step_ops"] if o)
