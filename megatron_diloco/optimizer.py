@@ -397,7 +397,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
     #                             identical on every replica, written once (replica_id = replica index).
     #   diloco_x.replica.<kind>   ShardedTensor (R, T), row r written by replica r: kind 'param' (fp32 main
     #                             shards), 'opt.<key>' (optimizer state of a shard's shape: opt.exp_avg,
-    #                             opt.exp_avg_sq with Adam), 'residual' (lossy codec), 'anchor' (eager).
+    #                             opt.exp_avg_sq with Adam), 'residual' (lossy codec), 'anchor' (eager),
+    #                             'launch' (partial with the exact merge: the launch point x_L).
     #   diloco_x.outer.meta       ShardedObject per rank position: OuterSync's non-tensor state (rounds,
     #                             codec plan / low-rank bases, measured link, auto tau's measurements),
     #                             step_calls, totals.
