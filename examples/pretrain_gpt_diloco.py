@@ -79,7 +79,11 @@ _DATA_FLAGS = ("--data-path", "--mock-data", "--train-data-path", "--per-split-d
 def demo_argv(user_argv: list[str]) -> list[str]:
     """The demo defaults followed by the user's flags (the user's win: argparse keeps the last)."""
     given = {a.split("=", 1)[0] for a in user_argv if a.startswith("--")}
-    argv = MODEL_ARGS + TRAINING_ARGS + DILOCO_ARGS
+    training = TRAINING_ARGS
+    if "--train-samples" in given:  # sample-based training: Megatron refuses --train-iters beside it
+        at = training.index("--train-iters")
+        training = training[:at] + training[at + 2:]
+    argv = MODEL_ARGS + training + DILOCO_ARGS
     if "--tokenizer-type" not in given:
         argv += TOKENIZER_ARGS
     if not given.intersection(_DATA_FLAGS):

@@ -31,11 +31,15 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="H0: rounds of H0 inner steps (1..H) during the first --diloco-x-warmup-iters "
                             "steps, then rounds of H; with --diloco-x-overlap partial these shorter rounds "
                             "overlap at most --diloco-x-warmup-overlap-steps. Default auto: "
-                            f"H // {WARMUP_H_DIVISOR}.")
+                            f"H // {WARMUP_H_DIVISOR} (the auto warm-up applies to --diloco-x-overlap partial "
+                            "and none only, where it was measured; with delayed / eager auto means no warm-up).")
     group.add_argument("--diloco-x-warmup-iters", type=_int_or_auto, default=None, metavar="W|auto",
                        help="Inner steps of the warm-up (a multiple of H0); 0: no warm-up. Default auto: "
-                            f"{WARMUP_H_MULTIPLE} x H, at most 1/{WARMUP_MAX_SHARE} of --train-iters, rounded down to a "
-                            "multiple of H0 (none when that is 0 or H < 3). Measured: 900 steps of H0 10 "
+                            f"{WARMUP_H_MULTIPLE} x H, at most 1/{WARMUP_MAX_SHARE} of the run's iterations "
+                            "(--train-iters, or --train-samples as Megatron converts it), rounded down to a "
+                            "multiple of H0 (none when that is 0 or H < 3), with --diloco-x-overlap partial or "
+                            "none only (measured there; delayed / eager: none, give the flags to have one). "
+                            "Measured: 900 steps of H0 10 "
                             "before H 30 took the default from +4.1%% to +1.9%% above AllReduce "
                             "(benchmarks/RESULTS.md 2.1).")
     group.add_argument("--diloco-x-warmup-overlap-steps", type=_int_or_auto, default=None, metavar="TAU_W|auto",
@@ -87,8 +91,13 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--diloco-x-energy", type=float, default=defaults["energy"].default,
                        help="adaptive: captured-energy target per tensor, in (0, 1].")
     group.add_argument("--diloco-x-bandwidth-mbps", type=float, default=None,
-                       help="adaptive: slow-link bandwidth (Mbit/s) for the per-round byte cap; "
-                            "default: measured over the outer group at the first boundary.")
+                       help="The site's slow link (Mbit/s of payload, each way): the one link a replica's "
+                            "ranks share to reach the other replicas. Every rank of the replica that holds "
+                            "a shard sends its exchange at the same time, so each counts on this / their "
+                            "number (as the planner's --link-mbps with --link-scope cluster). Sizes auto "
+                            "tau (--diloco-x-overlap-steps) and the adaptive codec's per-round byte cap. "
+                            "Default: adaptive measures it at the first boundary (all outer groups at "
+                            "once, so a rank's share directly); auto tau then uses measured exchange times.")
     group.add_argument("--diloco-x-outer-state", choices=OUTER_STATES, default=defaults["outer_state"].default,
                        help="Where the outer state (theta, outer momentum, error-feedback residual, eager "
                             "anchor) lives: gpu (default) or cpu (host memory, pinned; streamed through "
@@ -126,6 +135,12 @@ WARMUP_H_DIVISOR, WARMUP_H_MULTIPLE, WARMUP_MAX_SHARE = 3, 30, 3
 WARMUP_OVERLAP_DIVISOR = 10
 
 
+#: the overlap modes the auto warm-up was measured with (benchmarks/RESULTS.md §2.1: partial and
+#: blocking); under ``delayed`` / ``eager`` the ``auto`` warm-up rules resolve to no warm-up (never
+#: measured there: rounds of H0 with a whole round of delay were seen to raise the loss)
+WARMUP_AUTO_OVERLAPS: tuple[str, ...] = ("partial", "none")
+
+
 #: the auto warm-up codec per --diloco-x-compression (benchmarks/RESULTS.md §2.1: measured under int4)
 WARMUP_CODEC_AUTO: dict[str, str] = {"int4": "int2"}
 
@@ -152,10 +167,12 @@ def resolve_warmup_overlap(warmup_overlap_steps: int | None, warmup_local_steps:
 
 
 def resolve_warmup(warmup_local_steps: int | None, warmup_iters: int | None, local_steps: int,
-                   train_iters: int | None) -> tuple[int | None, int]:
+                   train_iters: int | None, overlap: str = "partial") -> tuple[int | None, int]:
     """(H0, W) of the warm-up from the two flags, None meaning ``auto`` (see their help); (None, 0):
-    no warm-up. An explicit value is returned as given (:class:`DiLoCoXConfig` validates it)."""
-    if warmup_iters == 0:
+    no warm-up. An explicit value is returned as given (:class:`DiLoCoXConfig` validates it). An
+    ``auto`` W is a warm-up only under the overlap modes it was measured with
+    (:data:`WARMUP_AUTO_OVERLAPS`); under ``delayed`` / ``eager`` it resolves to none."""
+    if warmup_iters == 0 or (warmup_iters is None and overlap not in WARMUP_AUTO_OVERLAPS):
         return None, 0
     h0 = local_steps // WARMUP_H_DIVISOR if warmup_local_steps is None else warmup_local_steps
     if warmup_iters is not None:
@@ -183,7 +200,7 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
     """Build the validated config from parsed ``--diloco-x*`` arguments (raises ``ValueError``)."""
     warmup_local_steps, warmup_iters = resolve_warmup(
         getattr(args, "diloco_x_warmup_local_steps", None), getattr(args, "diloco_x_warmup_iters", None),
-        args.diloco_x_local_steps, getattr(args, "train_iters", None))
+        args.diloco_x_local_steps, getattr(args, "train_iters", None), args.diloco_x_overlap)
     return DiLoCoXConfig(
         replicas=args.diloco_x_replicas,
         local_steps=args.diloco_x_local_steps,
@@ -212,6 +229,41 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
         # Megatron's own collective timeout: the floor of the derived outer timeout
         distributed_timeout_minutes=float(getattr(args, "distributed_timeout_minutes", None) or 10.0),
     )
+
+
+def resolve_run_length(config: DiLoCoXConfig, args: argparse.Namespace) -> bool:
+    """Re-resolve the ``auto`` warm-up against the run's iterations once Megatron knows them and
+    return whether it changed. Under ``--train-samples`` Megatron sets ``args.train_iters`` (from the
+    samples and the global batch, its batch-size schedule included: ``update_train_iters``) only
+    when it builds the LR scheduler, after :func:`config_from_args` resolved the warm-up without it:
+    the cap (a third of the run) is applied here. ``config`` is updated in place (H0, W, tau_w, the
+    warm-up codec; validated), so every holder of it sees the same schedule."""
+    if not config.warmup_auto:
+        return False
+    fresh = config_from_args(args)
+    fields = ("warmup_local_steps", "warmup_iters", "warmup_overlap_steps", "warmup_compression")
+    if all(getattr(fresh, f) == getattr(config, f) for f in fields):
+        return False
+    for f in fields:
+        setattr(config, f, getattr(fresh, f))
+    config.validate()
+    return True
+
+
+def resolve_kept_warmup(config: DiLoCoXConfig, had_warmup: bool) -> None:
+    """A resume kept its checkpoint's auto warm-up (H0, W) over the one this run's flags resolved
+    (``DiLoCoXOptimizer._keep_schedule``): make tau_w and the warm-up codec go with it, then validate.
+    No warm-up kept: tau_w 0, no warm-up codec. A warm-up kept where this run's flags resolved none
+    (so tau_w and the codec were resolved without one; an explicit value would have been refused):
+    the ``auto`` rules for it. Otherwise this run's values stay (validated against the kept H0).
+    Raises ``ValueError`` naming the flag when they do not fit."""
+    if not config.warmup_iters:
+        config.warmup_local_steps = None
+        config.warmup_overlap_steps, config.warmup_compression = 0, None
+    elif not had_warmup:
+        config.warmup_overlap_steps = resolve_warmup_overlap(None, config.warmup_local_steps, config.overlap)
+        config.warmup_compression = resolve_warmup_compression(None, config.compression, config.warmup_iters)
+    config.validate()
 
 
 def _flag(name: str) -> str:

@@ -51,6 +51,15 @@ BLOCKWISE: tuple[str, ...] = tuple(name for name, spec in CODECS.items() if spec
 OUTER_TIMEOUT_HEADROOM: float = 4.0
 
 
+def link_share_bytes_per_s(link_mbps: float, sharers: int, efficiency: float = 1.0) -> float:
+    """Payload bytes/s one rank can count on from a site's slow link of ``link_mbps`` Mbit/s each way
+    (``--diloco-x-bandwidth-mbps``; the planner's ``--link-mbps``) when ``sharers`` ranks send over it
+    at once, each its own outer group's exchange (a replica's ranks holding a shard: they all launch
+    at the same boundary): ``link_mbps x 10^6 / 8 x efficiency / sharers``. ``efficiency``: the
+    payload fraction of the rate (1: the rate given is the payload's; the planner discounts TCP/IP)."""
+    return link_mbps * 1e6 / 8 * efficiency / max(1, sharers)
+
+
 @dataclasses.dataclass
 class DiLoCoXConfig:
     """Configuration of the DiLoCoX outer loop (arXiv 2506.21263).
@@ -172,9 +181,13 @@ class DiLoCoXConfig:
     (``--diloco-x-energy``)."""
 
     bandwidth_mbps: float | None = None
-    """``adaptive``: slow-link bandwidth in Mbit/s; caps a round's bytes at bandwidth x (time of H
-    inner steps) so the exchange hides under compute. None: measured over the outer group at the
-    first boundary (``--diloco-x-bandwidth-mbps``)."""
+    """The site's slow link in Mbit/s of payload each way (``--diloco-x-bandwidth-mbps``): the link one
+    replica's ranks share to reach the other replicas. At a boundary every rank of the replica that
+    holds a shard sends its outer group's exchange at once, so a rank counts on bandwidth / S, S =
+    those ranks (:func:`link_share_bytes_per_s`; the planner's ``--link-mbps`` with ``--link-scope
+    cluster``, as the same quantity). Sizes auto tau (the exchange's wire bytes at a rank's share)
+    and the ``adaptive`` byte budget (a rank's share x the time of H inner steps). None: measured
+    at the first boundary by every outer group at once (a rank's share directly; ``adaptive`` only)."""
 
     # ---------------- memory ----------------
     outer_state: str = "gpu"

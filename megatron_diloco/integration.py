@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_diloco.arguments import config_from_args, validate_megatron_args
-from megatron_diloco.config import DiLoCoXConfig
+from megatron_diloco.config import CODECS, DiLoCoXConfig
 from megatron_diloco.summary import format_summary, params_digest
 from megatron_diloco.replica_local import install_replica_local_collectives, replica_local_loss_reduction
 
@@ -138,6 +138,8 @@ class _Installation:
 
         def diloco_train_step(*a, **k):
             model = a[2] if len(a) > 2 else k["model"]
+            if self.optimizer is not None:  # the round's step time counts iterations, not what runs between
+                self.optimizer.mark_iteration_start()
             with replica_local_loss_reduction(model):
                 out = train_step(*a, **k)
             self.record_loss(out[0])
@@ -165,6 +167,7 @@ class _Installation:
             # Megatron advances the LR schedule on successful steps only: with fp16 each replica's
             # position differs, and the optimizer checkpoints it per replica
             scheduler = get_scheduler(optimizer, *a, **k)
+            self.run_length_known()  # --train-samples: Megatron has just set args.train_iters
             if hasattr(optimizer, "attach_lr_scheduler"):
                 optimizer.attach_lr_scheduler(scheduler)
             return scheduler
@@ -190,7 +193,8 @@ class _Installation:
             try:  # the join handshake refuses launches whose flags differ, before anything is trained
                 topology = from_outer_store(self.config.replicas, self.args.diloco_x_replica_index,
                                             self.args.diloco_x_outer_store, self.config.distributed_timeout_minutes,
-                                            description=self.describe_launch(inner))
+                                            description=self.describe_launch(inner),
+                                            worker_group=CODECS[self.config.compression].matrix)
             except ValueError as err:
                 raise SystemExit(f"megatron-diloco: error: {err}") from None
         else:
@@ -215,6 +219,22 @@ class _Installation:
         shards: list = [None] * dist.get_world_size()
         dist.all_gather_object(shards, mine)
         return describe_launch(self.args, self.config, shards, package_info.__version__)
+
+    def run_length_known(self) -> None:
+        """Megatron built the LR scheduler, so ``args.train_iters`` is set (under ``--train-samples`` it
+        is only now): apply the auto warm-up's cap (a third of the run) to the schedule
+        (:func:`megatron_diloco.arguments.resolve_run_length`), before the first step and before a
+        checkpoint load (which may keep the checkpoint's schedule instead). Every rank resolves the
+        same flags, so the replicas agree."""
+        from megatron_diloco.arguments import resolve_run_length
+
+        if not resolve_run_length(self.config, self.args):
+            return
+        if self.optimizer is not None:
+            self.optimizer.sync.schedule_changed()
+        if dist.get_rank() == 0:
+            print(f"megatron-diloco: --train-iters {self.args.train_iters} (from --train-samples): warm-up "
+                  f"H0 {self.config.warmup_local_steps} for {self.config.warmup_iters} steps", flush=True)
 
     def replica_data_loader(self, build):
         """Replicas in separate worlds (``--diloco-x-outer-store``): each world's data loaders take the
@@ -278,12 +298,19 @@ class _Installation:
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
         tb, wb = get_tensorboard_writer(), get_wandb_writer()
+        if tb is None and wb is None:
+            return
+        # at Megatron's iteration, as its own scalars: the boundary runs inside train_step of iteration
+        # args.curr_iteration + 1 (the optimizer's step count restarts at 0 with a new outer loop, e.g.
+        # after --no-load-optim / --finetune, while Megatron's iteration continues)
+        curr = getattr(self.args, "curr_iteration", None)
+        iteration = curr + 1 if curr is not None else m["step"]
         scalars = {f"diloco_x/{k}": float(v) for k, v in m.items() if k not in ("round", "step")}
         if tb is not None:
             for k, v in scalars.items():
-                tb.add_scalar(k, v, m["step"])
+                tb.add_scalar(k, v, iteration)
         if wb is not None:
-            wb.log(scalars, m["step"])
+            wb.log(scalars, iteration)
 
     # ------------------------------------------------------------------ summary
     def record_loss(self, loss_dict: dict) -> None:
@@ -341,9 +368,8 @@ class _Installation:
                 "tokens_per_s": tokens / wall_s if wall_s > 0 else math.nan,
                 "compression_ratio": float(table[:, 4].sum() / table[:, 5].sum()) if table[:, 5].sum() else None,
                 "skipped_rounds": opt.sync.skipped_rounds,
-                # outer link used for the adaptive byte budget (given, or measured on rank 0's group)
-                "link_mbps": (opt.sync.link_bytes_per_s * 8 / 1e6
-                              if opt.sync.link_bytes_per_s is not None else None),
+                # the site's link (--diloco-x-bandwidth-mbps, or rank 0's measured share x its sharers)
+                "link_mbps": opt.sync.link_mbps,
                 "first_loss": float(table[has_loss, 6].mean()) if has_loss.any() else None,
                 "final_loss": float(table[has_loss, 7].mean()) if has_loss.any() else None,
                 "replicas_identical": identical,

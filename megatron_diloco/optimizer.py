@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.optimizer import ChainedOptimizer, DistributedOptimizer, MegatronOptimizer
 
+from megatron_diloco.arguments import resolve_kept_warmup
 from megatron_diloco.collectives import ExchangeStats, host_copy
 from megatron_diloco.config import DiLoCoXConfig
 from megatron_diloco.shard_view import ShardView, fingerprint
@@ -96,9 +97,14 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self.dist_opts = distributed_optimizers(inner)
         self.view = ShardView(_main_params(self.dist_opts))
         self.sync = OuterSync(self.view, config, topology.outer_group, _shard_shapes(self.dist_opts),
-                              host_group=topology.outer_host_group, decision_group=topology.decision_group)
-        self._round_started: float | None = None  # when the clock of this round's inner-step time started
-        self._round_started_step = 0  # step_calls from which it counts whole iterations
+                              host_group=topology.outer_host_group, decision_group=topology.decision_group,
+                              link_sharers=self._link_sharers())
+        # the round's inner-step time: the sum of its iterations' spans, each from the start of the
+        # iteration (mark_iteration_start: Megatron's train_step; else the end of the previous step())
+        # to the end of the inner step; evaluations, saves and the outer work between are not in it
+        self._iteration_started: float | None = None
+        self._last_step_ended: float | None = None
+        self._round_step_s, self._round_timed_steps = 0.0, 0
         self.step_calls = 0
         self.totals = ExchangeStats()
         self.last_report: RoundReport | None = None
@@ -199,10 +205,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         On a step that ends with outer work (a boundary, ``partial``'s landing), the inner step's own
         parameter all-gather is deferred (Megatron's ``_defer_param_sync``): the outer work changes
         the main params, and :meth:`_publish_params` gathers them once."""
-        if self._round_started is None:  # the first step of a run or after a resume: its forward and
-            # backward ran before the clock started, so the timed span is one iteration short
-            self._round_started = time.perf_counter()
-            self._round_started_step = self.step_calls + 1
+        started = self._iteration_started if self._iteration_started is not None else self._last_step_ended
+        self._iteration_started = None
         since_boundary = self.diloco_config.steps_since_boundary(self.step_calls + 1)
         land = self.sync.merge_due(since_boundary)  # partial: the exchange lands tau steps after its launch
         outer_work = land or since_boundary == 0
@@ -213,13 +217,25 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         finally:
             if outer_work:
                 self._defer_inner_param_gather(False)
+        if started is not None:  # this iteration's inner time (the outer work below is not in it)
+            self._round_step_s += time.perf_counter() - started
+            self._round_timed_steps += 1
         self.step_calls += 1
         self.sync.poll()  # the exchange in flight: completed yet? (its time; non-blocking)
         if land:
             self._merge()
         elif since_boundary == 0:
             self._boundary()
+        self._last_step_ended = time.perf_counter()
         return result
+
+    def mark_iteration_start(self) -> None:
+        """The training iteration whose ``step()`` comes next starts now (``megatron_diloco.install``
+        calls it at the start of Megatron's ``train_step``): its forward, backward and inner step
+        count towards the round's mean step time; what runs between iterations (evaluation,
+        checkpoint saves) does not. Without it an iteration is timed from the end of the previous
+        ``step()`` (the first one of a run or after a resume is then not timed)."""
+        self._iteration_started = time.perf_counter()
 
     def _defer_inner_param_gather(self, defer: bool) -> None:
         """Whether the inner step skips its synchronous parameter all-gather (intra-replica DP group;
@@ -239,12 +255,13 @@ class DiLoCoXOptimizer(MegatronOptimizer):
     def _boundary(self, final: bool = False) -> None:
         """The boundary after this step (``final``: the last, shorter round of a run that ended
         mid-round, :meth:`finish`: its exchange goes with the main codec, whatever the warm-up's)."""
-        # mean inner-step time of this round (boundary work excluded): the adaptive byte budget; and
-        # the next round's length (auto tau and the budget hide the exchange within it)
-        now = time.perf_counter()
+        # mean inner-step time of this round (its iterations only: no evaluation, save, landing or
+        # boundary work): auto tau, the adaptive byte budget, the derived timeout; and the next
+        # round's length (auto tau and the budget hide the exchange within it)
         cfg = self.diloco_config
-        timed = self.step_calls - self._round_started_step  # whole iterations since the clock started
-        self.sync.set_step_time((now - self._round_started) / timed if timed > 0 else None,
+        timed, total = self._round_timed_steps, self._round_step_s
+        self._round_step_s, self._round_timed_steps = 0.0, 0
+        self.sync.set_step_time(total / timed if timed > 0 else None,
                                 next_round_steps=cfg.local_steps if final else cfg.round_steps(self.step_calls))
         if not self._start_checked:
             self._check_replicas_started_alike()
@@ -258,8 +275,6 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self.last_report = report
         if self.on_round is not None:
             self.on_round(self.round_metrics(report))
-        self._round_started = time.perf_counter()
-        self._round_started_step = self.step_calls
 
     def _check_replicas_started_alike(self) -> None:
         """First boundary (after any load): ``theta``, the weights every replica started from, must be
@@ -403,7 +418,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
     #                             identical on every replica, written once (replica_id = replica index).
     #   diloco_x.replica.<kind>   ShardedTensor (R, T), row r written by replica r: kind 'param' (fp32 main
     #                             shards), 'opt.<key>' (optimizer state of a shard's shape: opt.exp_avg,
-    #                             opt.exp_avg_sq with Adam), 'residual' (lossy codec), 'anchor' (eager).
+    #                             opt.exp_avg_sq with Adam), 'residual' (lossy codec), 'anchor' (eager),
+    #                             'launch' (partial with the exact merge: the launch point x_L).
     #   diloco_x.outer.meta       ShardedObject per rank position: OuterSync's non-tensor state (rounds,
     #                             codec plan / low-rank bases, measured link, auto tau's measurements),
     #                             step_calls, totals.
@@ -481,6 +497,9 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             # the LR-schedule position: Megatron advances it on successful steps only (see attach_lr_scheduler)
             "lr_schedule_steps": (self.__dict__["lr_scheduler"].num_steps
                                   if self.__dict__.get("lr_scheduler") is not None else None),
+            # this replica's own timings (auto tau, budget, timeout): the live run agrees on tau by MAX
+            # over every rank's, so each replica resumes with its own (the outer meta holds replica 0's)
+            "timings": self.sync.timings(),
         }
 
     def _load_replica_meta(self, meta: dict) -> None:
@@ -507,6 +526,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
                 d.grad_scaler.load_state_dict(scaler)
         # applied right after Megatron restored replica 0's schedule (attach_lr_scheduler)
         self._lr_schedule_steps_to_restore = meta.get("lr_schedule_steps")
+        if meta.get("timings") is not None:  # (older checkpoints: replica 0's, from the outer meta)
+            self.sync.load_timings(meta["timings"])
 
     def attach_lr_scheduler(self, scheduler: Any) -> None:
         """Checkpoint this replica's own position in the LR schedule (``scheduler``: Megatron's
@@ -554,7 +575,14 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         if saved is None or saved == cfg.schedule():
             return
         if cfg.warmup_auto and saved["local_steps"] == cfg.local_steps:
+            had_warmup = bool(cfg.warmup_iters)
             cfg.warmup_local_steps, cfg.warmup_iters = saved["warmup_local_steps"], saved["warmup_iters"]
+            try:  # tau_w and the warm-up codec were resolved for the other warm-up: fit them to this one
+                resolve_kept_warmup(cfg, had_warmup)
+            except ValueError as err:
+                raise ValueError(f"resuming with the checkpoint's auto warm-up (H0 {cfg.warmup_local_steps}, "
+                                 f"{cfg.warmup_iters} steps): {err}") from None
+            self.sync.schedule_changed()
             logger.info("DiLoCoX: the auto warm-up keeps the checkpoint's schedule: H0 %s for %s steps",
                         cfg.warmup_local_steps, cfg.warmup_iters)
             return
@@ -574,12 +602,11 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         return {"inner": sd, "diloco_x": self._outer_state(),
                 "diloco_x_replica": self._per_replica_state()}
 
-    def _checkpoint_layout(self) -> tuple[int, int]:
-        """``(offset, T)``: where this rank's flat shard vector starts in its replica's concatenation
-        (ranks ordered by ``rank_in_replica``) and that concatenation's length T (the same on every
-        replica). The first call all-gathers 3 int64 per rank over the default (world) group, so it must
-        be made on every rank (checkpoint save / load are); cached afterwards."""
-        cached = self.__dict__.get("_ckpt_layout")
+    def _layout_table(self) -> list[tuple[int, int, int]]:
+        """``(replica index, rank in replica, shard numel)`` of every rank of the world. The first call
+        all-gathers 3 int64 per rank over the default (world) group, so it must be made on every rank
+        (construction, checkpoint save / load are); cached afterwards."""
+        cached = self.__dict__.get("_layout_rows")
         if cached is not None:
             return cached
         topo = self.topology
@@ -587,7 +614,28 @@ class DiLoCoXOptimizer(MegatronOptimizer):
                             device=self.view.device)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, mine)
-        table = [tuple(int(x) for x in row.tolist()) for row in rows]
+        table = self._layout_rows = [tuple(int(x) for x in row.tolist()) for row in rows]
+        return table
+
+    def _link_sharers(self) -> int:
+        """S: the ranks of this rank's replica that hold a shard, i.e. whose outer groups' exchanges
+        cross the site's slow link at the same time (each counts on 1 / S of
+        ``--diloco-x-bandwidth-mbps``). Collective over the world on the first call
+        (:meth:`_layout_table`)."""
+        if not dist.is_initialized():
+            return 1
+        replica = self.topology.replica_index
+        return sum(1 for r, _, n in self._layout_table() if r == replica and n > 0)
+
+    def _checkpoint_layout(self) -> tuple[int, int]:
+        """``(offset, T)``: where this rank's flat shard vector starts in its replica's concatenation
+        (ranks ordered by ``rank_in_replica``) and that concatenation's length T (the same on every
+        replica). Collective over the world on the first call (:meth:`_layout_table`); cached."""
+        cached = self.__dict__.get("_ckpt_layout")
+        if cached is not None:
+            return cached
+        topo = self.topology
+        table = self._layout_table()
         totals: dict[int, int] = {}
         for replica, _, n in table:
             totals[replica] = totals.get(replica, 0) + n
@@ -737,8 +785,10 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         outer group: call it on every rank). Model params are left as they are (they hold x already).
 
         Resets :class:`OuterSync` through its attributes (``theta``, ``outer.momentum_buffer``,
-        ``residual``, ``anchor``, ``pending``, ``rounds``, ``skipped_rounds``); codec state (low-rank
-        warm-start bases, adaptive plan) is kept. The log line is printed on global rank 0 only."""
+        ``residual``, ``anchor``, ``pending``, ``apply_at``, ``rounds``, ``skipped_rounds``) and this
+        optimizer's round state (a landed exchange not yet reported, ``totals``, the round's timing; the
+        start weights are checked again at the first boundary); codec state (low-rank warm-start bases,
+        adaptive plan) and the measurements of the link and the step time are kept. The log line is printed on global rank 0 only."""
         sync = self.sync
         if sync.pending is not None:
             sync.pending.wait()
@@ -753,8 +803,15 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         sync.x_is_theta = True
         sync.rounds = 0
         sync.skipped_rounds = 0
+        # partial: when the (now dropped) exchange was to land; a fresh loop's value
+        sync.apply_at = self.diloco_config.local_steps if self.diloco_config.overlap_steps is None \
+            else self.diloco_config.overlap_steps
         self.step_calls = 0
-        self._round_started = None
+        self._round_step_s, self._round_timed_steps = 0.0, 0
+        self._landed = None  # an exchange of the old loop that landed: not this loop's first round's
+        self.totals = ExchangeStats()  # bytes and times of this loop's rounds, as ``rounds`` counts them
+        self.last_report = None
+        self._start_checked = False  # the new theta: the replicas' start weights are compared again
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"[DiLoCoX] outer loop restarted from the current params ({reason}): theta <- fp32 main "
                   "params, outer momentum 0, residual 0, nothing in flight, round 0", flush=True)

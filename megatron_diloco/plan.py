@@ -23,6 +23,10 @@ replica, the default: the clusters of the paper joined by one 1 Gbps line), ``no
 A site's transfer time is the bytes that its ranks send to other replicas over its link, divided by
 the payload bandwidth: sites are symmetric, so every site finishes at the same time.
 
+- **The run's ``--diloco-x-bandwidth-mbps``** is the same quantity as ``--link-mbps`` with ``--link-scope
+  cluster`` (the payload rate: ``link_mbps x link_efficiency``): the link a replica's ranks share, each
+  counting on its share (``config.link_share_bytes_per_s``); the plan prints the flag's value for the
+  layout (``bandwidth_flag_mbps``).
 - **DiLoCoX exchange** (per round): the outer group of a rank is R ranks, one per replica. ``none``
   is a ring all-reduce of the fp32 shard: each rank sends ``2 (R-1)/R x 4 x shard`` bytes; the
   quantized and low-rank codecs all-gather payloads: ``(R-1) x payload`` (the byte accounting of
@@ -69,7 +73,7 @@ import sys
 from typing import Any
 
 from megatron_diloco.arguments import resolve_warmup, resolve_warmup_compression, resolve_warmup_overlap
-from megatron_diloco.config import BLOCKWISE, CODECS
+from megatron_diloco.config import BLOCKWISE, CODECS, link_share_bytes_per_s
 
 #: Payload fraction of a TCP/IPv4 stream on Ethernet at MTU 1500 (1448 payload bytes per 1514 on the wire).
 TCP_EFFICIENCY = 1448 / 1514
@@ -371,6 +375,10 @@ class Plan:
     """H x step + boundary + exposed, seconds."""
     min_hidden_local_steps: int
     """Smallest H for which the exchange hides under the next round's compute."""
+    bandwidth_flag_mbps: float
+    """``--diloco-x-bandwidth-mbps`` for this layout: the payload Mbit/s one replica's ranks share (the
+    flag's meaning; each of its ranks counts on 1 / (tp pp dp) of it, as each does here), i.e.
+    ``link_mbps x link_efficiency x`` the replica's links (one with ``--link-scope cluster``)."""
     allreduce_bytes_per_link_per_step: float
     """Bytes one site's link carries (each way) per AllReduce step."""
     allreduce_comm_s: float
@@ -498,9 +506,13 @@ def plan(cfg: PlanConfig) -> Plan:
         steps = (R - 1) * (2 if spec.matrix else 1)  # low-rank: P, then Q
     per_link = sites * sent
 
+    # a rank's share of its site's link (config.link_share_bytes_per_s, as the run sizes auto tau and the
+    # adaptive budget by --diloco-x-bandwidth-mbps): the site's ranks all send at once
+    share = link_share_bytes_per_s(cfg.link_mbps, sites, cfg.link_efficiency)
+
     def link_s(sent_bytes: float, collectives: int) -> float:
-        """Seconds one exchange takes on the slow link: its bytes over the link, plus latency."""
-        return sites * sent_bytes / rate + collectives * lat if R > 1 else 0.0
+        """Seconds one exchange takes on the slow link: a rank's bytes at its share, plus latency."""
+        return sent_bytes / share + collectives * lat if R > 1 else 0.0
 
     exchange = link_s(sent, steps)
     if cfg.overlap == "none":
@@ -527,7 +539,7 @@ def plan(cfg: PlanConfig) -> Plan:
     # ---- the warm-up (one-time): rounds of H0; with partial each overlaps at most tau_w steps ----
     # (all but the warm-up's last exchange launch into a warm-up round: --warmup-codec's; the last
     # one launches into a round of H and takes ``codec``)
-    h0, w = resolve_warmup(cfg.warmup_local_steps, cfg.warmup_iters, H, cfg.train_iters)
+    h0, w = resolve_warmup(cfg.warmup_local_steps, cfg.warmup_iters, H, cfg.train_iters, cfg.overlap)
     warm_rounds = w // h0 if h0 else 0
     tau_w = resolve_warmup_overlap(cfg.warmup_overlap_steps, h0, cfg.overlap) if w else 0
     warm_codec = resolve_warmup_compression(cfg.warmup_codec, cfg.codec, w)
@@ -554,7 +566,8 @@ def plan(cfg: PlanConfig) -> Plan:
         compute_step_s=t_step, boundary_s=t_boundary, compression_ratio=ratio, ratio_source=source,
         payload_bytes_per_rank=payload, bytes_sent_per_rank_per_round=sent if R > 1 else 0.0,
         bytes_per_link_per_round=per_link if R > 1 else 0.0, exchange_s=exchange, exposed_s=exposed,
-        round_s=round_s, min_hidden_local_steps=min_h, allreduce_bytes_per_link_per_step=ar_per_link,
+        round_s=round_s, min_hidden_local_steps=min_h,
+        bandwidth_flag_mbps=share * 8 / 1e6 * cfg.gpus_per_replica, allreduce_bytes_per_link_per_step=ar_per_link,
         allreduce_comm_s=ar_comm, allreduce_step_s=ar_step, dilocox_tokens_per_s=dx_tps,
         allreduce_tokens_per_s=ar_tps, speedup_vs_allreduce=dx_tps / ar_tps,
         warmup=(h0, w), warmup_overlap_steps=tau_w, warmup_codec=warm_codec or cfg.codec,
@@ -626,7 +639,8 @@ def format_table(p: Plan) -> str:
         ("exchange / round", f"{_fmt_bytes(p.bytes_sent_per_rank_per_round)} per rank, "
                              f"{_fmt_bytes(p.bytes_per_link_per_round)} per link -> {_fmt_s(p.exchange_s)}"),
         ("exposed / round", f"{_fmt_s(p.exposed_s)} ({c.overlap}; H = {c.local_steps}, "
-                            f"hidden from H = {p.min_hidden_local_steps})"),
+                            f"hidden from H = {p.min_hidden_local_steps}; run with --diloco-x-bandwidth-mbps "
+                            f"{p.bandwidth_flag_mbps:.4g})"),
         ("round", f"{_fmt_s(p.round_s)} = {c.local_steps} x {_fmt_s(p.compute_step_s)} + boundary "
                   f"{_fmt_s(p.boundary_s)} + exposed"),
         ("warm-up (once)", "none" if not p.warmup[1] else

@@ -77,7 +77,7 @@ from megatron_diloco.collectives import (
     AfterStep, DaemonWorker, ExchangeHandle, ExchangeStats, Outbox, bounded_all_reduce, measure_link_bandwidth,
     start_exchange, wire_bytes,
 )
-from megatron_diloco.config import CODECS, OUTER_TIMEOUT_HEADROOM, DiLoCoXConfig
+from megatron_diloco.config import CODECS, OUTER_TIMEOUT_HEADROOM, DiLoCoXConfig, link_share_bytes_per_s
 from megatron_diloco.outer import OuterNesterov
 from megatron_diloco.outer_store import OuterStore, chunk_elements
 from megatron_diloco.shard_view import ShardView, fingerprint
@@ -212,8 +212,12 @@ class OuterSync:
     def __init__(self, view: ShardView, config: DiLoCoXConfig, group: dist.ProcessGroup | None,
                  shapes: list[tuple[int, ...]] | None = None,
                  host_group: dist.ProcessGroup | None = None,
-                 decision_group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None) -> None:
+                 decision_group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None,
+                 link_sharers: int = 1) -> None:
         self.view = view
+        #: S: the ranks of this replica whose exchanges cross the site's slow link at once (those
+        #: holding a shard); a rank's share of ``--diloco-x-bandwidth-mbps`` is 1 / S of it
+        self.link_sharers = max(1, int(link_sharers))
         self.config = config
         self.group = group
         if decision_group is None and dist.is_available() and dist.is_initialized():
@@ -224,6 +228,7 @@ class OuterSync:
             tuple(decision_group) if isinstance(decision_group, (tuple, list))
             else (decision_group,) if decision_group is not None else ())
         spec = CODECS[config.compression]
+        self._shapes = shapes
         self.codec = _build_codec(config, view, shapes)
         #: --diloco-x-warmup-compression: the codec of the exchanges launched into a warm-up round
         #: (blockwise, like ``codec``; the two share ``residual``), else None
@@ -277,9 +282,10 @@ class OuterSync:
         self.pending: ExchangeHandle | None = None
         self.rounds = 0
         self.skipped_rounds = 0
-        #: bytes/s of the outer link: --diloco-x-bandwidth-mbps, else measured at the first boundary
-        #: (adaptive only; None until then, or without an outer link)
-        self.link_bytes_per_s: float | None = (config.bandwidth_mbps * 1e6 / 8
+        #: payload bytes/s this rank can count on over the slow link: its share of
+        #: --diloco-x-bandwidth-mbps (the site's link / S), else measured at the first boundary (by every
+        #: outer group at once: a share directly; adaptive only; None until then, or without an outer link)
+        self.link_bytes_per_s: float | None = (link_share_bytes_per_s(config.bandwidth_mbps, self.link_sharers)
                                                if config.bandwidth_mbps is not None else None)
         self._link_measured = False
         #: mean inner-step time of the last round (:meth:`set_step_time`; None until known)
@@ -293,6 +299,12 @@ class OuterSync:
         #: the per-boundary theta agreement (:meth:`_any_rank_nonfinite`): (this rank's slot, slots,
         #: its outer group's id) among the decision groups' ranks; None: nothing to compare
         self._agreement = self._agreement_slot()
+
+    @property
+    def link_mbps(self) -> float | None:
+        """The site's slow link in Mbit/s as this rank sizes its exchanges by it (the meaning of
+        ``--diloco-x-bandwidth-mbps``): its share x S; None while unknown."""
+        return None if self.link_bytes_per_s is None else self.link_bytes_per_s * 8 / 1e6 * self.link_sharers
 
     # ---------------- timeouts ----------------
     def timeout_s(self) -> float:
@@ -606,6 +618,8 @@ class OuterSync:
             if self.pending is not None and not self.pending.finished:
                 return  # the worker thread owns the group (and the link); measure next time
             self._link_measured = True
+            if self.view.numel == 0:  # an empty shard sends nothing (nor does its outer group: same
+                return                # shard position); measuring with the S ranks that send only
             self._arm_timeouts()
             bound = self.timeout_s()
             started = time.perf_counter()
@@ -616,9 +630,10 @@ class OuterSync:
                 raise self._failure("the link measurement", self.group, bound,
                                     time.perf_counter() - started, err, round_=self.rounds + 1) from err
             if self.link_bytes_per_s is not None:
-                logger.info("DiLoCoX: measured outer link %.1f Mbit/s (all-gather, per rank); adaptive "
-                            "byte budget = that x H x step time (set --diloco-x-bandwidth-mbps to fix it)",
-                            self.link_bytes_per_s * 8 / 1e6)
+                logger.info("DiLoCoX: measured outer link %.1f Mbit/s per rank (all-gather, all outer groups at "
+                            "once: about %.1f Mbit/s for the site's %d sending ranks); adaptive byte budget = "
+                            "the rank's share x H x step time (set --diloco-x-bandwidth-mbps to fix it)",
+                            self.link_bytes_per_s * 8 / 1e6, self.link_mbps, self.link_sharers)
         if self.link_bytes_per_s is None or self.step_time_s is None:
             return
         from megatron_diloco.compression import byte_budget
@@ -753,6 +768,15 @@ class OuterSync:
             return cap
         return min(cap, max(1, math.ceil(seconds / self.step_time_s)))
 
+    def schedule_changed(self) -> None:
+        """The warm-up of :attr:`config` changed (a resume keeping its checkpoint's, or the run length
+        known late): build, keep or drop :attr:`warmup_codec` to match ``config.warmup_compression``."""
+        name = self.config.warmup_compression
+        if name is None:
+            self.warmup_codec = None
+        elif self.warmup_codec is None or self.warmup_codec.name != name:
+            self.warmup_codec = _build_codec(self.config, self.view, self._shapes, name)
+
     def _round_codec(self):
         """The codec of the exchange about to launch: :attr:`warmup_codec` when it launches into a
         warm-up round (:attr:`next_round_steps` < H), else :attr:`codec`."""
@@ -863,14 +887,31 @@ class OuterSync:
             # replica); a given --diloco-x-bandwidth-mbps is not stored: the flag of the resumed run wins
             "link_measured": self._link_measured,
             "link_bytes_per_s": self.link_bytes_per_s if self._link_measured else None,
-            # what auto tau, the adaptive budget and the derived timeout are sized from, so that a
-            # resumed run's next boundary chooses as the uninterrupted run's does (timings: this
-            # rank's; the torch_dist checkpoint keeps replica 0's, which every replica resumes with)
-            "step_time_s": self.step_time_s,
-            "last_exchange": None if self.last_completed is None else {
-                "bytes_sent": self.last_completed.bytes_sent, "exchange_s": self.last_completed.exchange_s},
-            "longest_exchange_s": self.longest_exchange_s,
+            # what auto tau, the adaptive budget and the derived timeout are sized from (this rank's;
+            # the torch_dist checkpoint keeps replica 0's here, and each replica's own in its per-replica
+            # state, which a resume restores: DiLoCoXOptimizer._replica_meta)
+            **self.timings(),
         }
+
+    def timings(self) -> dict:
+        """This rank's own measurements that auto tau, the adaptive budget and the derived timeout are
+        sized from (the step time, the last completed exchange's bytes and duration, the longest
+        exchange): checkpointed per replica (``DiLoCoXOptimizer``), so that every replica resumes with
+        its own, as the uninterrupted run's next boundary uses them (tau agreed by MAX over all ranks)."""
+        return {"step_time_s": self.step_time_s,
+                "last_exchange": None if self.last_completed is None else {
+                    "bytes_sent": self.last_completed.bytes_sent, "exchange_s": self.last_completed.exchange_s},
+                "longest_exchange_s": self.longest_exchange_s}
+
+    def load_timings(self, state: dict) -> None:
+        """Restore :meth:`timings` (absent entries keep what is there)."""
+        if state.get("step_time_s") is not None:
+            self.step_time_s = float(state["step_time_s"])
+        if state.get("last_exchange") is not None:
+            last = state["last_exchange"]
+            self.last_completed = ExchangeStats(bytes_sent=int(last["bytes_sent"]),
+                                                exchange_s=float(last["exchange_s"]))
+        self.longest_exchange_s = float(state.get("longest_exchange_s", self.longest_exchange_s))
 
     def load_state_dict(self, state: dict) -> None:
         if state["theta"].numel() != self.theta.numel():
@@ -887,14 +928,9 @@ class OuterSync:
             value = state.get("link_bytes_per_s")
             self.link_bytes_per_s = float(value) if value is not None else None
         # the measurements auto tau and the adaptive budget use (absent from older checkpoints: measured
-        # anew, auto tau = H until an exchange completes)
-        if state.get("step_time_s") is not None:
-            self.step_time_s = float(state["step_time_s"])
-        if state.get("last_exchange") is not None:
-            last = state["last_exchange"]
-            self.last_completed = ExchangeStats(bytes_sent=int(last["bytes_sent"]),
-                                                exchange_s=float(last["exchange_s"]))
-        self.longest_exchange_s = float(state.get("longest_exchange_s", self.longest_exchange_s))
+        # anew, auto tau = H until an exchange completes); the replica's own, where its checkpoint
+        # state holds them, replace these afterwards (DiLoCoXOptimizer._load_replica_meta)
+        self.load_timings(state)
         self.outer.load_state_dict(state)
         self.apply_at = int(state.get("apply_at", self.apply_at))
         if hasattr(self.codec, "load_state_dict"):

@@ -142,7 +142,7 @@ def _gloo_group(store, rank: int, size: int, timeout: datetime.timedelta, name: 
 
 
 def from_outer_store(replicas: int, replica_index: int, address: str, timeout_minutes: float,
-                     description: dict | None = None) -> Topology:
+                     description: dict | None = None, worker_group: bool = False) -> Topology:
     """The topology when each replica is its own torch.distributed world (its own ``torchrun``, e.g.
     one job per cluster, or several single-GPU replicas sharing one GPU), joined only through a
     TCP store at ``address`` (``HOST:PORT``; hosted by replica 0's rank 0, which must be reachable
@@ -157,7 +157,12 @@ def from_outer_store(replicas: int, replica_index: int, address: str, timeout_mi
     ``description``: what must agree across the launches (:func:`megatron_diloco.handshake.describe_launch`,
     the same on every rank of this launch): compared with every other launch's through the store
     before any group is built (:func:`megatron_diloco.handshake.join_launches`); a difference raises
-    ``ValueError`` naming the flag and both values, on every rank of every launch."""
+    ``ValueError`` naming the flag and both values, on every rank of every launch.
+
+    ``worker_group``: also a second gloo group over the same ranks (its own store prefix) for the
+    matrix codecs' worker thread (``outer_host_group``), so that it never talks on the group the
+    training loop's thread uses (the skip decision, the link measurement, the checks); else
+    ``outer_host_group`` is the outer group itself (already gloo: host-memory exchanges run on it)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -176,7 +181,11 @@ def from_outer_store(replicas: int, replica_index: int, address: str, timeout_mi
     if replicas > 1:
         outer = _gloo_group(dist.PrefixStore(f"diloco_x/outer/{rank}", store), replica_index, replicas,
                             timeout, f"diloco_x_outer_{rank}", [r * world + rank for r in range(replicas)])
+    host = outer
+    if worker_group and replicas > 1:
+        host = _gloo_group(dist.PrefixStore(f"diloco_x/outer_worker/{rank}", store), replica_index, replicas,
+                           timeout, f"diloco_x_outer_worker_{rank}", [r * world + rank for r in range(replicas)])
     replica_world = decision_group_of_world() if world > 1 else None
     decision = tuple(g for g in (replica_world, outer) if g is not None)
-    return Topology(replicas, replica_index, world, rank, outer, _replica_groups(), outer, decision,
+    return Topology(replicas, replica_index, world, rank, outer, _replica_groups(), host, decision,
                     separate_worlds=True)

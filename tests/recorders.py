@@ -18,6 +18,11 @@
     (aten ops, counted by a dispatch mode on the training thread) that ``DiLoCoXOptimizer.step``
     dispatched outside the inner optimizer's own step, and whether the step ran outer work (a
     boundary or ``partial``'s landing);
+  * ``rounds``: per boundary, the rank's ``DiLoCoXOptimizer.round_metrics`` (``step``, ``bytes_sent``:
+    the wire bytes of the exchange applied in that round, ...);
+  * ``step_time``: per boundary, ``[step_calls, mean inner-step time]`` as the optimizer measured it for
+    that round (``OuterSync.step_time_s``); ``train_step_s``: ``[iteration, seconds]``, the wall time
+    of every ``train_step`` call (DiLoCoX's own wrapper inside);
   * ``main_fp``: after every optimizer step, a bitwise fingerprint of each fp32 main-parameter shard;
     ``loaded_fp``: the same right after a checkpoint was loaded;
   * ``final_fp``: after the end of training (``DiLoCoXOptimizer.finish``), ``{"main", "model"}``:
@@ -26,7 +31,9 @@
 
   Environment: ``DILOCO_TEST_PERTURB_REPLICA=R`` perturbs replica R's start weights (a replica that
   loaded other weights); ``DILOCO_TEST_STACKS=1`` adds each cross-replica op's call stack;
-  ``DILOCO_TEST_REPLICAS`` the replica blocks of a ``--no-diloco-x`` run (default 2).
+  ``DILOCO_TEST_REPLICAS`` the replica blocks of a ``--no-diloco-x`` run (default 2);
+  ``DILOCO_TEST_EVAL_SLEEP_S=S`` makes every evaluation (``evaluate_and_print_results``) S seconds
+  longer (work between iterations that the round's step time must not count).
 
 * ``checkpoint`` (the checkpoint tests and ``benchmarks/memory/checkpoint_memory.py``;
   :class:`CheckpointRecorder`), per rank:
@@ -48,7 +55,13 @@
     ShardedTensors, their bytes, how many of them alias a live tensor (main shard, optimizer state,
     outer state: not a copy), the pickled size of each ShardedObject (skipped with
     ``DILOCO_CKPT_OBJECT_SIZES=0``: serializing them allocates), and the rank's shard numel;
-  * ``restart``: the reason string of each ``DiLoCoXOptimizer.restart_outer_loop_from_params`` call.
+  * ``restart``: the reason string of each ``DiLoCoXOptimizer.restart_outer_loop_from_params`` call;
+  * ``timings_saved``: per save, ``[step_calls, timings]`` of the rank's ``OuterSync`` (``[step time,
+    [last exchange bytes, seconds] or None, longest exchange]``: what auto tau is sized from);
+    ``timings_loaded``: the same right after a checkpoint was loaded.
+
+  Environment: ``DILOCO_TEST_RESTART_AFTER_STEP=N`` calls ``restart_outer_loop_from_params`` on every
+  rank right after the N-th ``step()`` (once): a new outer loop started mid-run.
 
 Nothing here changes training.
 """
@@ -60,6 +73,7 @@ import io
 import os
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -109,11 +123,12 @@ class TrainingRecorder(Recorder):
 
     name = "training"
     keys = ("losses", "boundary_identical", "cross_replica", "replica_gathers", "outer", "main_fp", "loaded_fp",
-            "step_ops", "final_fp")
+            "step_ops", "step_time", "train_step_s", "rounds", "final_fp")
 
     def __init__(self, record: dict[str, Any]) -> None:
         super().__init__(record)
-        record.update(losses=[], boundary_identical=[], cross_replica=[], replica_gathers={}, step_ops=[])
+        record.update(losses=[], boundary_identical=[], cross_replica=[], replica_gathers={}, step_ops=[],
+                      step_time=[], train_step_s=[], rounds=[])
         self.ctx = {"in_train": False, "in_train_step": False, "in_boundary": False, "iteration": 0,
                     "instrumenting": False}
 
@@ -187,10 +202,19 @@ class TrainingRecorder(Recorder):
         def train_step(orig, *a, **k):
             ctx["iteration"] += 1
             ctx["in_train_step"] = True
+            started = time.perf_counter()
             try:
                 return orig(*a, **k)
             finally:
                 ctx["in_train_step"] = False
+                record["train_step_s"].append([ctx["iteration"], time.perf_counter() - started])
+
+        sleep_s = float(os.environ.get("DILOCO_TEST_EVAL_SLEEP_S", "0"))
+        if sleep_s:
+            @wrap(training, "evaluate_and_print_results")
+            def evaluate_and_print_results(orig, *a, **k):
+                time.sleep(sleep_s)
+                return orig(*a, **k)
 
         def mark_boundary(orig, opt_or_sync):
             ctx["in_boundary"] = True
@@ -208,6 +232,8 @@ class TrainingRecorder(Recorder):
             ctx["in_boundary"] = True
             try:
                 out = orig(opt, report)
+                record["step_time"].append([opt.step_calls, opt.sync.step_time_s])
+                record["rounds"].append(dict(out))
                 if CODECS[opt.diloco_config.compression].matrix and opt.sync.pending is not None:
                     # The low-rank exchange runs on a worker thread that owns the outer group until it
                     # completes, and the check all-gathers on that group: skip it (None) rather than
@@ -258,6 +284,8 @@ class TrainingRecorder(Recorder):
                     "delta_held": opt.sync.store.held(opt.sync.delta),  # the exchange buffer in host memory
                     # the exchange runs on the outer group's gloo mirror, not on the outer group itself
                     "exchange_on_mirror": opt.sync.exchange_group is not opt.sync.group,
+                    # the replica's ranks that share the site's link (--diloco-x-bandwidth-mbps / S each)
+                    "link_sharers": opt.sync.link_sharers,
                     "model_params_on_rank": sum(p.numel() for d in opt.dist_opts for c in d.model_chunks
                                                 for p in c.parameters()),
                     # distinct model chunks of the rank (virtual pipeline stages)
@@ -315,7 +343,7 @@ class CheckpointRecorder(Recorder):
 
     name = "checkpoint"
     keys = ("scaler", "adam_step", "save_memory", "main_shard_numel", "model_fp", "loaded_model_fp",
-            "opt_fp", "loaded_opt_fp", "save_entries", "restart")
+            "opt_fp", "loaded_opt_fp", "save_entries", "restart", "timings_saved", "timings_loaded")
 
     def __init__(self, record: dict[str, Any]) -> None:
         super().__init__(record)
@@ -432,6 +460,33 @@ class CheckpointRecorder(Recorder):
         def restart(orig, opt, reason, *a, **k):
             record.setdefault("restart", []).append(str(reason))
             return orig(opt, reason, *a, **k)
+
+        def timings(opt) -> list:
+            sync, last = opt.sync, opt.sync.last_completed
+            return [sync.step_time_s, None if last is None else [last.bytes_sent, last.exchange_s],
+                    sync.longest_exchange_s]
+
+        @wrap(DiLoCoXOptimizer, "_replica_meta")  # called when a checkpoint is written
+        def replica_meta(orig, opt):
+            record.setdefault("timings_saved", []).append([opt.step_calls, timings(opt)])
+            return orig(opt)
+
+        @wrap(DiLoCoXOptimizer, "load_state_dict")
+        def load_state_dict(orig, opt, state_dict):
+            orig(opt, state_dict)
+            record["timings_loaded"] = [opt.step_calls, timings(opt)]
+
+        restart_after = int(os.environ.get("DILOCO_TEST_RESTART_AFTER_STEP", "0"))
+        if restart_after:
+            done = []
+
+            @wrap(DiLoCoXOptimizer, "step")
+            def step(orig, opt):
+                out = orig(opt)
+                if opt.step_calls == restart_after and not done:
+                    done.append(True)
+                    opt.restart_outer_loop_from_params(f"test: restart after step {restart_after}")
+                return out
 
 
 #: The recorders of ``--record tests.recorders:NAME``.

@@ -98,6 +98,54 @@ def test_auto_warmup(argv, train_iters, want):
     assert (cfg.warmup_local_steps, cfg.warmup_iters) == want
 
 
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_auto_warmup_only_where_measured(overlap):
+    """The auto warm-up (H0, W, tau_w and the int2 warm-up codec) was measured under ``partial`` and
+    ``none`` only (benchmarks/RESULTS.md §2.1): under ``delayed`` / ``eager`` (rounds of H0 with a whole
+    round of delay, never measured) ``auto`` resolves to no warm-up; explicit flags still give one."""
+    args = parse("--diloco-x-local-steps", "30", "--diloco-x-overlap", overlap)
+    args.train_iters = 3000
+    cfg = config_from_args(args)
+    assert (cfg.warmup_local_steps, cfg.warmup_iters, cfg.warmup_overlap_steps, cfg.warmup_compression) == (
+        None, 0, 0, None)
+    assert cfg.steps_since_boundary(10) == 10 and cfg.round_steps(0) == 30  # rounds of H from the start
+    args = parse("--diloco-x-local-steps", "30", "--diloco-x-overlap", overlap, "--diloco-x-warmup-iters", "60")
+    args.train_iters = 3000
+    explicit = config_from_args(args)
+    assert (explicit.warmup_local_steps, explicit.warmup_iters, explicit.warmup_compression) == (10, 60, "int2")
+    for measured in ("partial", "none"):
+        args = parse("--diloco-x-local-steps", "30", "--diloco-x-overlap", measured)
+        args.train_iters = 3000
+        assert (config_from_args(args).warmup_local_steps, config_from_args(args).warmup_iters) == (10, 900)
+
+
+def test_kept_warmup_is_revalidated():
+    """A resume keeps its checkpoint's auto warm-up (H0, W) over the one this run's flags resolved
+    (``DiLoCoXOptimizer._keep_schedule``): tau_w and the warm-up codec follow it, so the config stays
+    valid. A checkpoint trained without a warm-up (a short run) resumed by a longer one: no tau_w, no
+    warm-up codec; one with a warm-up resumed by a run whose flags resolved none: the auto rules."""
+    from megatron_diloco.arguments import resolve_kept_warmup
+
+    args = parse("--diloco-x-local-steps", "30")
+    args.train_iters = 3000
+    cfg = config_from_args(args)
+    assert (cfg.warmup_local_steps, cfg.warmup_iters, cfg.warmup_overlap_steps, cfg.warmup_compression) == (
+        10, 900, 1, "int2")
+    cfg.warmup_local_steps, cfg.warmup_iters = None, 0  # the checkpoint's: no warm-up
+    resolve_kept_warmup(cfg, had_warmup=True)
+    assert (cfg.warmup_overlap_steps, cfg.warmup_compression) == (0, None)
+    args.train_iters = 20  # a third of it is under H0: none
+    short = config_from_args(args)
+    assert (short.warmup_iters, short.warmup_overlap_steps, short.warmup_compression) == (0, 0, None)
+    short.warmup_local_steps, short.warmup_iters = 10, 900  # the checkpoint's
+    resolve_kept_warmup(short, had_warmup=False)
+    assert (short.warmup_overlap_steps, short.warmup_compression) == (1, "int2")
+    explicit = config_from_args(parse("--diloco-x-local-steps", "30", "--diloco-x-warmup-overlap-steps", "5"))
+    explicit.warmup_local_steps, explicit.warmup_iters = 3, 30  # tau_w 5 > H0 3: refused, naming the flag
+    with pytest.raises(ValueError, match="--diloco-x-warmup-overlap-steps"):
+        resolve_kept_warmup(explicit, had_warmup=True)
+
+
 def test_defaults_are_the_measured_best():
     """--diloco-x alone: partial overlap with auto tau and the exact merge, eta 1, mu 0, int4, the
     auto warm-up (benchmarks/RESULTS.md §2); the CLI and the dataclass agree but for the warm-up,
@@ -208,7 +256,8 @@ def test_a_resume_keeps_an_auto_warmup_and_warns_on_changed_flags(caplog):
     def resume(argv, train_iters, saved):
         args = parse("--diloco-x-local-steps", "30", *argv)
         args.train_iters = train_iters
-        opt = types.SimpleNamespace(diloco_config=config_from_args(args), step_calls=600)
+        opt = types.SimpleNamespace(diloco_config=config_from_args(args), step_calls=600,
+                                    sync=types.SimpleNamespace(schedule_changed=lambda: None))
         DiLoCoXOptimizer._keep_schedule(opt, saved)
         return opt.diloco_config
 

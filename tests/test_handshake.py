@@ -80,11 +80,15 @@ def test_what_may_differ_or_is_unused_is_not_compared():
         _describe(lowrank), _describe(dataclasses.replace(lowrank, rank=8)), 1)
 
 
+_STORES: list = []  # the launches' stores stay up as a run keeps them (the host's going away ends the others' reads)
+
+
 def _join(address: str, replica: int, description: dict, replicas: int = 2):
     """One launch of one rank: its store client (replica 0 hosts it), then the handshake."""
     host, port = address.split(":")
     store = dist.TCPStore(host, int(port), replicas, is_master=replica == 0,
                           timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    _STORES.append(store)
     try:
         join_launches(store, replica, replicas, 0, description, address, timeout_s=30)
         return None

@@ -13,6 +13,7 @@ The runs go through the harness with the tests' ``checkpoint`` and ``training`` 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,62 @@ def test_diloco_checkpoint_loads_into_plain_megatron(tmp_path):
     assert init - dx_mean > 1.0, (init, dx_mean)
     assert abs(plain_mean - dx_mean) < 0.2 * (init - dx_mean), (plain_mean, dx_mean, init)
     assert "outer loop restarted" not in log
+
+
+def test_resume_keeps_each_replicas_timings(tmp_path):
+    """Auto tau is agreed by MAX over every rank's own timings (step time, last exchange, longest
+    exchange); a resume must give each rank its own again, not replica 0's on every replica. Save at
+    6 (the default partial overlap, auto tau: an exchange in flight, completed by the save) and resume:
+    every rank loads exactly the timings it saved."""
+    ckpt = str(tmp_path / "ckpt")
+    base = ["--train-iters", "8", "--diloco-x-local-steps", "4", "--save-interval", "1000", "--no-load-rng"]
+    leg1, _ = run_megatron(tmp_path, base + ["--save", ckpt, "--exit-interval", "6"], recorders=CHECKPOINT)
+    leg2, _ = run_megatron(tmp_path, base + ["--load", ckpt], recorders=CHECKPOINT)
+    saved = [rec["timings_saved"][-1] for rec in leg1]
+    assert all(step == 6 for step, _ in saved), saved
+    assert saved[0][1] != saved[2][1], saved  # the replicas' own measurements differ (rank 0 vs rank 2)
+    for rank, rec in enumerate(leg2):
+        assert rec["timings_loaded"] == saved[rank], (rank, rec["timings_loaded"], saved[rank])
+
+
+def test_restart_mid_run_starts_a_fresh_outer_loop(tmp_path):
+    """``restart_outer_loop_from_params`` after step 8 of 16 (delayed, H 4: the exchange launched at 8
+    is waited for and dropped): a fresh outer loop, its first boundary checks the start weights again
+    and launches without applying, its counters (rounds, bytes) are the new loop's only: the same
+    bytes as an 8-step run's."""
+    base = ["--diloco-x-local-steps", "4", "--diloco-x-overlap", "delayed"]
+    recs, log = run_megatron(tmp_path, ["--train-iters", "16", *base], recorders=CHECKPOINT,
+                             env={"DILOCO_TEST_RESTART_AFTER_STEP": "8"})
+    assert all(rec["restart"] == ["test: restart after step 8"] for rec in recs)
+    rounds = re.findall(r"\[DiLoCoX\] round +(\d+) \| step +(\d+) \| (\w+)", log)
+    assert [(int(r), int(s), a) for r, s, a in rounds] == [(1, 4, "launched"), (2, 8, "applied"),
+                                                           (1, 4, "launched"), (2, 8, "applied")], rounds
+    _, fresh = run_megatron(tmp_path, ["--train-iters", "8", *base])
+    s, want = summary(log), summary(fresh)
+    assert s["rounds"] == 2 and s["replicas_identical"]
+    assert s["bytes_sent_per_rank"] == want["bytes_sent_per_rank"] > 0
+
+
+def test_tensorboard_scalars_at_megatrons_iteration(tmp_path):
+    """``diloco_x/*`` TensorBoard scalars are written at Megatron's iteration, as its own scalars are,
+    also when a run starts a new outer loop from a checkpoint's weights (``--no-load-optim``: the
+    optimizer's step count restarts at 0, Megatron's iteration continues from 8). Read back from the
+    event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def scalar_steps(folder) -> dict[str, list[int]]:
+        events = EventAccumulator(str(folder))
+        events.Reload()
+        return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+    ckpt, first, second = tmp_path / "ckpt", tmp_path / "tb1", tmp_path / "tb2"
+    base = ["--diloco-x-local-steps", "4", "--save-interval", "1000", "--no-load-rng"]
+    run_megatron(tmp_path, base + ["--train-iters", "8", "--save", str(ckpt), "--tensorboard-dir", str(first)])
+    _, log = run_megatron(tmp_path, base + ["--train-iters", "16", "--load", str(ckpt), "--no-load-optim",
+                                            "--tensorboard-dir", str(second)])
+    assert "outer loop restarted" in log
+    for folder, boundaries, iterations in ((first, [4, 8], range(1, 9)), (second, [12, 16], range(9, 17))):
+        steps = scalar_steps(folder)
+        assert steps["lm loss"] == list(iterations), steps["lm loss"]  # Megatron's own
+        ours = {tag: s for tag, s in steps.items() if tag.startswith("diloco_x/")}
+        assert ours and all(s == boundaries for s in ours.values()), ours

@@ -103,15 +103,56 @@ def test_default_warmup_overlaps_a_tenth_of_its_rounds(tmp_path):
                              warmup=True)
     s = summary(log)
     assert (s["warmup_local_steps"], s["warmup_iters"], s["warmup_overlap_steps"]) == (10, 20, 1)
-    assert (s["compression"], s["warmup_compression"]) == ("int4", "int2")  # the warm-up round's exchange
+    assert (s["compression"], s["warmup_compression"]) == ("int4", "int2")  # as configured
     assert s["rounds"] == 3 and s["replicas_identical"]
     assert_final_params_identical(recs)
+    from megatron_diloco.compression.reference import payload_layout
+
     for rank, rec in enumerate(recs):
+        # as used: the exchange launched at 10 (into a warm-up round) carried int2 payloads, the one
+        # launched at 20 (into a round of H) int4: each rank's wire bytes, R - 1 = 1 payload of its shard,
+        # reported by the round it landed in (20 and 50)
+        n = rec["outer"]["theta_numel"]
+        sent = {m["step"]: m["bytes_sent"] for m in rec["rounds"]}
+        assert sent == {10: 0, 20: payload_layout(n, "int2").total_bytes, 50: payload_layout(n, "int4").total_bytes}, \
+            (rank, n, sent)
         assert [b for b, _ in rec["boundary_identical"]] == [10, 20, 50], rank
         assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
         outer = sorted(b for b, _, o in rec["step_ops"] if o)
         assert outer[:3] == [10, 11, 20] and 50 in outer, (rank, outer)  # after 20: landings at the auto tau
         assert all(n == 0 for _, n, o in rec["step_ops"] if not o), rank
+
+
+def test_auto_warmup_capped_under_train_samples(tmp_path):
+    """``--train-samples`` instead of ``--train-iters`` (Megatron sets the iterations only after
+    ``install()``, when it builds the LR scheduler): the auto warm-up is still at most a third of the
+    run. 96 samples of global batch 8 = 12 iterations, H 4: rounds of H0 = 1 for 4 steps, then of 4
+    (uncapped it would be 30 H = 120 steps: rounds of 1 for the whole run)."""
+    recs, log = run_megatron(tmp_path, ["--train-samples", "96", "--lr-warmup-iters", "0", "--lr-warmup-samples", "16",
+                                        "--diloco-x-local-steps", "4", *MEGATRON_DEFAULTS], warmup=True)
+    s = summary(log)
+    assert (s["iterations"], s["warmup_local_steps"], s["warmup_iters"]) == (12, 1, 4)
+    assert s["rounds"] == 6 and s["replicas_identical"]
+    for rank, rec in enumerate(recs):
+        assert [b for b, _ in rec["boundary_identical"]] == [1, 2, 3, 4, 8, 12], rank
+
+
+def test_step_time_counts_inner_steps_only(tmp_path):
+    """The round's mean step time (auto tau, the adaptive budget, the derived timeout) times the
+    iterations only: an evaluation (``--eval-interval 4``, made 6 s longer) between them is not in
+    it. Each round's value is at most the longest ``train_step`` of the round (its timed span lies
+    inside each one), where counting the evaluation would add 6 s / H = 1.5 s per step."""
+    recs, _ = run_megatron(tmp_path, ["--train-iters", "12", "--diloco-x-local-steps", "4", "--eval-interval", "4",
+                                      "--eval-iters", "1", *MEGATRON_DEFAULTS],
+                           env={"DILOCO_TEST_EVAL_SLEEP_S": "6"})
+    for rank, rec in enumerate(recs):
+        # (PP 2 per replica, both stages hold a shard: each sends over the site's link at half its rate)
+        assert rec["outer"]["link_sharers"] == 2, rank
+        durations = dict(rec["train_step_s"])
+        assert [b for b, _ in rec["step_time"]] == [4, 8, 12], rank
+        for boundary, step_time in rec["step_time"]:
+            longest = max(durations[it] for it in range(boundary - 3, boundary + 1))
+            assert 0 < step_time <= longest, (rank, boundary, step_time, longest)
 
 
 def test_warmup_rounds_then_h(tmp_path):

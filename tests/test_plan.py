@@ -149,6 +149,8 @@ def test_warmup_exposed_time():
     slow = plan(cfg(codec="int8", overlap="delayed", local_steps=6, warmup_iters=20, step_time_s=0.25))
     assert slow.warmup == (2, 20) and slow.warmup_share is None
     assert slow.warmup_exposed_s == pytest.approx(10 * (exch - 0.5))
+    for unmeasured in ("delayed", "eager"):  # the auto warm-up applies where it was measured only
+        assert plan(cfg(codec="int8", overlap=unmeasured, local_steps=30, train_iters=3000)).warmup == (None, 0)
     off = plan(cfg(codec="int8", overlap="partial", local_steps=30, warmup_iters=0))
     assert off.warmup == (None, 0) and off.warmup_overlap_steps == 0 and off.warmup_exposed_s == 0.0
     # --warmup-codec int2 (int8's codec): the warm-up's exchanges but the last carry int2 payloads,

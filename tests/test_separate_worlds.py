@@ -33,7 +33,9 @@ def _dataset_sizes(log: str) -> list[int]:
     # the default codec with a warm-up of shorter rounds (boundaries 2, 4, 8)
     ["--diloco-x-overlap", "partial", "--diloco-x-overlap-steps", "1", "--diloco-x-compression", "int4",
      "--diloco-x-warmup-local-steps", "2", "--diloco-x-warmup-iters", "4"],
-], ids=["partial-int8", "delayed-fp32", "partial-int4-warmup"])
+    # the matrix codecs' worker thread: on a gloo group of its own, not the one the training loop uses
+    ["--diloco-x-overlap", "partial", "--diloco-x-overlap-steps", "1", "--diloco-x-compression", "lowrank"],
+], ids=["partial-int8", "delayed-fp32", "partial-int4-warmup", "partial-lowrank"])
 def test_separate_worlds_train_as_one_world(tmp_path, flags):
     """2 replicas x 1 rank: one torchrun of 2 ranks vs two torchruns of 1 rank joined through a TCP
     store. Same losses at every iteration on both replicas, bit for bit, and the same final main
@@ -68,6 +70,8 @@ def test_separate_worlds_train_as_one_world(tmp_path, flags):
         # every R-th share: sized for one launch, they ran out at half the run)
         assert len(sizes) == 3 and _dataset_sizes(log) == sizes, (sizes, _dataset_sizes(log))
         got[r] = losses(_records(out))[0]
+        if "lowrank" in flags:  # the worker's exchanges run on a second gloo group over the same ranks
+            assert _records(out)[0]["outer"]["exchange_on_mirror"], r
     assert got == want
     one_fp = [rec["main_fp"][-1] for rec in _records(one)]
     sep_fp = [_records(out)[0]["main_fp"][-1] for out, _ in results]

@@ -800,6 +800,35 @@ def test_partial_auto_overlap_steps_hides_the_last_exchange():
     fixed.step_time_s, fixed.last_completed = 0.1, ExchangeStats(exchange_s=50.0)
     assert fixed._choose_overlap_steps() == 4
 
+def test_bandwidth_flag_is_the_sites_link_shared_by_the_replicas_ranks():
+    """``--diloco-x-bandwidth-mbps`` is the site's link, shared by the S ranks of a replica that send
+    their outer groups' exchanges at once: a rank counts on 1 / S of it, for auto tau and the adaptive
+    budget alike, and the planner sizes an exchange by the same share (its ``--link-mbps`` with
+    ``--link-scope cluster``, at link efficiency 1)."""
+    from megatron_diloco.plan import PlanConfig, plan
+
+    n, mbps, step = 1 << 16, 80.0, 0.002
+    cfg = DiLoCoXConfig(replicas=2, local_steps=30, overlap="partial", compression="int4", bandwidth_mbps=mbps)
+    taus = {}
+    for sharers in (1, 4):
+        sync = OuterSync(ShardView([torch.zeros(n)]), cfg, None, link_sharers=sharers)
+        assert sync.link_bytes_per_s == mbps * 1e6 / 8 / sharers and sync.link_mbps == pytest.approx(mbps)
+        sync.step_time_s = step
+        wire = sync.codec.payload_bytes(n)  # R - 1 = 1 payload out
+        taus[sharers] = sync._choose_overlap_steps()
+        assert taus[sharers] == min(30, math.ceil(sharers * wire / (mbps * 1e6 / 8) / step)), sharers
+    assert taus[4] > taus[1]  # 4 ranks crossing the one link take longer than 1
+    # the planner: 4 ranks per replica (dp 4) on one cluster link of the same rate
+    p = plan(PlanConfig(params=4 * n, dp=4, replicas=2, link_mbps=mbps, link_efficiency=1.0, codec="int4",
+                        tokens_per_step=1, local_steps=30, step_time_s=step, boundary_s=0.0, warmup_iters=0))
+    assert p.min_hidden_local_steps == taus[4] and p.bandwidth_flag_mbps == pytest.approx(mbps)
+    budget = OuterSync(ShardView([torch.zeros(32, 48)]), DiLoCoXConfig(
+        replicas=1, local_steps=2, overlap="delayed", compression="adaptive", bandwidth_mbps=mbps), None,
+        shapes=[(32, 48)], link_sharers=4)
+    budget.set_step_time(0.5)
+    assert budget.codec.policy.budget_bytes == mbps * 1e6 / 8 / 4 * 2 * 0.5  # the share x H x step time
+
+
 def test_checkpoint_keeps_what_auto_tau_is_sized_from():
     """A resumed run's next boundary chooses tau as the uninterrupted run's does: the checkpoint
     holds the step time and the last exchange's bytes and duration (else a resume chose H, or 1

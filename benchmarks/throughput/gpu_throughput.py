@@ -101,9 +101,11 @@ def method_args(method: str, link_mbps: float, a: argparse.Namespace) -> list[st
                     "--diloco-x-outer-momentum", str(a.mu_delayed)]
     if method == "dilocox":
         return delayed + ["--diloco-x-compression", "int8"]
-    if method == "dilocox-adaptive":
+    if method == "dilocox-adaptive":  # the flag is the replica's link: with a modelled link per rank,
+        # the replica's ranks together have nproc / 2 of them (each rank then counts on one)
+        site = link_mbps * (a.nproc // 2 if a.link_share == "rank" else 1)
         return delayed + ["--diloco-x-compression", "adaptive", "--diloco-x-energy", str(a.energy),
-                          "--diloco-x-bandwidth-mbps", str(link_mbps)]
+                          "--diloco-x-bandwidth-mbps", f"{site:g}"]
     if method == "dilocox-fp32":
         return delayed + ["--diloco-x-compression", "none"]
     raise SystemExit(f"unknown method {method!r}; choose among {', '.join(METHODS)}")
