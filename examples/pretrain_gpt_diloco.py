@@ -50,7 +50,7 @@ from megatron.training.utils import (  # noqa: E402
 )
 
 import megatron_diloco  # noqa: E402
-from megatron_diloco.integration import destroy_process_groups_at_exit  # noqa: E402
+from megatron_diloco.megatron_adapter.integration import destroy_process_groups_at_exit  # noqa: E402
 
 # The demo: ~1M parameters, 16 x 256 tokens per step; falls from ~5.6 to ~2 nats/byte.
 MODEL_ARGS = """

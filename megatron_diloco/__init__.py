@@ -8,8 +8,8 @@ Public API::
 argument parsing, before ``pretrain``) turns the flags into a running DiLoCoX setup.
 """
 
-from megatron_diloco.arguments import add_diloco_x_args
-from megatron_diloco.config import DiLoCoXConfig
+from megatron_diloco.megatron_adapter.arguments import add_diloco_x_args
+from megatron_diloco.algorithm.config import DiLoCoXConfig
 
 __all__ = ["DiLoCoXConfig", "add_diloco_x_args", "install", "DiLoCoXOptimizer"]
 __version__ = "0.1.0"
@@ -18,11 +18,11 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # Megatron-dependent pieces are imported lazily so that the core stays importable without it.
     if name == "install":
-        from megatron_diloco.integration import install
+        from megatron_diloco.megatron_adapter.integration import install
 
         return install
     if name == "DiLoCoXOptimizer":
-        from megatron_diloco.optimizer import DiLoCoXOptimizer
+        from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
 
         return DiLoCoXOptimizer
     raise AttributeError(name)

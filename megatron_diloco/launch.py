@@ -82,7 +82,7 @@ def _patch_argument_parsing(state: _State) -> None:
     """Wrap ``parse_args`` / ``parse_and_validate_args`` at their module attributes."""
     from megatron.training import arguments
 
-    from megatron_diloco.arguments import add_diloco_x_args
+    from megatron_diloco.megatron_adapter.arguments import add_diloco_x_args
 
     if getattr(arguments.parse_args, "_diloco_x_launch", False):
         return

@@ -30,7 +30,7 @@ the payload bandwidth: sites are symmetric, so every site finishes at the same t
 - **DiLoCoX exchange** (per round): the outer group of a rank is R ranks, one per replica. ``none``
   is a ring all-reduce of the fp32 shard: each rank sends ``2 (R-1)/R x 4 x shard`` bytes; the
   quantized and low-rank codecs all-gather payloads: ``(R-1) x payload`` (the byte accounting of
-  :mod:`megatron_diloco.collectives`). Every rank of a site sends at once, so a site carries
+  :mod:`megatron_diloco.algorithm.exchange`). Every rank of a site sends at once, so a site carries
   ``ranks_per_site`` times that.
 - **AllReduce baseline** (per step): the same job as plain data parallelism over all ``R x dp``
   ranks of a stage; Megatron's distributed optimizer reduce-scatters gradients and all-gathers
@@ -72,8 +72,9 @@ import math
 import sys
 from typing import Any
 
-from megatron_diloco.arguments import resolve_warmup, resolve_warmup_compression, resolve_warmup_overlap
-from megatron_diloco.config import BLOCKWISE, CODECS, link_share_bytes_per_s
+from megatron_diloco.megatron_adapter.arguments import resolve_warmup, resolve_warmup_compression, resolve_warmup_overlap
+from megatron_diloco.algorithm.config import BLOCKWISE, CODECS, DiLoCoXConfig, link_share_bytes_per_s
+from megatron_diloco.algorithm.schedule import RoundSchedule, steps_to_hide
 
 #: Payload fraction of a TCP/IPv4 stream on Ethernet at MTU 1500 (1448 payload bytes per 1514 on the wire).
 TCP_EFFICIENCY = 1448 / 1514
@@ -95,10 +96,10 @@ BOUNDARY_NS_PER_PARAM = 0.136
 
 def blockwise_payload_bytes(numel: int, fmt: str, block_size: int = BLOCK_SIZE) -> int:
     """Bytes of one blockwise-quantized payload of ``numel`` elements: the codec's own layout
-    (:func:`megatron_diloco.compression.reference.payload_layout`: fp32 scales, values, padding)."""
+    (:func:`megatron_diloco.algorithm.compression.reference.payload_layout`: fp32 scales, values, padding)."""
     if fmt not in BLOCKWISE:
         raise ValueError(f"--codec: no blockwise payload for {fmt!r}")
-    from megatron_diloco.compression.reference import payload_layout  # imports torch (~2 s)
+    from megatron_diloco.algorithm.compression.reference import payload_layout  # imports torch (~2 s)
 
     return payload_layout(numel, fmt, block_size).total_bytes
 
@@ -364,7 +365,7 @@ class Plan:
     payload_bytes_per_rank: float
     """Bytes of one rank's encoded pseudo-gradient."""
     bytes_sent_per_rank_per_round: float
-    """Bytes a rank sends to other replicas per round (collectives.py accounting)."""
+    """Bytes a rank sends to other replicas per round (megatron_diloco.algorithm.exchange accounting)."""
     bytes_per_link_per_round: float
     """Bytes one site's link carries (each way) per round."""
     exchange_s: float
@@ -520,7 +521,7 @@ def plan(cfg: PlanConfig) -> Plan:
     else:
         exposed = max(0.0, exchange - H * t_step)
     round_s = H * t_step + t_boundary + exposed
-    min_h = max(1, math.ceil(exchange / t_step)) if exchange > 0 else 1
+    min_h = steps_to_hide(exchange, t_step)  # auto tau before its cap (the run's rule)
 
     # ---- AllReduce baseline: the same job as plain DP over R x dp ranks per stage ----
     bpp = cfg.baseline_bytes_per_param if cfg.baseline_bytes_per_param is not None else (
@@ -546,12 +547,17 @@ def plan(cfg: PlanConfig) -> Plan:
     warm_exchange = exchange
     if warm_codec is not None:  # blockwise: one all-gather of payloads
         warm_exchange = link_s((R - 1) * shard * blockwise_payload_bytes(shard_int, warm_codec) / shard_int, R - 1)
-    warm_min_h = max(1, math.ceil(warm_exchange / t_step)) if warm_exchange > 0 else 1
     if cfg.overlap == "none":
         warm_exposed = max(0, warm_rounds - 1) * warm_exchange + (exchange if warm_rounds else 0.0)
-    elif cfg.overlap == "partial":  # the last boundary of the warm-up launches into a round of H
-        hidden = min(tau_w, warm_min_h) * t_step
+    elif cfg.overlap == "partial" and warm_rounds:  # the warm-up's last boundary launches into a round of H
+        # tau of an exchange launched into a warm-up round, as the run chooses it (auto, capped at tau_w)
+        schedule = RoundSchedule(DiLoCoXConfig(replicas=max(R, 1), local_steps=H, overlap="partial",
+                                               compression=cfg.codec, warmup_local_steps=h0, warmup_iters=w,
+                                               warmup_overlap_steps=tau_w))
+        hidden = schedule.overlap_steps(h0, warm_exchange, t_step) * t_step
         warm_exposed = max(0, warm_rounds - 1) * max(0.0, warm_exchange - hidden)
+    elif cfg.overlap == "partial":
+        warm_exposed = 0.0
     else:
         warm_exposed = ((max(0, warm_rounds - 1) * max(0.0, warm_exchange - h0 * t_step)
                          + max(0.0, exchange - h0 * t_step)) if h0 and warm_rounds else 0.0)

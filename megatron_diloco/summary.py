@@ -1,5 +1,5 @@
 """The run summary line: rank 0 prints ``DILOCOX SUMMARY {json}`` once at the end of training
-(:func:`format_summary`, from :mod:`megatron_diloco.integration`); launchers, benchmarks and tests
+(:func:`format_summary`, from :mod:`megatron_diloco.megatron_adapter.integration`); launchers, benchmarks and tests
 read it back from a log with :func:`parse_summaries`. No torch import: usable by any launcher."""
 
 from __future__ import annotations

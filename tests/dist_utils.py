@@ -38,7 +38,7 @@ def _entry(rank: int, world: int, port: int, fn, args, errq) -> None:
 
 
 #: imported once by the fork server (the modules every rank function needs)
-PRELOAD = ["torch", "torch.distributed", "megatron_diloco.sync", "megatron_diloco.compression",
+PRELOAD = ["torch", "torch.distributed", "megatron_diloco.algorithm.sync", "megatron_diloco.algorithm.compression",
            "tests.dist_utils"]
 
 

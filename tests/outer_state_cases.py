@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_diloco.config import DiLoCoXConfig
-from megatron_diloco.outer_store import CHUNK_ALIGN, SLOTS, chunk_elements
-from megatron_diloco.shard_view import ShardView, fingerprint
-from megatron_diloco.sync import OuterSync
+from megatron_diloco.algorithm.config import DiLoCoXConfig
+from megatron_diloco.algorithm.outer_store import CHUNK_ALIGN, SLOTS, chunk_elements
+from megatron_diloco.algorithm.shard_view import ShardView, fingerprint
+from megatron_diloco.algorithm.sync import OuterSync
 
 H, ROUNDS = 3, 4
 #: shard tensors of odd sizes (1822 elements): 256-element chunks cut inside tensors, end in a tail of 30

@@ -48,7 +48,7 @@
     allocator's peak over the call when on GPU, else None). Linux only (None elsewhere);
   * ``main_shard_numel``: the rank's fp32 main-shard elements (DiLoCoX and plain runs);
   * ``model_fp``: after every iteration, ``[iteration, fingerprint]`` of all the rank's model
-    parameters (:func:`megatron_diloco.shard_view.fingerprint`); ``loaded_model_fp``: the same right
+    parameters (:func:`megatron_diloco.algorithm.shard_view.fingerprint`); ``loaded_model_fp``: the same right
     after ``load_checkpoint`` returned; ``opt_fp`` / ``loaded_opt_fp``: the same for the shard-sized
     optimizer state (Adam moments) of the rank's main shards;
   * ``save_entries``: per save, what DiLoCoX adds to the sharded state dict: the number of
@@ -169,10 +169,10 @@ class TrainingRecorder(Recorder):
     def install(self) -> None:
         import megatron.training.training as training
 
-        from megatron_diloco import sync as sync_mod
-        from megatron_diloco.config import CODECS
-        from megatron_diloco.optimizer import DiLoCoXOptimizer
-        from megatron_diloco.shard_view import fingerprint
+        from megatron_diloco.algorithm import sync as sync_mod
+        from megatron_diloco.algorithm.config import CODECS
+        from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
+        from megatron_diloco.algorithm.shard_view import fingerprint
 
         faulthandler.enable()  # a crash in native code (gloo, torch) prints every thread's Python stack
         _spawned_helpers_skip_the_example()
@@ -353,8 +353,8 @@ class CheckpointRecorder(Recorder):
         import torch
         from megatron.training import checkpointing, training
 
-        from megatron_diloco.optimizer import DiLoCoXOptimizer, distributed_optimizers
-        from megatron_diloco.shard_view import fingerprint
+        from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer, distributed_optimizers
+        from megatron_diloco.algorithm.shard_view import fingerprint
 
         record = self.record
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_diloco.compression import (
+from megatron_diloco.algorithm.compression import (
     BlockwiseCodec, get_codec, has_nonfinite, has_nonfinite_scales, payload_layout,
 )
-from megatron_diloco.compression import reference as ref
-from megatron_diloco.compression import triton_kernels as tk
-from megatron_diloco.config import CODECS
+from megatron_diloco.algorithm.compression import reference as ref
+from megatron_diloco.algorithm.compression import triton_kernels as tk
+from megatron_diloco.algorithm.config import CODECS
 
 
 def _twins(t):

@@ -7,8 +7,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_diloco.compression import AdaptivePolicy, get_codec
-from megatron_diloco.compression.lowrank import LowRankCodec, init_basis, lowrank_pays_off, matrix_shape
+from megatron_diloco.algorithm.compression import AdaptivePolicy, get_codec
+from megatron_diloco.algorithm.compression.lowrank import LowRankCodec, init_basis, lowrank_pays_off, matrix_shape
 from tests.dist_utils import run_world
 
 LAYOUT_SHAPES = [(64, 48), (32,), (3, 5), (16, 4, 8), (10, 3), (128, 96)]

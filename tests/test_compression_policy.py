@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_diloco.compression.policy import AdaptivePolicy, byte_budget, energy_curve
+from megatron_diloco.algorithm.compression.policy import AdaptivePolicy, byte_budget, energy_curve
 
 
 def _with_spectrum(m, n, sigma, seed):

@@ -1,12 +1,12 @@
-"""The pure-torch reference codecs (megatron_diloco.compression.reference): the semantics."""
+"""The pure-torch reference codecs (megatron_diloco.algorithm.compression.reference): the semantics."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_diloco.compression import reference as ref
-from megatron_diloco.outer import OuterNesterov
+from megatron_diloco.algorithm.compression import reference as ref
+from megatron_diloco.algorithm.outer import OuterNesterov
 
 SIZES = [0, 1, 2, 7, 255, 256, 257, 1000, 4099]
 

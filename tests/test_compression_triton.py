@@ -28,9 +28,9 @@ if not INTERPRETED:
 else:
     import torch
 
-    from megatron_diloco.compression import reference as ref
-    from megatron_diloco.compression import triton_kernels as tk
-    from megatron_diloco.outer import OuterNesterov
+    from megatron_diloco.algorithm.compression import reference as ref
+    from megatron_diloco.algorithm.compression import triton_kernels as tk
+    from megatron_diloco.algorithm.outer import OuterNesterov
 
     # 1-D, odd sizes, sizes that don't fill a block, several programs (4096 elements each), empty
     SIZES = [0, 1, 3, 255, 256, 257, 4096 + 513, 3 * 4096 + 7]
@@ -147,7 +147,7 @@ else:
     def test_lowrank_codec_runs_the_kernels_bit_exact(codec_name, monkeypatch):
         """The low-rank codecs quantize their factors and fallback tensors (1-D, small, int8 and
         int4) with the same kernels as the blockwise codecs, and match the reference bit for bit."""
-        from megatron_diloco.compression import AdaptivePolicy, get_codec
+        from megatron_diloco.algorithm.compression import AdaptivePolicy, get_codec
 
         shapes = [(64, 48), (32,), (3, 5), (16, 4, 8), (10, 3), (128, 96), (300,)]
         layout, off = [], 0

@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
-from megatron_diloco.arguments import add_diloco_x_args, config_from_args, validate_megatron_args
-from megatron_diloco.config import DiLoCoXConfig
+from megatron_diloco.megatron_adapter.arguments import add_diloco_x_args, config_from_args, validate_megatron_args
+from megatron_diloco.algorithm.schedule import RoundSchedule
+from megatron_diloco.algorithm.config import DiLoCoXConfig
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -70,12 +71,12 @@ def test_warmup_schedule_rounds():
     """Rounds of H0 during the warm-up, then of H; without a warm-up every H-th step ends a round."""
     warm = config_from_args(parse("--diloco-x-local-steps", "30", "--diloco-x-warmup-local-steps", "5",
                                   "--diloco-x-warmup-iters", "20"))
-    assert [s for s in range(1, 111) if warm.steps_since_boundary(s) == 0] == [5, 10, 15, 20, 50, 80, 110]
-    assert warm.steps_since_boundary(23) == 3 and warm.steps_since_boundary(0) == 0
-    assert [warm.round_steps(b) for b in (0, 5, 15, 20, 50)] == [5, 5, 5, 30, 30]  # the round after step b
+    assert [s for s in range(1, 111) if RoundSchedule(warm).steps_since_boundary(s) == 0] == [5, 10, 15, 20, 50, 80, 110]
+    assert RoundSchedule(warm).steps_since_boundary(23) == 3 and RoundSchedule(warm).steps_since_boundary(0) == 0
+    assert [RoundSchedule(warm).round_steps(b) for b in (0, 5, 15, 20, 50)] == [5, 5, 5, 30, 30]  # the round after step b
     plain = config_from_args(parse("--diloco-x-local-steps", "30", "--diloco-x-warmup-iters", "0"))
-    assert [s for s in range(1, 100) if plain.steps_since_boundary(s) == 0] == [30, 60, 90]
-    assert plain.round_steps(0) == plain.round_steps(30) == 30
+    assert [s for s in range(1, 100) if RoundSchedule(plain).steps_since_boundary(s) == 0] == [30, 60, 90]
+    assert RoundSchedule(plain).round_steps(0) == RoundSchedule(plain).round_steps(30) == 30
 
 
 @pytest.mark.parametrize("argv,train_iters,want", [
@@ -108,7 +109,7 @@ def test_auto_warmup_only_where_measured(overlap):
     cfg = config_from_args(args)
     assert (cfg.warmup_local_steps, cfg.warmup_iters, cfg.warmup_overlap_steps, cfg.warmup_compression) == (
         None, 0, 0, None)
-    assert cfg.steps_since_boundary(10) == 10 and cfg.round_steps(0) == 30  # rounds of H from the start
+    assert RoundSchedule(cfg).steps_since_boundary(10) == 10 and RoundSchedule(cfg).round_steps(0) == 30  # rounds of H from the start
     args = parse("--diloco-x-local-steps", "30", "--diloco-x-overlap", overlap, "--diloco-x-warmup-iters", "60")
     args.train_iters = 3000
     explicit = config_from_args(args)
@@ -124,7 +125,7 @@ def test_kept_warmup_is_revalidated():
     (``DiLoCoXOptimizer._keep_schedule``): tau_w and the warm-up codec follow it, so the config stays
     valid. A checkpoint trained without a warm-up (a short run) resumed by a longer one: no tau_w, no
     warm-up codec; one with a warm-up resumed by a run whose flags resolved none: the auto rules."""
-    from megatron_diloco.arguments import resolve_kept_warmup
+    from megatron_diloco.megatron_adapter.arguments import resolve_kept_warmup
 
     args = parse("--diloco-x-local-steps", "30")
     args.train_iters = 3000
@@ -251,7 +252,7 @@ def test_a_resume_keeps_an_auto_warmup_and_warns_on_changed_flags(caplog):
     import logging
     import types
 
-    from megatron_diloco.optimizer import DiLoCoXOptimizer
+    from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
 
     def resume(argv, train_iters, saved):
         args = parse("--diloco-x-local-steps", "30", *argv)
@@ -263,7 +264,7 @@ def test_a_resume_keeps_an_auto_warmup_and_warns_on_changed_flags(caplog):
 
     saved = {"local_steps": 30, "warmup_local_steps": 10, "warmup_iters": 400}  # trained with --train-iters 1200
     assert (resume([], 3000, saved).warmup_iters, resume([], 3000, None).warmup_iters) == (400, 900)
-    with caplog.at_level(logging.WARNING, logger="megatron_diloco.optimizer"):
+    with caplog.at_level(logging.WARNING, logger="megatron_diloco.megatron_adapter.optimizer"):
         cfg = resume(["--diloco-x-warmup-iters", "900"], 3000, saved)
     assert cfg.warmup_iters == 900 and "--diloco-x-warmup-iters" in caplog.text
     changed = resume(["--diloco-x-local-steps", "20"], 3000, saved)  # H changed: the flags' auto warm-up

@@ -161,7 +161,7 @@ def test_every_method_is_a_valid_package_config():
     (a warm-up longer than H, or a tau beyond the shortest round, would fail the run at start)."""
     import argparse
 
-    from megatron_diloco.arguments import add_diloco_x_args, config_from_args
+    from megatron_diloco.megatron_adapter.arguments import add_diloco_x_args, config_from_args
 
     for name, m in convergence.METHODS.items():
         if not convergence.communicates(m) or m.get("default"):  # (the default: the next test)
@@ -183,7 +183,7 @@ def test_the_default_method_is_the_package_default(local_steps):
     import argparse
     import dataclasses
 
-    from megatron_diloco.arguments import add_diloco_x_args, config_from_args
+    from megatron_diloco.megatron_adapter.arguments import add_diloco_x_args, config_from_args
 
     def config(argv: list[str]):
         args, _ = add_diloco_x_args(argparse.ArgumentParser()).parse_known_args(

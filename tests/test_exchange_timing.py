@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from benchmarks.throughput.exchange_timing import REPO, delayed_launch_case
-from megatron_diloco.collectives import ExchangeHandle, ExchangeStats
+from megatron_diloco.algorithm.exchange import ExchangeHandle, ExchangeStats
 from tests.dist_utils import run_world
 
 
@@ -42,8 +42,8 @@ class _EnqueuedFutureWork:
 
 def test_exchange_time_is_its_completion_not_its_enqueue():
     """Polled once per 20 ms step, a collective that completes 0.3 s after its launch is timed at
-    0.3 s (within one step), not at its future's ~0 s; the landing after completion exposes
-    nothing."""
+    0.3 s (the midpoint of the polls around its completion: within half a step), not at its future's
+    ~0 s; the landing after completion exposes nothing."""
     step_s, after_s = 0.02, 0.3
     handle = ExchangeHandle(torch.zeros(4), _EnqueuedFutureWork(after_s), ExchangeStats(),
                             lambda outer, after: None)
@@ -51,7 +51,7 @@ def test_exchange_time_is_its_completion_not_its_enqueue():
         time.sleep(step_s)
         handle.poll()
     handle.wait()
-    assert after_s <= handle.stats.exchange_s <= after_s + 3 * step_s, handle.stats
+    assert after_s - step_s <= handle.stats.exchange_s <= after_s + step_s, handle.stats
     assert handle.stats.exposed_s < step_s
 
 
@@ -60,7 +60,7 @@ def test_waiting_blocks_until_the_collective_completes():
     ``Work.wait()`` alone returns at once), and counts that wait as exposed."""
     handle = ExchangeHandle(torch.zeros(4), _EnqueuedFutureWork(0.2), ExchangeStats(), lambda outer, after: None)
     handle.wait()
-    assert 0.2 <= handle.stats.exchange_s < 0.3 and 0.15 <= handle.stats.exposed_s < 0.3, handle.stats
+    assert 0.19 <= handle.stats.exchange_s < 0.3 and 0.15 <= handle.stats.exposed_s < 0.3, handle.stats
 
 
 def _late_peer(rank: int, world: int, delay_s: float, step_s: float, steps: int) -> None:
@@ -89,5 +89,5 @@ def test_nccl_exchange_time_follows_a_late_peer(tmp_path):
                     "--delay-s", "2.0", "--step-s", "0.05", "--local-steps", "100", "--out", str(out)],
                    check=True, timeout=300, cwd=REPO)
     got = json.loads(out.read_text())
-    assert 1.95 <= got["measured_exchange_s"] <= 2.0 + 4 * got["step_s"], got
-    assert got["auto_tau_after"] == got["expected_tau"] >= 40, got
+    assert 2.0 - got["step_s"] <= got["measured_exchange_s"] <= 2.0 + 2 * got["step_s"], got
+    assert got["auto_tau_after"] == got["expected_tau"] >= 39, got

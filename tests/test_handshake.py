@@ -1,4 +1,4 @@
-"""The join handshake of separately launched replicas (``megatron_diloco.handshake``): what must agree
+"""The join handshake of separately launched replicas (``megatron_diloco.megatron_adapter.handshake``): what must agree
 is compared, what may differ is not, and a difference is refused by every launch over a real TCP
 store, naming the flag and both values. (Two real Megatron launches refused:
 ``tests/test_separate_worlds.py::test_launches_that_disagree_are_refused_before_training``.)"""
@@ -13,8 +13,8 @@ import datetime
 import pytest
 import torch.distributed as dist
 
-from megatron_diloco.config import DiLoCoXConfig
-from megatron_diloco.handshake import describe_launch, differences, join_launches, shard_digest
+from megatron_diloco.algorithm.config import DiLoCoXConfig
+from megatron_diloco.megatron_adapter.handshake import describe_launch, differences, join_launches, shard_digest
 from tests.dist_utils import free_port
 
 #: per rank of a 2-rank launch: (param shape, start, size) of its fp32 main shards

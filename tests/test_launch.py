@@ -104,7 +104,7 @@ import torch.distributed as dist
 atexit.register(lambda: print("groups at teardown:", dist.is_initialized(), flush=True))
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
 dist.new_group(backend="gloo")  # like the outer groups and their gloo mirrors
-from megatron_diloco.integration import destroy_process_groups_at_exit
+from megatron_diloco.megatron_adapter.integration import destroy_process_groups_at_exit
 if sys.argv[1] == "registered":
     destroy_process_groups_at_exit()
     destroy_process_groups_at_exit()  # install() and the example may both call it: once is enough

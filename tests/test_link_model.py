@@ -161,8 +161,8 @@ def _exchanges(rank, world):
     loaded 2-core machine added ~0.35 s to 0.6 s exchanges once, past a fixed 0.3 s slack)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from megatron_diloco.collectives import start_exchange
-    from megatron_diloco.compression import get_codec
+    from megatron_diloco.algorithm.exchange import start_exchange
+    from megatron_diloco.algorithm.compression import get_codec
 
     link = link_model.install(MBPS, 500.0, replicas=2)  # 500 ms per hop, 1 MB/s
     group = dist.group.WORLD  # the outer group (None would mean a single replica)

@@ -97,26 +97,27 @@ def test_default_warmup_overlaps_a_tenth_of_its_rounds(tmp_path):
     """Megatron's and the package's defaults but H = 30 over 60 iterations: the auto warm-up is
     rounds of H0 = 10 for 20 steps (a third of the run), and its auto overlap H0 // 10 = 1: the
     exchange launched at 10 (as int2, the auto warm-up codec) lands at 11, the one at 20 (into a
-    round of H, as int4) at the auto tau. The shared outer state (theta, m) bit-identical at every
-    boundary, the params at the end, no cross-replica op between boundaries."""
+    round of H, as int4) at the auto tau; the run ends 10 steps into a round of 30, so the end of
+    training takes a last, shorter round at 60 (int4). The shared outer state (theta, m)
+    bit-identical at every boundary, the params at the end, no cross-replica op between boundaries."""
     recs, log = run_megatron(tmp_path, ["--train-iters", "60", "--diloco-x-local-steps", "30", *MEGATRON_DEFAULTS],
                              warmup=True)
     s = summary(log)
     assert (s["warmup_local_steps"], s["warmup_iters"], s["warmup_overlap_steps"]) == (10, 20, 1)
     assert (s["compression"], s["warmup_compression"]) == ("int4", "int2")  # as configured
-    assert s["rounds"] == 3 and s["replicas_identical"]
+    assert s["rounds"] == 4 and s["replicas_identical"]
     assert_final_params_identical(recs)
-    from megatron_diloco.compression.reference import payload_layout
+    from megatron_diloco.algorithm.compression.reference import payload_layout
 
     for rank, rec in enumerate(recs):
         # as used: the exchange launched at 10 (into a warm-up round) carried int2 payloads, the one
         # launched at 20 (into a round of H) int4: each rank's wire bytes, R - 1 = 1 payload of its shard,
-        # reported by the round it landed in (20 and 50)
+        # reported by the round it landed in (20 and 50; the one launched at 50 in the last round, 60)
         n = rec["outer"]["theta_numel"]
         sent = {m["step"]: m["bytes_sent"] for m in rec["rounds"]}
-        assert sent == {10: 0, 20: payload_layout(n, "int2").total_bytes, 50: payload_layout(n, "int4").total_bytes}, \
-            (rank, n, sent)
-        assert [b for b, _ in rec["boundary_identical"]] == [10, 20, 50], rank
+        int2, int4 = payload_layout(n, "int2").total_bytes, payload_layout(n, "int4").total_bytes
+        assert sent == {10: 0, 20: int2, 50: int4, 60: int4}, (rank, n, sent)
+        assert [b for b, _ in rec["boundary_identical"]] == [10, 20, 50, 60], rank
         assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
         outer = sorted(b for b, _, o in rec["step_ops"] if o)
         assert outer[:3] == [10, 11, 20] and 50 in outer, (rank, outer)  # after 20: landings at the auto tau

@@ -25,9 +25,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_diloco.config import DiLoCoXConfig
-from megatron_diloco.shard_view import ShardView, fingerprint
-from megatron_diloco.sync import OuterSync
+from megatron_diloco.algorithm.config import DiLoCoXConfig
+from megatron_diloco.algorithm.shard_view import ShardView, fingerprint
+from megatron_diloco.algorithm.sync import OuterSync
 from tests.dist_utils import free_port, run_world
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def _identical(tensors: list[torch.Tensor], group=None) -> bool:
 
 # ------------------------------------------------------------------ the flag and its default
 def test_outer_timeout_flag_default_rule_and_validation():
-    from megatron_diloco.arguments import add_diloco_x_args, config_from_args
+    from megatron_diloco.megatron_adapter.arguments import add_diloco_x_args, config_from_args
 
     parser = add_diloco_x_args(argparse.ArgumentParser())
     args = parser.parse_args(["--diloco-x", "--diloco-x-outer-timeout-minutes", "30"])
@@ -83,8 +83,8 @@ def _slowed_worker(rank: int, world: int, overlap: str, codec: str, derived: boo
     waits for it (skip decision, exchange) and must succeed. ``derived``: no flag; the bound comes
     from 4 x H x step time (8 s) while Megatron's --distributed-timeout-minutes (the floor) is 2 s,
     shorter than the exchanges: an exchange longer than the distributed timeout must pass."""
-    from megatron_diloco import sync as sync_mod
-    from megatron_diloco.sync import backstop_timeout_s
+    from megatron_diloco.algorithm import sync as sync_mod
+    from megatron_diloco.algorithm.bounds import backstop_timeout_s
 
     bound, delay, step_time = 8.0, (3.0 if derived else 1.0), 2.0
     timeouts = (dict(distributed_timeout_minutes=2.0 / 60) if derived else
@@ -139,7 +139,7 @@ def _scenario_stage_exchange(rank: int, world: int, event) -> None:
     """4 ranks = 2 replicas x 2 stages, blocking exchange; rank 3 (replica 1, stage 1) freezes in its
     round-2 exchange after the skip decision: rank 1 (its outer-group peer) must time out in the
     exchange, ranks 0 and 2 (the other stage) in the next round's skip decision."""
-    from megatron_diloco import sync as sync_mod
+    from megatron_diloco.algorithm import sync as sync_mod
 
     cfg = DiLoCoXConfig(compression="none", replicas=2, local_steps=1, outer_lr=0.7, outer_momentum=0.9, overlap="none",
                         outer_timeout_minutes=HEALTHY_BOUND_S / 60)
@@ -161,7 +161,7 @@ def _scenario_worker_frozen(rank: int, world: int, event) -> None:
     stops answering in round 2's exchange (it never returns); at round 3 both ranks must time out
     waiting for it and exit, although rank 1's worker is still busy (rank 0's waits in a gloo
     all-gather until the same deadline)."""
-    from megatron_diloco.topology import host_mirror_of_outer_groups
+    from megatron_diloco.megatron_adapter.topology import host_mirror_of_outer_groups
 
     cfg = DiLoCoXConfig(replicas=2, local_steps=1, overlap="delayed", compression="lowrank", rank=2,
                         outer_timeout_minutes=HEALTHY_BOUND_S / 60)
@@ -189,7 +189,7 @@ def _scenario_checkpoint(rank: int, world: int, event, out_dir: Path) -> None:
     """2 replicas, delayed int8: a checkpoint after round 1; rank 1 freezes in round 2's exchange;
     rank 0's checkpoint after round 2 (which completes the exchange in flight) must raise before
     writing anything, leaving round 1's checkpoint the last one."""
-    from megatron_diloco import sync as sync_mod
+    from megatron_diloco.algorithm import sync as sync_mod
 
     cfg = DiLoCoXConfig(replicas=2, local_steps=1, overlap="delayed", compression="int8",
                         outer_timeout_minutes=HEALTHY_BOUND_S / 60)
@@ -352,7 +352,7 @@ def _one_stage_nan_worker(rank: int, world: int, overlap: str, codec: str, expli
     outer = groups[rank % 2]
     kwargs = {}
     if explicit:  # as install() wires it: the topology's gloo group over the world
-        from megatron_diloco.topology import decision_group_of_world
+        from megatron_diloco.megatron_adapter.topology import decision_group_of_world
 
         kwargs["decision_group"] = decision_group_of_world()
     cfg = DiLoCoXConfig(replicas=2, local_steps=1, outer_lr=0.5, outer_momentum=0.9, overlap=overlap,

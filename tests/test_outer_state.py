@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_diloco.config import DiLoCoXConfig
-from megatron_diloco.outer_store import CHUNK_ALIGN, SLOTS, OuterStore, chunk_elements
+from megatron_diloco.algorithm.config import DiLoCoXConfig
+from megatron_diloco.algorithm.outer_store import CHUNK_ALIGN, SLOTS, OuterStore, chunk_elements
 from tests.dist_utils import run_world
 from tests.outer_state_cases import compare_layouts
 

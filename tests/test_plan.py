@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_diloco.collectives import ring_allreduce_bytes
-from megatron_diloco.compression import get_codec
-from megatron_diloco.outer_store import SLOTS
+from megatron_diloco.algorithm.link import ring_allreduce_bytes
+from megatron_diloco.algorithm.compression import get_codec
+from megatron_diloco.algorithm.outer_store import SLOTS
 import megatron_diloco.plan as plan_mod
 from megatron_diloco.plan import PlanConfig, blockwise_payload_bytes, main, plan
 
@@ -155,7 +155,7 @@ def test_warmup_exposed_time():
     assert off.warmup == (None, 0) and off.warmup_overlap_steps == 0 and off.warmup_exposed_s == 0.0
     # --warmup-codec int2 (int8's codec): the warm-up's exchanges but the last carry int2 payloads,
     # a quarter of the bytes but the scales
-    from megatron_diloco.compression.reference import payload_layout
+    from megatron_diloco.algorithm.compression.reference import payload_layout
 
     shard = int(auto.shard_params)
     quarter = payload_layout(shard, "int2").total_bytes / payload_layout(shard, "int8").total_bytes

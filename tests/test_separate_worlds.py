@@ -85,7 +85,7 @@ def test_separate_worlds_train_as_one_world(tmp_path, flags):
 def test_launches_that_disagree_are_refused_before_training(tmp_path, flag, values):
     """Two launches joined through one store with one flag apart: both stop before their first
     iteration, each naming the flag, its own value and the other replica's (the join handshake,
-    megatron_diloco.handshake; before it, nothing compared the launches' flags)."""
+    megatron_diloco.megatron_adapter.handshake; before it, nothing compared the launches' flags)."""
     base = [*TINY, "--pipeline-model-parallel-size", "1", "--diloco-x-local-steps", "4",
             "--global-batch-size", "4", *(["--train-iters", "8"] if flag != "--train-iters" else [])]
     store = f"127.0.0.1:{free_port()}"

@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_diloco.config import DiLoCoXConfig
-from megatron_diloco.outer import OuterNesterov
-from megatron_diloco.shard_view import ShardView, fingerprint
-from megatron_diloco.sync import OuterSync
+from megatron_diloco.algorithm.schedule import RoundSchedule
+from megatron_diloco.algorithm.config import DiLoCoXConfig
+from megatron_diloco.algorithm.outer import OuterNesterov
+from megatron_diloco.algorithm.shard_view import ShardView, fingerprint
+from megatron_diloco.algorithm.sync import OuterSync
 from tests.dist_utils import run_world
 
 H, ROUNDS = 3, 5
@@ -235,7 +236,7 @@ def test_state_dict_roundtrip_with_pending():
 
 
 def _compressed_worker(rank, world, codec, overlap):
-    from megatron_diloco.compression.reference import dequantize_reference, payload_layout
+    from megatron_diloco.algorithm.compression.reference import dequantize_reference, payload_layout
 
     cfg = DiLoCoXConfig(replicas=world, local_steps=1, outer_lr=0.7, outer_momentum=0.9,
                         overlap=overlap, compression=codec)
@@ -299,7 +300,7 @@ def _warmup_codec_worker(rank, world, overlap):
     """--diloco-x-warmup-compression int2 with int4: H0 2 for 4 steps, then H 4 (boundaries at 2, 4,
     8, 12). The exchange launched at 2 (into a warm-up round) goes as int2, those launched at 4 (into
     a round of H), 8 and 12 as int4; the two codecs share the residual."""
-    from megatron_diloco.compression.reference import dequantize_reference, payload_layout
+    from megatron_diloco.algorithm.compression.reference import dequantize_reference, payload_layout
 
     cfg = DiLoCoXConfig(replicas=world, local_steps=4, warmup_local_steps=2, warmup_iters=4, outer_lr=0.7,
                         outer_momentum=0.9, overlap=overlap, compression="int4", warmup_compression="int2",
@@ -320,7 +321,7 @@ def _warmup_codec_worker(rank, world, overlap):
     for step in range(1, 13):
         torch.manual_seed(100 * step + rank)
         x.sub_(0.01 * torch.randn(n))  # replica-specific local progress
-        since = cfg.steps_since_boundary(step)
+        since = RoundSchedule(cfg).steps_since_boundary(step)
         if since:
             if sync.merge_due(since):
                 sync.merge()
@@ -328,7 +329,7 @@ def _warmup_codec_worker(rank, world, overlap):
         pg = sync.theta - x
         pg_sum += pg.double()
         v_abs_sum += (pg + sync.residual).double().abs()
-        sync.set_step_time(0.01, next_round_steps=cfg.round_steps(step))
+        sync.set_step_time(0.01, next_round_steps=RoundSchedule(cfg).round_steps(step))
         report = sync.boundary()
         assert not report.skipped
         sent_bytes.append(report.launched.payload_bytes)
@@ -434,8 +435,9 @@ def _worker_thread_exchange(rank, world, codec_name, device):
     host staging over the gloo group) vs ``codec.exchange`` run on this thread with the plain gloo
     all-gather of host copies: the same bits every round (mean, residual), the residual's squared
     norm in the stats, the replicas identical; the caller's current device and RNG untouched."""
-    from megatron_diloco.collectives import DaemonWorker, start_exchange
-    from megatron_diloco.compression import get_codec
+    from megatron_diloco.algorithm.exchange import start_exchange
+    from megatron_diloco.algorithm.worker import DaemonWorker
+    from megatron_diloco.algorithm.compression import get_codec
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -532,7 +534,7 @@ def test_adaptive_budget_from_measured_or_given_link(bandwidth):
 
 
 def _mirror_worker(rank, world):
-    from megatron_diloco.topology import host_mirror_of_outer_groups
+    from megatron_diloco.megatron_adapter.topology import host_mirror_of_outer_groups
 
     group = host_mirror_of_outer_groups(2)  # replicas {0,1} and {2,3}: outer groups {0,2}, {1,3}
     assert dist.get_backend(group) == "gloo"
@@ -550,7 +552,7 @@ def test_host_mirror_of_outer_groups():
 def _host_none_worker(rank, world):
     from unittest import mock
 
-    from megatron_diloco.topology import host_mirror_of_outer_groups
+    from megatron_diloco.megatron_adapter.topology import host_mirror_of_outer_groups
 
     mirror = host_mirror_of_outer_groups(2)  # outer groups {0,2}, {1,3}
     outer = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]  # every rank creates both
@@ -587,8 +589,9 @@ def test_apply_is_wait_then_outer_step_and_fuses_the_decode(name, nesterov, mome
     ``outer.step(handle.wait())`` for every kind of codec (all-reduce, all-gather, worker thread),
     and for the all-gather codecs hands the outer step to the codec's decode (on a GPU the fused
     Triton decode + outer kernel; on CPU the reference) instead of materializing the mean first."""
-    from megatron_diloco.collectives import DaemonWorker, start_exchange
-    from megatron_diloco.compression import get_codec
+    from megatron_diloco.algorithm.exchange import start_exchange
+    from megatron_diloco.algorithm.worker import DaemonWorker
+    from megatron_diloco.algorithm.compression import get_codec
 
     torch.manual_seed(0)
     layout = [(0, (48, 40)), (48 * 40, (100,))]
@@ -768,7 +771,7 @@ def test_partial_exact_at_tau_h_is_full_eager():
 def test_partial_auto_overlap_steps_hides_the_last_exchange():
     """auto tau: the fewest inner steps (>= 1, <= H) covering the last exchange, from its wire bytes
     at the link bandwidth when known, else its measured duration; H before anything is measured."""
-    from megatron_diloco.collectives import ExchangeStats
+    from megatron_diloco.algorithm.exchange import ExchangeStats
 
     cfg = DiLoCoXConfig(compression="none", replicas=1, local_steps=10, overlap="partial")
     sync = OuterSync(ShardView([torch.zeros(8)]), cfg, None)
@@ -834,7 +837,7 @@ def test_checkpoint_keeps_what_auto_tau_is_sized_from():
     holds the step time and the last exchange's bytes and duration (else a resume chose H, or 1
     after a restored in-flight exchange, whose stats are empty), and applying a restored exchange
     does not replace them."""
-    from megatron_diloco.collectives import ExchangeHandle, ExchangeStats
+    from megatron_diloco.algorithm.exchange import ExchangeHandle, ExchangeStats
 
     cfg = DiLoCoXConfig(compression="none", replicas=1, local_steps=10, overlap="partial")
     sync = OuterSync(ShardView([torch.zeros(8)]), cfg, None)
@@ -858,7 +861,7 @@ def test_partial_warmup_rounds_block(fixed_tau):
     """A boundary that starts a warm-up round (shorter than H) launches with tau = 0, auto or fixed;
     one that starts a round of H gets auto tau (the exchange's 0.35 s over 0.1 s steps: 4) or the
     fixed tau. A warm-up with H0 = H is no warm-up."""
-    from megatron_diloco.collectives import ExchangeStats
+    from megatron_diloco.algorithm.exchange import ExchangeStats
 
     cfg = DiLoCoXConfig(compression="none", replicas=1, local_steps=10, overlap="partial",
                         warmup_local_steps=2, warmup_iters=4, overlap_steps=fixed_tau)
@@ -881,7 +884,7 @@ def test_partial_warmup_overlap_is_capped(fixed_tau):
     """``--diloco-x-warmup-overlap-steps 2``: a boundary that starts a warm-up round launches with
     the smaller of 2 and the tau the rounds of H take (auto: the exchange's 0.35 s over 0.1 s steps,
     4; or the fixed tau); H0 while nothing is measured is capped too. Rounds of H are not capped."""
-    from megatron_diloco.collectives import ExchangeStats
+    from megatron_diloco.algorithm.exchange import ExchangeStats
 
     cfg = DiLoCoXConfig(compression="none", replicas=1, local_steps=10, overlap="partial",
                         warmup_local_steps=5, warmup_iters=10, warmup_overlap_steps=2, overlap_steps=fixed_tau)
@@ -966,7 +969,7 @@ def test_partial_flags_validated(kwargs, flag):
 
 # ------------------------------------------------------------------ theta agreement per boundary
 def _diverged_theta_worker(rank: int, world: int, overlap: str, codec: str, where: str, decision: str) -> None:
-    from megatron_diloco.sync import ReplicasDivergedError
+    from megatron_diloco.algorithm.decision import ReplicasDivergedError
 
     # 2 replicas {0, 1}, {2, 3} x 2 shards: outer groups {0, 2} and {1, 3}
     outer = [dist.new_group([0, 2], backend="gloo"), dist.new_group([1, 3], backend="gloo")][rank % 2]

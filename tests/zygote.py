@@ -45,7 +45,7 @@ def _preload() -> None:
 
     for name in ("megatron.core.models.gpt.gpt_layer_specs", "megatron.training.training",
                  "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.core.datasets.gpt_dataset",
-                 "megatron_diloco.integration", "stdlib_corpus", "benchmarks.common.harness",
+                 "megatron_diloco.megatron_adapter.integration", "stdlib_corpus", "benchmarks.common.harness",
                  "tests.recorders"):  # what the example, the harness and the tests' recorders import
         importlib.import_module(name)
 

@@ -33,8 +33,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from megatron_diloco.compression import AdaptivePolicy, get_codec  # noqa: E402
-from megatron_diloco.compression.lowrank import LowRankCodec  # noqa: E402
+from megatron_diloco.algorithm.compression import AdaptivePolicy, get_codec  # noqa: E402
+from megatron_diloco.algorithm.compression.lowrank import LowRankCodec  # noqa: E402
 
 HIDDEN, FFN, VOCAB, SEQ = 768, 3072, 256, 1024
 #: geometric singular-value decay per matrix kind (energy 0.9 at rank ~ ln(0.1) / (2 ln d), plus noise)

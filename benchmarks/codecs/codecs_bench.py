@@ -40,7 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from megatron_diloco.compression import AdaptivePolicy, get_codec  # noqa: E402
+from megatron_diloco.algorithm.compression import AdaptivePolicy, get_codec  # noqa: E402
 
 #: (label, get_codec name, kwargs for get_codec, description)
 CODEC_SPECS = [

@@ -28,9 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from megatron_diloco.compression import reference as ref  # noqa: E402
-from megatron_diloco.compression import triton_kernels as tk  # noqa: E402
-from megatron_diloco.outer import OuterNesterov  # noqa: E402
+from megatron_diloco.algorithm.compression import reference as ref  # noqa: E402
+from megatron_diloco.algorithm.compression import triton_kernels as tk  # noqa: E402
+from megatron_diloco.algorithm.outer import OuterNesterov  # noqa: E402
 
 
 def _bench(fn, device: torch.device, reps: int) -> float:

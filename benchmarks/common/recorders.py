@@ -18,7 +18,7 @@ Each writes its keys into the rank's record ``rank{R}.json``; what they hold:
   ``host_hwm_bytes`` (this process's resident set at the end / its high-water mark, from
   ``/proc/self/status``), ``outer_host_bytes`` / ``outer_staging_bytes`` (with ``--diloco-x``: the
   outer state kept in host memory and the device staging buffers,
-  ``megatron_diloco.outer_store.OuterStore``);
+  ``megatron_diloco.algorithm.outer_store.OuterStore``);
 * ``rounds``: with ``--diloco-x``, this rank's per-boundary metrics (bytes, exchange and exposed
   seconds, ...), as logged in the ``[DiLoCoX] round`` lines;
 * ``boundary_check``: ``boundary_identical``: after every DiLoCoX boundary, ``[step, replicas
@@ -104,7 +104,7 @@ class TimersRecorder(Recorder):
             rec["iter_s"].append(time.perf_counter() - t0)
             return out
 
-        from megatron_diloco.optimizer import DiLoCoXOptimizer
+        from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
 
         inner_s = [0.0]  # the last inner step's wall time
 
@@ -172,7 +172,7 @@ class MemoryRecorder(Recorder):
         import megatron.training.training as training
         import torch
 
-        from megatron_diloco.optimizer import DiLoCoXOptimizer
+        from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
 
         rec = self.record
 
@@ -202,7 +202,7 @@ class RoundsRecorder(Recorder):
     keys = ("rounds",)
 
     def install(self) -> None:
-        from megatron_diloco import integration
+        from megatron_diloco.megatron_adapter import integration
 
         @wrap(integration._Installation, "log_round")
         def log_round(orig, inst, m):
@@ -222,12 +222,12 @@ class BoundaryCheckRecorder(Recorder):
         record["boundary_identical"] = []
 
     def install(self) -> None:
-        from megatron_diloco.optimizer import DiLoCoXOptimizer
+        from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
 
         @wrap(DiLoCoXOptimizer, "step")
         def step(orig, opt):
             out = orig(opt)
-            if opt.diloco_config.steps_since_boundary(opt.step_calls) == 0:  # H, or H0 in a warm-up
+            if opt.sync.schedule.steps_since_boundary(opt.step_calls) == 0:  # H, or H0 in a warm-up
                 self.record["boundary_identical"].append([opt.step_calls, opt.replicas_identical()])
             return out
 
@@ -311,7 +311,7 @@ class LinkRecorder(Recorder):
     def install(self) -> None:
         import megatron.training.training as training
 
-        from megatron_diloco import integration  # noqa: F401  (imported before the install rebinds)
+        from megatron_diloco.megatron_adapter import integration  # noqa: F401  (imported before the install rebinds)
 
         from . import link_model
 
@@ -427,7 +427,7 @@ class WanRecorder(Recorder):
         return wrapper
 
     def timed_boundary(self, fn, record_report: bool = False):
-        from megatron_diloco.collectives import ExchangeStats
+        from megatron_diloco.algorithm.exchange import ExchangeStats
 
         acc, depth = self.acc, self.depth
 
@@ -460,8 +460,8 @@ class WanRecorder(Recorder):
         import torch.distributed as dist
         from megatron.core.distributed import param_and_grad_buffer as pgb
 
-        import megatron_diloco.optimizer as dx_opt
-        import megatron_diloco.sync as dx_sync
+        import megatron_diloco.megatron_adapter.optimizer as dx_opt
+        import megatron_diloco.algorithm.sync as dx_sync
 
         rec, acc = self.record, self.acc
         for name in _COLLECTIVES:
@@ -581,8 +581,8 @@ class CodecCaptureRecorder(Recorder):
         import torch
         import torch.distributed as dist
 
-        from megatron_diloco.optimizer import DiLoCoXOptimizer
-        from megatron_diloco.sync import OuterSync
+        from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
+        from megatron_diloco.algorithm.sync import OuterSync
 
         cfg = self.config
         owner: dict[int, DiLoCoXOptimizer] = {}  # id(OuterSync) -> its optimizer

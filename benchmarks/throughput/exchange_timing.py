@@ -39,9 +39,9 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script: the package and the benchmarks from this checkout
     sys.path.insert(0, str(REPO))
 
-from megatron_diloco import sync as sync_module  # noqa: E402
-from megatron_diloco.config import DiLoCoXConfig  # noqa: E402
-from megatron_diloco.shard_view import ShardView  # noqa: E402
+from megatron_diloco.algorithm import sync as sync_module  # noqa: E402
+from megatron_diloco.algorithm.config import DiLoCoXConfig  # noqa: E402
+from megatron_diloco.algorithm.shard_view import ShardView  # noqa: E402
 
 
 def delayed_launch_case(rank: int, world: int, delay_s: float, step_s: float, local_steps: int,

@@ -86,7 +86,7 @@ BENCH = REPO / "benchmarks"
 sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled
 from benchmarks.common import netns  # noqa: E402
 from benchmarks.common.runner import Command, Job, harness_command, load_ranks, run_job, summary_of  # noqa: E402
-from megatron_diloco.arguments import resolve_warmup  # noqa: E402
+from megatron_diloco.megatron_adapter.arguments import resolve_warmup  # noqa: E402
 
 METHODS = ("allreduce", "allreduce-distopt", "diloco", "dilocox", "dilocox-warmup", "dilocox-adaptive")
 DEFAULT_METHODS = ("allreduce", "allreduce-distopt", "diloco", "dilocox", "dilocox-warmup")

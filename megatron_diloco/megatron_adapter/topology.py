@@ -38,7 +38,7 @@ class Topology:
     """A gloo group over every rank of the world (all replicas, all stages and shards): carries the
     one MAX all-reduce per boundary that decides, for the whole model, whether the round is skipped
     (a NaN/Inf pseudo-gradient anywhere), agrees on tau and compares theta's fingerprints across
-    replicas (:meth:`megatron_diloco.sync.OuterSync._any_rank_nonfinite`); see :func:`decision_group_of_world`. With replicas
+    replicas (:class:`megatron_diloco.algorithm.decision.BoundaryDecision`); see :func:`decision_group_of_world`. With replicas
     in separate worlds (:func:`from_outer_store`): the replica's world group, then the outer group
     (a MAX over both reaches every rank of every replica)."""
     separate_worlds: bool = False
@@ -49,7 +49,7 @@ class Topology:
 def host_mirror_of_outer_groups(replicas: int) -> dist.ProcessGroup | None:
     """Create a gloo group for every outer group (collective over the world: every rank must call
     this, once, at the same point) and return this rank's. Its timeout is set by
-    :class:`megatron_diloco.sync.OuterSync` (``--diloco-x-outer-timeout-minutes``).
+    :class:`megatron_diloco.algorithm.sync.OuterSync` (``--diloco-x-outer-timeout-minutes``).
 
     Why: an exchange run on a worker thread that issued NCCL collectives would enqueue kernels that
     wait for the peer replicas on the same GPU as the training loop's own NCCL kernels (intra-replica
@@ -77,7 +77,7 @@ def decision_group_of_world() -> dist.ProcessGroup:
     stage's or shard's pseudo-gradient skips the round on every rank, else stages of one model would
     diverge), so it crosses replicas and stages; on gloo it reads a host float (no device sync, no
     NCCL communicator, no kernel queued behind the training loop's), and it has its own timeout
-    (``--diloco-x-outer-timeout-minutes``, set by :class:`megatron_diloco.sync.OuterSync`) instead
+    (``--diloco-x-outer-timeout-minutes``, set by :class:`megatron_diloco.algorithm.sync.OuterSync`) instead
     of Megatron's default group's."""
     return dist.new_group(backend="gloo")
 
@@ -150,13 +150,13 @@ def from_outer_store(replicas: int, replica_index: int, address: str, timeout_mi
     exist; every replica must use the same TP/PP/DP layout.
 
     Outer group k: a gloo group over rank k of every replica (CPU tensors; GPU shards travel as host
-    copies, :func:`megatron_diloco.collectives.start_exchange`); its position = ``replica_index``.
+    copies, :func:`megatron_diloco.algorithm.exchange.start_exchange`); its position = ``replica_index``.
     The skip decision reduces over the replica's world (gloo) and then the outer group. Ranks in
     errors are numbered ``replica_index x world + rank``.
 
-    ``description``: what must agree across the launches (:func:`megatron_diloco.handshake.describe_launch`,
+    ``description``: what must agree across the launches (:func:`megatron_diloco.megatron_adapter.handshake.describe_launch`,
     the same on every rank of this launch): compared with every other launch's through the store
-    before any group is built (:func:`megatron_diloco.handshake.join_launches`); a difference raises
+    before any group is built (:func:`megatron_diloco.megatron_adapter.handshake.join_launches`); a difference raises
     ``ValueError`` naming the flag and both values, on every rank of every launch.
 
     ``worker_group``: also a second gloo group over the same ranks (its own store prefix) for the
@@ -174,7 +174,7 @@ def from_outer_store(replicas: int, replica_index: int, address: str, timeout_mi
     store = dist.TCPStore(host, int(port), replicas * world, is_master=(replica_index == 0 and rank == 0),
                           timeout=timeout, wait_for_workers=False)
     if description is not None:
-        from megatron_diloco.handshake import join_launches
+        from megatron_diloco.megatron_adapter.handshake import join_launches
 
         join_launches(store, replica_index, replicas, rank, description, address, timeout.total_seconds())
     outer = None

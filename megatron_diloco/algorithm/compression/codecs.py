@@ -5,9 +5,9 @@ Every codec has ``exchange(residual, allgather, *, anchor, x | pseudo_grad, out,
 encode with error feedback, all-gather the payloads over the outer group, decode in replica order
 (so every rank gets the same bits), and ``payload_bytes()`` (bytes one replica sends per round).
 The blockwise codecs (``int8``, ``int4``, ``fp8``) also expose the two halves, ``encode`` and
-``decode(..., outer=)``, which :func:`megatron_diloco.collectives.start_exchange` runs around one
+``decode(..., outer=)``, which :func:`megatron_diloco.algorithm.exchange.start_exchange` runs around one
 asynchronous all-gather (the decode fused with the outer step). Training sends ``none`` as an fp32
-all-reduce (:data:`megatron_diloco.config.CODECS`); :class:`RawCodec`'s own ``exchange`` is the
+all-reduce (:data:`megatron_diloco.algorithm.config.CODECS`); :class:`RawCodec`'s own ``exchange`` is the
 all-gather form of the same mean, for the codec-level tests and benchmarks.
 """
 
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron_diloco.compression import reference as ref
-from megatron_diloco.config import CODECS
-from megatron_diloco.compression import triton_kernels as tk
-from megatron_diloco.compression.lowrank import AllGather, Layout, LowRankCodec
-from megatron_diloco.compression.policy import AdaptivePolicy
+from megatron_diloco.algorithm.compression import reference as ref
+from megatron_diloco.algorithm.config import CODECS
+from megatron_diloco.algorithm.compression import triton_kernels as tk
+from megatron_diloco.algorithm.compression.lowrank import AllGather, Layout, LowRankCodec
+from megatron_diloco.algorithm.compression.policy import AdaptivePolicy
 
 
 def has_nonfinite(bucket: torch.Tensor) -> bool:
@@ -107,7 +107,7 @@ class BlockwiseCodec:
         payload = self.encode(residual, **pg)
         return self.decode(allgather(payload), residual.numel(), out=out, outer=outer)
 
-    # ---- one chunk [lo, hi) of a bucket of ``numel`` elements (megatron_diloco.outer_store) ----
+    # ---- one chunk [lo, hi) of a bucket of ``numel`` elements (megatron_diloco.algorithm.outer_store) ----
     def _chunk_bytes(self, numel: int, lo: int, hi: int) -> tuple[ref.PayloadLayout, ref.PayloadLayout,
                                                                     slice, slice, slice, slice]:
         """(full layout, chunk layout, then the byte ranges of the chunk's scales and values in the

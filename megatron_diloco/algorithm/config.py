@@ -19,7 +19,7 @@ OUTER_STATES: tuple[str, ...] = ("gpu", "cpu")
 @dataclasses.dataclass(frozen=True)
 class CodecSpec:
     """What the rest of the package needs to know about one ``--diloco-x-compression`` value (the
-    codec objects themselves: :func:`megatron_diloco.compression.get_codec`)."""
+    codec objects themselves: :func:`megatron_diloco.algorithm.compression.get_codec`)."""
 
     name: str
     lossy: bool
@@ -80,7 +80,7 @@ class DiLoCoXConfig:
     warmup_local_steps: int | None = None
     """H0: the round length during the first :attr:`warmup_iters` inner steps
     (``--diloco-x-warmup-local-steps``, 1 <= H0 <= H; None: no warm-up, this dataclass's default; the
-    command line's default is the auto warm-up, :func:`megatron_diloco.arguments.resolve_warmup`,
+    command line's default is the auto warm-up, :func:`megatron_diloco.megatron_adapter.arguments.resolve_warmup`,
     which depends on ``--train-iters``). Short rounds early, where
     DiLoCo's gap to AllReduce forms (benchmarks/RESULTS.md §2.1), then H. With ``partial``, rounds
     shorter than H overlap at most :attr:`warmup_overlap_steps` inner steps (0 blocks): the exchange
@@ -95,14 +95,14 @@ class DiLoCoXConfig:
     (``--diloco-x-warmup-overlap-steps``, 0 <= tau_w <= H0). Such a round's tau is the smaller of this
     and the tau the rounds of H would take over H0 steps (:attr:`overlap_steps`, auto by default);
     0 (this dataclass's default) blocks. The command line's default is ``auto``, H0 // 10
-    (:func:`megatron_diloco.arguments.resolve_warmup_overlap`): a few steps of a ten-step round are a
+    (:func:`megatron_diloco.megatron_adapter.arguments.resolve_warmup_overlap`): a few steps of a ten-step round are a
     large share of it, 1 cost +0.09% loss for 30% less exposed time, 2 +0.44%, 4 the warm-up's whole
     gain (benchmarks/RESULTS.md §2.1)."""
 
     warmup_compression: str | None = None
     """The codec of the exchanges launched into a warm-up round (``--diloco-x-warmup-compression``;
     None: :attr:`compression`'s, this dataclass's default; the command line's default is ``auto``,
-    int2 under int4 with a warm-up, :func:`megatron_diloco.arguments.resolve_warmup_compression`). A
+    int2 under int4 with a warm-up, :func:`megatron_diloco.megatron_adapter.arguments.resolve_warmup_compression`). A
     blockwise codec, with a blockwise :attr:`compression`: the two share the error-feedback residual,
     so what the warm-up's coarser payload did not send goes out with the next rounds. The exchange
     launched at the warm-up's last boundary hides behind a round of H and takes :attr:`compression`.
@@ -112,7 +112,7 @@ class DiLoCoXConfig:
     warmup_auto: bool = False
     """Whether the warm-up came from the command line's ``auto`` (it depends on ``--train-iters``):
     a resume then keeps the schedule its checkpoint was trained with
-    (:meth:`megatron_diloco.optimizer.DiLoCoXOptimizer.load_state_dict`)."""
+    (:meth:`megatron_diloco.megatron_adapter.optimizer.DiLoCoXOptimizer.load_state_dict`)."""
 
     outer_lr: float = 1.0
     """eta: outer learning rate applied to the averaged pseudo-gradient. 1.0 with mu = 0 makes the
@@ -136,7 +136,7 @@ class DiLoCoXConfig:
     DiLoCoX's one-step-delay overlap, round t's exchange runs during round t+1 and is applied one
     round late, every replica restarting from the shared theta. ``none``: plain DiLoCo, the exchange
     blocks at every boundary. ``eager``: ``delayed`` plus each replica's own fresh pseudo-gradient
-    applied at once as a look-ahead (Kale et al. 2025; see :mod:`megatron_diloco.sync`)."""
+    applied at once as a look-ahead (Kale et al. 2025; see :mod:`megatron_diloco.algorithm.sync`)."""
 
     overlap_steps: int | None = None
     """``partial`` only: tau, the inner steps between a boundary and the application of the exchange
@@ -358,21 +358,10 @@ class DiLoCoXConfig:
         if not (0.0 < self.outer_chunk_mb < float("inf")):
             raise ValueError(f"--diloco-x-outer-chunk-mb must be a finite number > 0, got {self.outer_chunk_mb!r}")
 
-    def steps_since_boundary(self, steps: int) -> int:
-        """Inner steps since the last boundary after ``steps`` inner steps (0: ``steps`` ends a round,
-        or is 0): rounds of H0 during the warm-up, then of H. (Validation makes W > 0 exactly when
-        H0 is set.)"""
-        w = self.warmup_iters
-        return steps % self.warmup_local_steps if w and steps <= w else (steps - w) % self.local_steps
-
     def schedule(self) -> dict[str, int | None]:
         """The round schedule (H, H0, W): what a checkpoint records, so that a resume can keep it."""
         return {"local_steps": self.local_steps, "warmup_local_steps": self.warmup_local_steps,
                 "warmup_iters": self.warmup_iters}
-
-    def round_steps(self, steps: int) -> int:
-        """Inner steps of the round that starts after ``steps`` inner steps (at a boundary)."""
-        return self.warmup_local_steps if steps < self.warmup_iters else self.local_steps
 
     @property
     def exchanges_on_host_mirror(self) -> bool:

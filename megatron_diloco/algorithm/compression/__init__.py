@@ -9,12 +9,12 @@ Modules, one concept each:
 * :mod:`.codecs`: the codec objects behind ``--diloco-x-compression`` (:func:`get_codec`).
 """
 
-from megatron_diloco.compression.codecs import (
+from megatron_diloco.algorithm.compression.codecs import (
     AdaptiveCodec, BlockwiseCodec, RawCodec, get_codec, has_nonfinite,
 )
-from megatron_diloco.compression.lowrank import LowRankCodec
-from megatron_diloco.compression.policy import AdaptivePolicy, byte_budget
-from megatron_diloco.compression.reference import has_nonfinite_scales, payload_layout
+from megatron_diloco.algorithm.compression.lowrank import LowRankCodec
+from megatron_diloco.algorithm.compression.policy import AdaptivePolicy, byte_budget
+from megatron_diloco.algorithm.compression.reference import has_nonfinite_scales, payload_layout
 
 __all__ = [
     "AdaptiveCodec", "AdaptivePolicy", "BlockwiseCodec", "LowRankCodec", "RawCodec",

@@ -38,8 +38,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from megatron_diloco.compression import reference as ref
-from megatron_diloco.compression.lowrank import init_basis, lowrank_pays_off, matrix_shape
+from megatron_diloco.algorithm.compression import reference as ref
+from megatron_diloco.algorithm.compression.lowrank import init_basis, lowrank_pays_off, matrix_shape
 
 logger = logging.getLogger(__name__)
 

@@ -2,15 +2,15 @@
 
 The outer group holds R ranks, one per replica, that own the same parameter shard. One entry point,
 :func:`start_exchange`, launches a round's exchange for every codec of
-:data:`megatron_diloco.config.CODECS`; how the payload crosses the group follows the codec's entry
+:data:`megatron_diloco.algorithm.config.CODECS`; how the payload crosses the group follows the codec's entry
 there:
 
 * ``all-reduce`` (``none``): one asynchronous fp32 all-reduce (SUM, then a division by R that every
   rank does identically), so every replica receives the same bits;
-* ``all-gather`` (blockwise ``int8``/``int4``/``fp8``): encode with error feedback, one asynchronous
-  all-gather of the payloads, every rank decodes the R payloads in replica order;
+* ``all-gather`` (blockwise ``int8``/``int4``/``fp8``/``int2``): encode with error feedback, one
+  asynchronous all-gather of the payloads, every rank decodes the R payloads in replica order;
 * ``matrix`` codecs (low-rank, adaptive: several dependent collectives per round) run the codec's
-  own ``exchange`` on a worker thread (:class:`DaemonWorker`).
+  own ``exchange`` on a worker thread (:class:`megatron_diloco.algorithm.worker.DaemonWorker`).
 
 The returned :class:`ExchangeHandle` is completed with :meth:`~ExchangeHandle.wait` (the mean in the
 buffer) or :meth:`~ExchangeHandle.apply` (straight into the outer step, fused with the decode where
@@ -19,24 +19,20 @@ the codec has a fused kernel).
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures
 import dataclasses
-import queue
-import threading
 import time
-import weakref
-
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_diloco.config import CODECS
-from megatron_diloco.outer_store import OuterStore
+from megatron_diloco.algorithm.config import CODECS
+from megatron_diloco.algorithm.link import host_copy, wait_within, wire_bytes
+from megatron_diloco.algorithm.outer_store import OuterStore
+from megatron_diloco.algorithm.worker import DaemonWorker, ThreadWork, worker_lane
 
 if TYPE_CHECKING:
-    from megatron_diloco.outer import OuterNesterov
+    from megatron_diloco.algorithm.outer import OuterNesterov
 
 
 @dataclasses.dataclass
@@ -60,97 +56,6 @@ class ExchangeStats:
     """Wall time from launch until the collective completed (the link time, overlapped or not)."""
     exposed_s: float = 0.0
     """Wall time the training loop waited for it (the part not hidden under compute)."""
-
-
-def wire_bytes(collective: str, payload_bytes: int, group_size: int) -> int:
-    """Bytes each rank sends (and receives) to exchange one ``payload_bytes`` payload over a group of
-    ``group_size``: ``all-reduce`` (ring), or ``all-gather`` (R-1 payloads out, R-1 in)."""
-    if collective == "all-reduce":
-        return ring_allreduce_bytes(payload_bytes, group_size)
-    return max(0, group_size - 1) * payload_bytes
-
-
-def ring_allreduce_bytes(payload_bytes: int, group_size: int) -> int:
-    """Bytes each rank sends (and receives) in a ring all-reduce of ``payload_bytes``."""
-    if group_size <= 1:
-        return 0
-    return 2 * (group_size - 1) * payload_bytes // group_size
-
-
-def wait_within(work, deadline: float | None) -> None:
-    """Wait for ``work`` (a ``dist.Work``, or anything with ``is_completed()`` and ``wait()``) to
-    complete, but not past ``deadline`` (a ``time.perf_counter()`` value; None: unbounded).
-
-    Polls ``is_completed()`` (sleeping 0.1 ms, doubling up to 10 ms) and raises ``TimeoutError`` once
-    the deadline passes; then ``wait()``, which re-raises the backend's own error (a gloo timeout, a
-    closed connection) and, for NCCL, makes the current stream wait for the collective. The host
-    returns once the collective itself completed (NCCL: its end event on the communicator's stream;
-    never a sync of the caller's stream). Polling works the same on every backend:
-    ``Work.wait(timeout)`` returns at once on NCCL (it only orders the current stream) and, on
-    expiry, may abort the communicator instead of returning to the caller.
-    """
-    pause = 1e-4
-    while not work.is_completed():
-        if deadline is not None:
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                raise TimeoutError("did not complete before its deadline")
-            time.sleep(min(pause, left))
-        else:
-            time.sleep(pause)
-        pause = min(2 * pause, 1e-2)
-    work.wait()
-
-
-def bounded_all_reduce(tensor: torch.Tensor, op, group: dist.ProcessGroup | None,
-                       timeout_s: float | None) -> None:
-    """``dist.all_reduce`` of ``tensor`` in place over ``group``, raising ``TimeoutError`` when it has
-    not completed ``timeout_s`` seconds after its start (None: unbounded). Collective over ``group``."""
-    deadline = None if timeout_s is None else time.perf_counter() + timeout_s
-    wait_within(dist.all_reduce(tensor, op=op, group=group, async_op=True), deadline)
-
-
-def measure_link_bandwidth(group: dist.ProcessGroup | None, device: torch.device,
-                           sizes: tuple[int, int] = (128 << 10, 2 << 20), repeats: int = 2,
-                           timeout_s: float | None = None) -> float | None:
-    """Measure the outer group's link: bytes/s one rank sends in an all-gather, latency removed.
-
-    Times blocking ``all_gather_into_tensor`` of a small and a large uint8 payload per rank (best of
-    ``repeats`` each) and returns ``(R - 1) * (large - small) / (t_large - t_small)``, the MIN over the
-    group so every replica agrees on it. Collective over ``group``; nothing else may use the group
-    meanwhile. Cost: about ``2 * repeats`` transfers of ``sizes[1]`` bytes per rank (at 10 Mbit/s
-    ~3.5 s, once). Returns None for a group of one rank (no link).
-
-    ``timeout_s``: the whole measurement must complete within it (``TimeoutError`` otherwise: a peer
-    that never joins, a link that stopped answering); None: unbounded.
-    """
-    size = dist.get_world_size(group) if group is not None else 1
-    if size <= 1:
-        return None
-    if dist.get_backend(group) == "gloo":  # a gloo group's payloads are host tensors
-        device = torch.device("cpu")
-    deadline = None if timeout_s is None else time.perf_counter() + timeout_s
-    best = []
-    for n in sizes:
-        payload = torch.zeros(n, dtype=torch.uint8, device=device)
-        out = torch.empty(size * n, dtype=torch.uint8, device=device)  # (R*n,)
-        times = []
-        for _ in range(repeats):
-            wait_within(dist.barrier(group=group, async_op=True,
-                                     **({"device_ids": [device.index]} if device.type == "cuda" else {})),
-                        deadline)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            wait_within(dist.all_gather_into_tensor(out, payload, group=group, async_op=True), deadline)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        best.append(min(times))
-    dt = max(best[1] - best[0], 1e-9)
-    bw = torch.tensor([(size - 1) * (sizes[1] - sizes[0]) / dt], dtype=torch.float64, device=device)
-    wait_within(dist.all_reduce(bw, op=dist.ReduceOp.MIN, group=group, async_op=True), deadline)
-    return float(bw.item())
 
 
 @dataclasses.dataclass
@@ -200,14 +105,16 @@ class ExchangeHandle:
         self._work = work
         self._finish = finish
         self._launched = time.perf_counter()
-        #: when the collective was first seen completed (:meth:`poll`; a worker thread stamps its own)
+        #: when the collective completed: the midpoint between the last :meth:`poll` that saw it running
+        #: and the first that saw it completed (a worker thread stamps its own)
         self._done_at: float | None = None
+        self._running_at = self._launched  # the last time it was seen still running
         self._finished = False
         #: restored from a checkpoint (:meth:`completed`): no exchange ran in this process, so its
         #: (empty) stats are no measurement of the link
         self.restored = False
         #: seconds after its launch by which the exchange must have completed (None: unbounded); set
-        #: by the launcher (:class:`megatron_diloco.sync.OuterSync`: --diloco-x-outer-timeout-minutes)
+        #: by the launcher (:class:`megatron_diloco.algorithm.sync.OuterSync`: --diloco-x-outer-timeout-minutes)
         self.timeout_s: float | None = None
         #: 1-based round whose pseudo-gradient this exchange carries (set by the launcher; 0: unknown)
         self.round = 0
@@ -222,19 +129,24 @@ class ExchangeHandle:
 
     def poll(self) -> bool:
         """Whether the collective has completed; the first call that sees it completed stamps its
-        completion time (:attr:`ExchangeStats.exchange_s`). Non-blocking: ``Work.is_completed()``
-        (NCCL: a query of the collective's end event, no device sync). Called once per inner step
-        while the exchange is in flight (:meth:`megatron_diloco.sync.OuterSync.poll`), so an exchange
-        is timed to within one inner step (an upper bound), on every backend alike.
+        completion time (:attr:`ExchangeStats.exchange_s`): the midpoint between the last call that
+        saw it running and this one. Non-blocking: ``Work.is_completed()`` (NCCL: a query of the
+        collective's end event, no device sync). Called twice per inner step while the exchange is in
+        flight (:meth:`megatron_diloco.algorithm.sync.OuterSync.poll`: before and after the inner
+        optimizer step) and throughout a wait, so an exchange is timed to within half a step, on every
+        backend alike.
 
         Why not the work's future: NCCL completes it when the collective is *enqueued* (torch: it
         "does not wait for the entire operation to complete on GPU"), so a future timed every NCCL
         exchange as ~0 s and auto tau fell to 1 on GPUs."""
-        if self._work is None:
+        if self._work is None or self._done_at is not None:
             return True
-        if self._done_at is None and self._work.is_completed():
-            self._done_at = time.perf_counter()
-        return self._done_at is not None
+        now = time.perf_counter()
+        if not self._work.is_completed():
+            self._running_at = now
+            return False
+        self._done_at = 0.5 * (self._running_at + now)  # completed in between: off by half the gap at most
+        return True
 
     @property
     def finished(self) -> bool:
@@ -253,8 +165,8 @@ class ExchangeHandle:
         the kernels queued before the wait keep running meanwhile."""
         t0 = time.perf_counter()
         if self._work is not None:
-            wait_within(self._work, None if self.timeout_s is None else self._launched + self.timeout_s)
-            self.poll()
+            wait_within(self._work, None if self.timeout_s is None else self._launched + self.timeout_s,
+                        is_done=self.poll)
         t1 = time.perf_counter()
         self.stats.exposed_s = t1 - t0
         # no collective (one replica): it completed at its launch, not when it is waited for (auto tau,
@@ -303,8 +215,8 @@ def outer_step(outer: OuterNesterov, delta: torch.Tensor, store: "OuterStore | N
 class Outbox:
     """One round's outgoing pseudo-gradient, filled chunk by chunk (:meth:`put`), then sent as one
     asynchronous collective (:meth:`launch`): how :func:`start_exchange` and
-    :class:`megatron_diloco.sync.OuterSync` (which streams its outer state through the device,
-    :class:`megatron_diloco.outer_store.OuterStore`) launch the single-collective codecs.
+    :class:`megatron_diloco.algorithm.sync.OuterSync` (which streams its outer state through the device,
+    :class:`megatron_diloco.algorithm.outer_store.OuterStore`) launch the single-collective codecs.
 
     Device memory: the exchange's payload only: ``none``, the fp32 ``[N]`` all-reduce buffer
     (``send``, or allocated; none when ``send`` is held in host memory by the store, all-reduced
@@ -333,7 +245,7 @@ class Outbox:
         the all-reduce buffer (nothing when it is that buffer's view), or encoded with error feedback
         into the payload (``residual``: that chunk of e, updated in place, or e_new written into
         ``residual_out``, which may be ``pseudo_grad`` itself: each element is read before it is
-        written). Chunks start on blocks of the codec (:data:`megatron_diloco.outer_store.CHUNK_ALIGN`)."""
+        written). Chunks start on blocks of the codec (:data:`megatron_diloco.algorithm.outer_store.CHUNK_ALIGN`)."""
         hi = lo + pseudo_grad.numel()
         if self.all_reduce:
             dst = self.send[lo:hi]
@@ -370,8 +282,8 @@ def start_exchange(buffer: torch.Tensor, residual: torch.Tensor | None, codec, g
             Nothing else may touch it until then.
         residual: fp32 ``[N]`` error-feedback residual of this replica (lossy codecs), updated in place
             by the encode (``e <- v - dequant(payload)``); ``None`` for ``none``.
-        codec: the object :func:`megatron_diloco.compression.get_codec` built; its registry entry
-            (:data:`megatron_diloco.config.CODECS`) decides the collective (see the module doc).
+        codec: the object :func:`megatron_diloco.algorithm.compression.get_codec` built; its registry entry
+            (:data:`megatron_diloco.algorithm.config.CODECS`) decides the collective (see the module doc).
         group: the outer group (R ranks, one per replica); collective over it: every rank of the
             group calls this, in the same order, with a buffer of the same size. ``None`` or a group of
             one rank: no communication (one replica). For a matrix codec on GPU tensors it must be a
@@ -402,28 +314,6 @@ def start_exchange(buffer: torch.Tensor, residual: torch.Tensor | None, codec, g
         return outbox.launch(buffer, group, store=store, timeout_s=timeout_s)
     handle.timeout_s = timeout_s
     return handle
-
-
-def host_copy(t: torch.Tensor, group, copy: bool = True) -> torch.Tensor:
-    """``t`` itself, or, for a GPU tensor crossing a gloo group of several ranks (replicas in separate
-    worlds, whose outer groups are gloo: :func:`megatron_diloco.topology.from_outer_store`; the
-    matrix codecs' worker over the gloo mirror of an NCCL outer group), a page-locked host tensor of
-    its shape holding a copy of it (``copy``: the caller's thread waits for it on its current
-    stream, as for ``t.cpu()``) or nothing yet (an output). The one staging mechanism of every
-    exchange.
-
-    Page-locked through PyTorch's caching host allocator, so the copy back (``dst.copy_(staged,
-    non_blocking=True)``) is only enqueued on the current stream: the training thread does not
-    stall on it (a pageable copy waits for all the work queued before it: a bubble in the inner
-    step where an exchange lands), and the allocator keeps the block until that copy has run. Its
-    blocks are reused across rounds; sizes are rounded up to a power of two."""
-    if group is None or not t.is_cuda or dist.get_world_size(group) <= 1 or dist.get_backend(group) != "gloo":
-        return t
-    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    if copy:
-        staged.copy_(t, non_blocking=True)
-        torch.cuda.current_stream(t.device).synchronize()  # the collective reads it on gloo's thread
-    return staged
 
 
 def _start_all_reduce(send: torch.Tensor, buffer: torch.Tensor, group, size: int,
@@ -496,141 +386,6 @@ def _start_all_gather(buffer: torch.Tensor, payload: torch.Tensor, codec, group,
     return ExchangeHandle(buffer, work, stats, finish, store)
 
 
-class _ThreadWork:
-    """A ``dist.Work``-like view of an exchange running on a worker thread.
-
-    ``done``: on a GPU, the event the worker recorded on its stream after its last kernel (None on
-    the CPU). :meth:`wait` makes the caller's current stream wait for it, as an NCCL ``Work.wait()``
-    does: device-side ordering, no host sync (the worker synchronized the event itself before
-    completing the future, so the wait costs nothing on the device either).
-    """
-
-    def __init__(self, future: concurrent.futures.Future, done: "torch.cuda.Event | None" = None,
-                 device: torch.device | None = None) -> None:
-        self._future = future
-        self._done = done
-        self._device = device
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def wait(self) -> None:
-        self._future.result()  # re-raises the worker's exception, if any
-        if self._done is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._done)
-
-    def get_future(self):
-        raise NotImplementedError  # completion time is recorded by the worker itself
-
-
-def _run_jobs(jobs: "queue.SimpleQueue") -> None:
-    """The loop of a :class:`DaemonWorker` thread (holds the queue only, not the worker)."""
-    while (job := jobs.get()) is not None:
-        future, fn = job
-        if not future.set_running_or_notify_cancel():
-            continue
-        try:
-            future.set_result(fn())
-        except BaseException as err:  # noqa: BLE001 - handed to whoever waits for the future
-            future.set_exception(err)
-
-
-#: the live :class:`DaemonWorker` threads and their job queues, stopped at interpreter exit
-_LIVE_WORKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # {Thread: SimpleQueue}
-#: how long interpreter exit waits for the workers to stop (s, all together)
-EXIT_JOIN_S = 2.0
-
-
-@atexit.register
-def stop_workers_at_exit() -> None:
-    """At interpreter exit (atexit runs before finalization starts), stop every idle worker the way
-    ``ThreadPoolExecutor`` does, so that none is left for the finalizing interpreter (seen on a GPU:
-    processes whose idle daemon worker had run CUDA work ended with SIGABRT, "terminate called
-    without an active exception", after a successful run). A worker still busy after
-    :data:`EXIT_JOIN_S` (stuck: the run is failing) is left behind, a daemon, and does not hold the
-    process. Idempotent: :func:`megatron_diloco.integration.destroy_process_groups_at_exit` calls it
-    before it destroys the groups the workers talk over."""
-    workers = list(_LIVE_WORKERS.items())
-    for _, jobs in workers:
-        jobs.put(None)
-    deadline = time.monotonic() + EXIT_JOIN_S
-    for thread, _ in workers:
-        thread.join(max(0.0, deadline - time.monotonic()))
-
-
-class DaemonWorker:
-    """One **daemon** thread running submitted callables in order: the ``submit`` of
-    ``ThreadPoolExecutor(max_workers=1)``, without waiting for a stuck job at interpreter exit.
-
-    Why: the executor's threads are joined at interpreter exit, so a worker stuck in a collective
-    whose peer stopped answering kept a failed run alive until the backend's own timeout (gloo: 30
-    min by default). At exit an idle worker is stopped and joined (as the executor does); a busy one
-    is waited for :data:`EXIT_JOIN_S` at most, then left (a daemon thread does not hold the process).
-    The thread also stops once the worker is garbage-collected (or :meth:`shutdown`).
-    """
-
-    def __init__(self, name: str = "diloco_x") -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=_run_jobs, args=(self._jobs,), name=name, daemon=True)
-        self._thread.start()
-        _LIVE_WORKERS[self._thread] = self._jobs
-        # stop the thread when the worker is dropped; at exit stop_workers_at_exit does it (waking it
-        # any later would make it take the GIL during finalization: pthread_exit before Python 3.14)
-        weakref.finalize(self, self._jobs.put, None).atexit = False
-
-    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
-        """Queue ``fn(*args, **kwargs)``; its result (or exception) arrives in the returned future."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((future, (lambda: fn(*args, **kwargs)) if args or kwargs else fn))
-        return future
-
-    def shutdown(self) -> None:
-        """Stop the thread after the jobs already queued (does not wait for it)."""
-        self._jobs.put(None)
-
-
-class _WorkerLane:
-    """What a :class:`DaemonWorker` keeps per CUDA device across rounds, so that its exchanges stay
-    off the training loop's stream and out of its allocations:
-
-    * ``stream``: the one CUDA stream its kernels go to. One per worker, reused every round: the
-      caching allocator keeps freed blocks per stream, so a fresh pool stream each round would
-      strand the worker's buffers of earlier rounds (up to 32 pool streams' worth) instead of
-      reusing them.
-    * ``ready``: an event on ``stream``; :meth:`sync` is the worker thread's only wait for its GPU
-      work (never a device-wide sync: the training stream is not waited for).
-
-    Its all-gathers stage through page-locked host memory as the single-collective exchanges do
-    (:func:`host_copy`: PyTorch's caching host allocator, whose blocks are reused across rounds
-    once the copies recorded on them have run): asynchronous DMA on ``stream``, no pageable bounce
-    through the driver, no host allocation per round.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-        self.ready = torch.cuda.Event()
-
-    def sync(self, event: "torch.cuda.Event | None" = None) -> None:
-        """Block this (the worker) thread until everything enqueued on :attr:`stream` so far ran
-        (recorded in ``event``, default :attr:`ready`)."""
-        event = self.ready if event is None else event
-        event.record(self.stream)
-        event.synchronize()
-
-
-#: executor -> {device: its :class:`_WorkerLane`}
-_WORKER_LANES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _worker_lane(executor, device: torch.device) -> _WorkerLane:
-    """The :class:`_WorkerLane` of ``executor`` on ``device`` (made on first use)."""
-    lanes = _WORKER_LANES.setdefault(executor, {})
-    if device not in lanes:
-        lanes[device] = _WorkerLane(device)
-    return lanes[device]
-
-
 def _start_on_worker(buffer: torch.Tensor, residual: torch.Tensor, codec, group, size: int,
                      executor: "DaemonWorker", timeout_s: float | None) -> ExchangeHandle:
     """Run a matrix codec's exchange (low-rank, adaptive) on ``executor``'s one worker thread.
@@ -642,16 +397,16 @@ def _start_on_worker(buffer: torch.Tensor, residual: torch.Tensor, codec, group,
     residual (``stats.residual_sq``), so that completing the handle needs no host sync of the
     training stream.
 
-    On a GPU (the worker's :class:`_WorkerLane`): the worker thread's current device is the
+    On a GPU (the worker's :class:`WorkerLane`): the worker thread's current device is the
     buffer's (never device 0 by default, which would give it a CUDA context there); every kernel
     and copy of the exchange goes to the worker's own stream, which starts after the work the
     training stream has queued so far (an event: ``wait_stream``); the worker waits for its stream
     only (events), never for the device; before it completes the handle, its stream is drained (also
     when the exchange raised), so the training loop may reuse ``buffer`` and ``residual`` at once,
-    and :meth:`_ThreadWork.wait` orders the caller's stream after the worker's event.
+    and :meth:`ThreadWork.wait` orders the caller's stream after the worker's event.
 
     GPU tensors travel as host copies over ``group``, which must be gloo (the host mirror of
-    :func:`megatron_diloco.topology.host_mirror_of_outer_groups`): the worker copies each payload
+    :func:`megatron_diloco.megatron_adapter.topology.host_mirror_of_outer_groups`): the worker copies each payload
     into page-locked host memory (:func:`host_copy`: asynchronous DMA on its stream, then a wait on it),
     all-gathers it there and copies the result back asynchronously, so it never enqueues a GPU
     kernel that waits for another rank (a worker-thread NCCL collective can deadlock against the
@@ -676,7 +431,7 @@ def _start_on_worker(buffer: torch.Tensor, residual: torch.Tensor, codec, group,
 
     handle = ExchangeHandle(buffer, None, stats, finish)
     deadline = None if timeout_s is None else handle._launched + timeout_s
-    lane = _worker_lane(executor, buffer.device) if buffer.is_cuda else None
+    lane = worker_lane(executor, buffer.device) if buffer.is_cuda else None
 
     def allgather(t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
@@ -725,5 +480,5 @@ def _start_on_worker(buffer: torch.Tensor, residual: torch.Tensor, codec, group,
         stats.bytes_sent = stats.bytes_received = (size - 1) * payload
         handle._done_at = time.perf_counter()
 
-    handle._work = _ThreadWork(executor.submit(run), done, buffer.device)
+    handle._work = ThreadWork(executor.submit(run), done, buffer.device)
     return handle

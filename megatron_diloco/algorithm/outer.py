@@ -1,13 +1,13 @@
 """The outer optimizer: outer parameters, momentum and the outer Nesterov step, on one rank's shard.
 
 Every tensor here is a *flat* fp32 vector over the rank's shard (see
-:class:`megatron_diloco.shard_view.ShardView`). The shard is the same on every rank of the rank's
+:class:`megatron_diloco.algorithm.shard_view.ShardView`). The shard is the same on every rank of the rank's
 outer group, so ``theta`` and ``momentum`` are replicated across the outer group, bit for bit.
 
 Memory per parameter of the shard (fp32): ``theta`` 4 B + ``momentum`` 4 B (only when mu > 0);
-:class:`megatron_diloco.sync.OuterSync` adds ``delta`` 4 B, ``residual`` 4 B (lossy codecs) and
+:class:`megatron_diloco.algorithm.sync.OuterSync` adds ``delta`` 4 B, ``residual`` 4 B (lossy codecs) and
 ``eager_anchor`` 4 B (eager). On the device or in host memory (``--diloco-x-outer-state``,
-:mod:`megatron_diloco.outer_store`); a step over host-held state runs chunk by chunk on staged
+:mod:`megatron_diloco.algorithm.outer_store`); a step over host-held state runs chunk by chunk on staged
 copies (:meth:`OuterNesterov.over`).
 """
 
@@ -30,7 +30,7 @@ class OuterNesterov:
         lr: eta. momentum: mu (0 allocates no momentum buffer). nesterov: Nesterov or heavy ball.
         momentum_buffer: the momentum m, fp32 ``[numel]``, owned; None: zeros like ``theta`` (when
             mu > 0). Pass one to keep m elsewhere than theta's allocation (host memory:
-            :class:`megatron_diloco.outer_store.OuterStore`).
+            :class:`megatron_diloco.algorithm.outer_store.OuterStore`).
     """
 
     def __init__(self, theta: torch.Tensor, lr: float, momentum: float, nesterov: bool,

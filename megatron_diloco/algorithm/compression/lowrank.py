@@ -37,8 +37,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from megatron_diloco.compression import reference as ref
-from megatron_diloco.compression import triton_kernels as tk
+from megatron_diloco.algorithm.compression import reference as ref
+from megatron_diloco.algorithm.compression import triton_kernels as tk
 
 AllGather = Callable[[torch.Tensor], torch.Tensor]
 #: A tensor of the bucket: (offset in the flat bucket, shape).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_diloco.compat.help import escape_unformattable_help
-from megatron_diloco.config import BLOCKWISE, CODECS, MERGE_RULES, OUTER_STATES, OVERLAP_MODES, DiLoCoXConfig
+from megatron_diloco.algorithm.config import BLOCKWISE, CODECS, MERGE_RULES, OUTER_STATES, OVERLAP_MODES, DiLoCoXConfig
 
 
 def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

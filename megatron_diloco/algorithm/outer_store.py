@@ -1,6 +1,6 @@
 """Where the outer state lives (``--diloco-x-outer-state``), and how a boundary reaches it.
 
-The outer state of :class:`megatron_diloco.sync.OuterSync` (theta, the outer momentum, the
+The outer state of :class:`megatron_diloco.algorithm.sync.OuterSync` (theta, the outer momentum, the
 error-feedback residual, the eager anchor, the partial launch point) is flat fp32 ``[N]`` vectors
 over the rank's shard. :class:`OuterStore` allocates them and runs every pass of a boundary over
 them with :meth:`OuterStore.stream`:

@@ -1,6 +1,6 @@
 """The rank's fp32 main-parameter shards seen as one flat vector, and a bitwise fingerprint of tensors.
 
-The outer state of :mod:`megatron_diloco.sync` lives in *flat* fp32 vectors over the rank's shard: the
+The outer state of :mod:`megatron_diloco.algorithm.sync` lives in *flat* fp32 vectors over the rank's shard: the
 concatenation, in a fixed order, of the fp32 main-parameter shards its inner (distributed) optimizer
 updates. :class:`ShardView` is the bridge between those shards (Megatron's buffers, updated in place)
 and a flat vector; both directions are local copies. The shard is the same on every rank of the

@@ -1,6 +1,6 @@
 """Fused Triton kernels for the blockwise codecs over a flat multi-tensor bucket.
 
-The semantics are those of :mod:`megatron_diloco.compression.reference` (the spec); these kernels
+The semantics are those of :mod:`megatron_diloco.algorithm.compression.reference` (the spec); these kernels
 match it bit for bit: the same correctly rounded divisions (``div_rn``), no contraction of
 multiply-adds into FMAs (``enable_fp_fusion=False``) except where torch itself uses an FMA (the
 ``alpha`` of ``Tensor.add_`` in the outer step), round half to even by the ``1.5 * 2**23`` trick
@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from megatron_diloco.compression.reference import (
+from megatron_diloco.algorithm.compression.reference import (
     FORMATS, PACKED_BITS, PACKED_OFFSET, QMAX, SCALE_LEVEL, PayloadLayout, decode_reference, elements_per_byte,
     encode_reference, inverse_replicas, payload_layout,
 )
@@ -344,7 +344,7 @@ def decode_triton(payloads: torch.Tensor, layout: PayloadLayout, out: torch.Tens
     Args:
         payloads: uint8 ``[R, P]`` contiguous, row r = replica r's payload.
         out: fp32 ``[N]`` for Delta (allocated when None); unused (not written) with ``outer``.
-        outer: :class:`~megatron_diloco.outer.OuterNesterov` whose theta (and momentum) are updated
+        outer: :class:`~megatron_diloco.algorithm.outer.OuterNesterov` whose theta (and momentum) are updated
             in place in the same pass.
         elements_per_program, num_warps: launch shape (defaults: the module's tuned values); the
             result does not depend on them.

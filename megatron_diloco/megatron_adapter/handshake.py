@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from megatron_diloco.config import CODECS, DiLoCoXConfig
+from megatron_diloco.algorithm.config import CODECS, DiLoCoXConfig
 
 #: bumped when the description's layout changes (compared first: launches of other formats refuse)
 HANDSHAKE_FORMAT = 1

@@ -29,16 +29,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_diloco.arguments import config_from_args, validate_megatron_args
-from megatron_diloco.config import CODECS, DiLoCoXConfig
+from megatron_diloco.megatron_adapter.arguments import config_from_args, validate_megatron_args
+from megatron_diloco.algorithm.config import CODECS, DiLoCoXConfig
 from megatron_diloco.summary import format_summary, params_digest
-from megatron_diloco.replica_local import install_replica_local_collectives, replica_local_loss_reduction
+from megatron_diloco.megatron_adapter.replica_local import install_replica_local_collectives, replica_local_loss_reduction
 
 logger = logging.getLogger(__name__)
 
 
 def _destroy_process_groups() -> None:
-    from megatron_diloco.collectives import stop_workers_at_exit
+    from megatron_diloco.algorithm.worker import stop_workers_at_exit
 
     stop_workers_at_exit()  # first the matrix codecs' worker threads, then the groups they use
     if dist.is_available() and dist.is_initialized():
@@ -146,7 +146,7 @@ class _Installation:
             return out
 
         def diloco_train(*a, **k):
-            from megatron_diloco.replica_local import replica_local_finalize
+            from megatron_diloco.megatron_adapter.replica_local import replica_local_finalize
 
             config = a[7] if len(a) > 7 else k["config"]  # the model's TransformerConfig
             config.finalize_model_grads_func = replica_local_finalize(
@@ -186,8 +186,8 @@ class _Installation:
 
     # ------------------------------------------------------------------ optimizer
     def build_optimizer(self, inner, model_chunks):
-        from megatron_diloco.optimizer import DiLoCoXOptimizer
-        from megatron_diloco.topology import from_outer_store, from_parallel_state
+        from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
+        from megatron_diloco.megatron_adapter.topology import from_outer_store, from_parallel_state
 
         if self.args.diloco_x_outer_store is not None:  # this world is one replica
             try:  # the join handshake refuses launches whose flags differ, before anything is trained
@@ -203,17 +203,17 @@ class _Installation:
             topology = from_parallel_state(self.config.replicas, host_mirror=self.config.exchanges_on_host_mirror)
         self.optimizer = opt = DiLoCoXOptimizer(inner, self.config, topology, on_round=self.log_round)
         install_replica_local_collectives(
-            self.args, at_boundary=lambda: self.config.steps_since_boundary(opt.step_calls) == 0)
+            self.args, at_boundary=lambda: opt.sync.schedule.steps_since_boundary(opt.step_calls) == 0)
         return self.optimizer
 
     def describe_launch(self, inner) -> dict:
-        """What must agree with the other launches (:func:`megatron_diloco.handshake.describe_launch`):
+        """What must agree with the other launches (:func:`megatron_diloco.megatron_adapter.handshake.describe_launch`):
         this launch's flags, versions and every rank's fp32 main shards (their digests, all-gathered
         over this launch's world: collective, once, every rank must call it)."""
         from megatron.core import package_info
 
-        from megatron_diloco.handshake import describe_launch, shard_digest
-        from megatron_diloco.optimizer import distributed_optimizers
+        from megatron_diloco.megatron_adapter.handshake import describe_launch, shard_digest
+        from megatron_diloco.megatron_adapter.optimizer import distributed_optimizers
 
         mine = shard_digest(_shard_layout(distributed_optimizers(inner)))
         shards: list = [None] * dist.get_world_size()
@@ -223,10 +223,10 @@ class _Installation:
     def run_length_known(self) -> None:
         """Megatron built the LR scheduler, so ``args.train_iters`` is set (under ``--train-samples`` it
         is only now): apply the auto warm-up's cap (a third of the run) to the schedule
-        (:func:`megatron_diloco.arguments.resolve_run_length`), before the first step and before a
+        (:func:`megatron_diloco.megatron_adapter.arguments.resolve_run_length`), before the first step and before a
         checkpoint load (which may keep the checkpoint's schedule instead). Every rank resolves the
         same flags, so the replicas agree."""
-        from megatron_diloco.arguments import resolve_run_length
+        from megatron_diloco.megatron_adapter.arguments import resolve_run_length
 
         if not resolve_run_length(self.config, self.args):
             return
@@ -401,7 +401,7 @@ def make_gradient_reduction_replica_local(ddp_chunk: torch.nn.Module, replicas: 
     gradients are rescaled by R so the mean is over the replica's own data-parallel ranks. With
     ``--calculate-per-token-loss`` Megatron does not scale in the reduction (factor 1) but divides by
     the token count in ``finalize_model_grads``, which DiLoCoX sums over the replica
-    (:func:`megatron_diloco.replica_local.replica_local_finalize`): no rescale then.
+    (:func:`megatron_diloco.megatron_adapter.replica_local.replica_local_finalize`): no rescale then.
     Idempotent per chunk.
     """
     if getattr(ddp_chunk, "_diloco_x_local_grads", False):

@@ -1,7 +1,7 @@
 """Pure-torch reference codecs: the specification every fused kernel must match bit for bit.
 
 Everything operates on a *flat bucket*: a 1-D fp32 tensor ``[N]`` that concatenates many parameter
-(shard) tensors in a fixed order (the layout of :class:`megatron_diloco.shard_view.ShardView`). Blocks
+(shard) tensors in a fixed order (the layout of :class:`megatron_diloco.algorithm.shard_view.ShardView`). Blocks
 of ``block_size`` consecutive elements are quantized with one fp32 scale each; blocks run over the
 flat bucket and may straddle tensor boundaries (at most one block per boundary; error feedback
 carries what that costs into the next round).
@@ -32,7 +32,7 @@ subtraction exact.
 
 Decode: ``Delta = (d_0 + d_1 + ... + d_{R-1}) * fp32(1/R)`` with ``d_r = dequant(payload_r)``,
 summed left to right in fp32, then optionally the outer step of
-:class:`megatron_diloco.outer.OuterNesterov` with the very same torch operations.
+:class:`megatron_diloco.algorithm.outer.OuterNesterov` with the very same torch operations.
 
 Payload byte layout (one ``uint8`` tensor per bucket, see :func:`payload_layout`)::
 
@@ -254,7 +254,7 @@ def decode_reference(payloads: torch.Tensor, layout: PayloadLayout, out: torch.T
             every rank, so every rank computes the same bits).
         layout: the payloads' layout.
         out: fp32 ``[N]`` receiving Delta; allocated when None. With ``outer`` it is scratch.
-        outer: an :class:`~megatron_diloco.outer.OuterNesterov` (or ``None``): when given, its
+        outer: an :class:`~megatron_diloco.algorithm.outer.OuterNesterov` (or ``None``): when given, its
             ``step(Delta)`` runs (theta and momentum updated in place).
 
     Returns:

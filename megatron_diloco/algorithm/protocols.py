@@ -1,0 +1,328 @@
+"""The boundary protocols of DiLoCoX on one rank's shard, one per overlap rule (``--diloco-x-overlap``).
+
+Notation (docs/design.md, "Algorithm"): ``theta`` outer params, ``x`` the replica's local params (the fp32
+main-parameter shards of the inner optimizer), ``Delta`` the replicas' mean pseudo-gradient.
+
+``overlap="none"`` (plain DiLoCo), at each boundary::
+
+    delta  = theta - x ;  Delta = mean_r delta_r  (blocking)
+    theta  = OuterStep(theta, Delta) ;  x <- theta
+
+``overlap="delayed"`` (DiLoCoX), at the boundary ending round t::
+
+    delta_t = theta_{t-1} - x       (against the params round t started from)
+    wait for Delta_{t-1}            (launched one boundary ago; had all of round t to finish)
+    theta_t = OuterStep(theta_{t-1}, Delta_{t-1})   (nothing to apply at the first boundary)
+    launch the exchange of delta_t  (runs during round t+1)
+    x <- theta_t
+
+so every replica starts every round from the same ``theta_t``, bit for bit, and staleness is exactly
+one outer step. :meth:`OuterSync.drain` applies the last exchange at the end of training.
+
+``overlap="eager"`` (Kale, Douillard, Donchev 2025, "Eager updates for overlapped communication and
+computation in DiLoCo"): as ``delayed``, but each replica also takes its own fresh pseudo-gradient
+into account at once, instead of waiting a round for it::
+
+    delta_{r,t} = a_r - x           (a_r: the anchor, the point replica r started round t from)
+    wait for Delta_{t-1};  theta_t = OuterStep(theta_{t-1}, Delta_{t-1})     (shared, as delayed)
+    launch the exchange of delta_{r,t}
+    a_r <- theta_t - c w * delta_{r,t} ;  x <- a_r
+    c = eta * (1 + mu) with Nesterov, eta with heavy ball (the weight one outer step gives a fresh
+    pseudo-gradient); w = 1 / R (the paper's rule, default) or ``--diloco-x-eager-weight``
+
+The eager term is a look-ahead that the next boundary replaces by the real thing: ``Delta_t``
+(which holds delta_{r,t} / R) enters ``theta_{t+1}``, and a_r is rebuilt from ``theta_{t+1}``. With
+mu = 0 this is exactly the paper's update (its per-replica outer params equal theta_t minus
+eta / R * delta_{r,t}: own fresh pseudo-gradient + the others' one-round-stale ones); with momentum
+the paper keeps one outer momentum per replica, which drifts apart, where this keeps the one shared
+momentum, so ``theta`` and ``m`` stay bit-identical across replicas and checkpoint as shared state.
+With w = 1 (``--diloco-x-eager-weight 1``) the look-ahead takes the replica's own pseudo-gradient as
+the estimate of the mean: when all replicas' pseudo-gradients agree, a_r equals blocking DiLoCo's
+theta after the same round exactly (mu = 0), i.e. the overlap then costs nothing in the parameters;
+with 1 / R the own progress of the round enters at 1 / R at once and the rest one round late.
+Replicas' local params differ by their look-ahead between boundaries (by design); the drain at the
+end of training sets x <- theta on every replica. Cost: the per-replica anchor ``a_r``
+(fp32, 4 B per shard element), checkpointed with the replica's own state.
+
+``overlap="partial"`` (Streaming DiLoCo's overlap, Douillard et al. 2025, with its alpha mix, or an
+exact delay-corrected merge): the exchange launched at a boundary is applied tau inner steps later,
+and the local progress made meanwhile is kept::
+
+    at the boundary:  delta_t = theta_{t-1} - x ;  launch ;  x_L <- x  (x is not reset)
+    tau steps later:  theta_t = OuterStep(theta_{t-1}, Delta_t)
+                      exact: x <- theta_t + (x - x_L)          (the tau steps' progress, whole)
+                      mix:   x <- alpha x + (1 - alpha) theta_t (Streaming DiLoCo's merge)
+
+The next pseudo-gradient is taken against the shared theta (``theta_t - x``): with ``exact`` it is
+exactly the H inner steps since x_L. tau = 0 is ``none`` (bit for bit); with ``exact`` tau = H is
+``eager`` with weight 1 at eta = 1, mu = 0. theta and m stay bit-identical across replicas; x keeps
+each replica's own progress. tau is ``--diloco-x-overlap-steps`` or, ``auto``, the fewest inner
+steps that hide the last exchange (:meth:`OuterSync._choose_overlap_steps`), agreed by every rank
+in the boundary's one decision all-reduce. Cost with ``exact``: x_L, 4 B per shard element.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle, ExchangeStats, Outbox
+from megatron_diloco.algorithm.shard_view import fingerprint
+
+logger = logging.getLogger(__name__)
+
+
+def _sum_of_squares(norms: list[torch.Tensor]) -> float:
+    """Sum of the squares of fp32 L2 ``norms`` (0-dim tensors), in fp64; a host sync."""
+    return float(torch.stack(norms).double().square().sum()) if norms else 0.0
+
+
+@dataclasses.dataclass
+class RoundReport:
+    """What happened at one boundary, on this rank (sums over the shard; not reduced across ranks)."""
+
+    round: int
+    """1-based index of the boundary."""
+    applied: bool
+    """Whether an outer step was applied at this boundary (False at the first delayed boundary)."""
+    launched: ExchangeStats
+    """The exchange launched at this boundary (bytes; times filled when it completes)."""
+    completed: ExchangeStats | None
+    """The exchange whose result was applied here (the same one for ``none``, the previous for
+    ``delayed``), with its exchange and exposed times."""
+    pseudo_grad_sq: float
+    """Squared L2 norm of this rank's shard of the local pseudo-gradient ``theta - x``."""
+    skipped: bool = False
+    """True when some replica's pseudo-gradient held a NaN/Inf: nothing was sent this round, on
+    every replica alike; the round's local progress was dropped and the residual kept."""
+
+
+class BoundaryProtocols:
+    """The boundary protocols of :class:`megatron_diloco.algorithm.sync.OuterSync` (module doc): what
+    happens at a boundary, at ``partial``'s landing, and at the drain, over the state ``OuterSync``
+    owns. Every method here is collective over the outer group and the decision group."""
+
+    def _pseudo_gradient_into_x(self, theta_fp: torch.Tensor | None = None) -> float:
+        """x <- start - x on the shards, in place; returns the squared norm (a host sync).
+        ``theta_fp``: also fingerprint the anchor into it (int64 ``[2]``, in place; the anchor is
+        theta but with eager)."""
+        norms: list[torch.Tensor] = []
+        for lo, hi, (a,) in self.store.stream(self.anchor):
+            if theta_fp is not None:
+                fingerprint([a], start=lo, acc=theta_fp)
+            xs = self.view.pieces(lo, hi)
+            if xs:
+                torch._foreach_neg_(xs)
+                torch._foreach_add_(xs, self.view.split_like(a, xs))
+                norms += torch._foreach_norm(xs, 2)
+        return _sum_of_squares(norms)
+
+    @staticmethod
+    def _fingerprinting(theta_fp: torch.Tensor | None) -> AfterStep | None:
+        """Fingerprint the new theta into ``theta_fp`` inside the outer step's pass (None: nothing)."""
+        if theta_fp is None:
+            return None
+        return AfterStep([], lambda lo, hi, th, extra: fingerprint([th], start=lo, acc=theta_fp))
+
+    def _launch(self) -> ExchangeHandle:
+        """none / delayed / eager: one pass over the shard (chunk by chunk through :attr:`store`) that
+        takes this round's pseudo-gradient (x holds it), encodes it with error feedback into the
+        exchange's payload (:class:`Outbox`), builds the eager look-ahead a_r <- theta_t - c w delta,
+        and sets x <- a_r (delayed/eager); then launches the exchange, bounded by :meth:`timeout_s`
+        from now. (``partial`` does all of this in its own prepare pass: :meth:`_partial_boundary`.)"""
+        overlap = self.config.overlap
+        eager = self.eager_anchor is not None
+        reset_x = overlap in ("delayed", "eager")
+        resident = not self.store.held(self.delta)  # delta on the device: it is the chunk itself
+        host_send = self._host_all_reduce  # delta is the host all-reduce buffer: the pass writes it back
+        c = self.config.outer_lr * ((1.0 + self.config.outer_momentum) if self.config.nesterov else 1.0)
+        w = self.config.eager_weight
+        if w is None:
+            w = 1.0 / (dist.get_world_size(self.group) if self.group is not None else 1)
+        outbox = None if self._executor is not None else Outbox(
+            self._round_codec(), self.view.numel, self.view.device, send=self.delta if resident or host_send else None)
+        tensors = [self.theta if reset_x else None, self.delta, self.residual, self.eager_anchor]
+        write_only = [self.eager_anchor, self.delta if host_send else None]
+        input_sq: list[torch.Tensor] = []
+        residual_sq: list[torch.Tensor] = []
+        for lo, hi, (th, d, e, ea) in self.store.stream(
+                *tensors, write=[self.residual, *write_only], scratch=[self.delta, *write_only]):
+            xs = self.view.pieces(lo, hi)
+            if xs:  # the pseudo-gradient chunk, contiguous
+                torch.cat(xs, out=d)
+            if e is not None:  # ||pseudo-gradient + residual||^2: the codec's input, not materialized
+                input_sq.append(torch.dot(d, d) + 2 * torch.dot(d, e) + torch.dot(e, e))
+            if ea is not None:  # a_r <- theta_t - c w delta_{r,t}
+                torch.mul(d, -c * w, out=ea).add_(th)
+            if outbox is not None and not host_send:  # (host_send: the store copies d back into delta)
+                outbox.put(lo, d, e)
+                if e is not None:
+                    residual_sq.append(torch.dot(e, e))
+            if reset_x and xs:
+                torch._foreach_copy_(xs, self.view.split_like(ea if eager else th, xs))
+        return self._start(outbox, input_sq, residual_sq)
+
+    @torch.no_grad()
+    def boundary(self) -> RoundReport:
+        """Run the boundary ending the current round (collective over the outer group and the
+        decision group). Raises :class:`~megatron_diloco.algorithm.bounds.OuterGroupError` when a wait passes :meth:`timeout_s`."""
+        self.rounds += 1
+        self.bounds.arm(self.timeout_s())
+        if self.config.overlap == "partial":
+            return self._partial_boundary()
+        theta_fp = self.decision.theta_accumulator()  # theta as the decision sees it (None: not compared)
+        if self.config.overlap == "none":
+            with record_function("megatron_diloco::prepare"):
+                sq = self._pseudo_gradient_into_x(theta_fp)  # theta: the anchor
+                if self._decide(sq, 0, theta_fp).skip:
+                    return self._skip(sq, completed=None)
+                handle = self._launch()
+            with record_function("megatron_diloco::perform"):
+                self._complete(handle, self.outer)
+                self.x_from(self.theta)
+            return RoundReport(self.rounds, True, handle.stats, handle.stats, sq)
+
+        # delayed / eager: x holds delta_t after this; ``delta`` still holds Delta_{t-1} (in flight).
+        # theta's fingerprint: from the outer step's pass when an exchange is applied here, else from
+        # the pseudo-gradient's (delayed: theta is its anchor; eager: not known, not compared)
+        applies = self.pending is not None
+        if not applies and self.eager_anchor is not None:
+            theta_fp = None
+        with record_function("megatron_diloco::prepare"):
+            sq = self._pseudo_gradient_into_x(None if applies else theta_fp)
+        completed = None
+        with record_function("megatron_diloco::perform"):
+            if self.pending is not None:
+                self._complete(self.pending, self.outer, self._fingerprinting(theta_fp))
+                completed = self.pending.stats
+                self.pending = None
+        with record_function("megatron_diloco::launch"):
+            if self._decide(sq, 0, theta_fp).skip:
+                return self._skip(sq, completed)
+            self.pending = self._launch()  # also a_r (eager) and x <- a_r
+            self.x_is_theta = self.eager_anchor is None
+        return RoundReport(self.rounds, completed is not None, self.pending.stats, completed, sq)
+
+    def _partial_boundary(self) -> RoundReport:
+        """``partial`` (module doc): apply an exchange still pending (tau = H, or restored), take
+        delta = theta - x and x_L (exact merge) without touching x, agree on skip and tau, launch;
+        with tau = 0 apply at once. x_L is taken in the same pass as delta: with the host layout its
+        copy out overlaps theta's copy in (a skipped round leaves it unused: nothing is pending).
+
+        With a blockwise codec the same pass also encodes (one pass over the shard, not two: with
+        the host layout the shard crosses PCIe once): e_new is written into delta's buffer, not over
+        e, so that a skipped round leaves the residual intact; when the round goes ahead the two
+        buffers swap roles (e <- e_new; delta is scratch until the mean comes back). ``none``: delta
+        holds delta_r, the all-reduce buffer itself (written back where the store holds it); the
+        matrix codecs' worker encodes it."""
+        completed = None
+        if self.pending is not None:
+            completed = self.merge()
+        theta_fp = self.decision.theta_accumulator()  # theta as the decision sees it: fingerprinted in this pass
+        with record_function("megatron_diloco::prepare"):
+            norms: list[torch.Tensor] = []
+            x_l = self.launch_point  # None unless partial + exact
+            encode = self.residual is not None and self._executor is None  # blockwise codecs encode here
+            outbox = Outbox(self._round_codec(), self.view.numel, self.view.device) if encode else None
+            input_sq: list[torch.Tensor] = []
+            residual_sq: list[torch.Tensor] = []
+            # delta is copied back where it is held: it receives e_new (blockwise), or it is the host
+            # all-reduce buffer (none over gloo) and holds delta_r
+            d_out = self.delta if encode or self._host_all_reduce else None
+            for lo, hi, (th, d, lp, e) in self.store.stream(self.theta, self.delta, x_l, self.residual,
+                                                            write=[x_l, d_out], scratch=[self.delta, x_l]):
+                if theta_fp is not None:
+                    fingerprint([th], start=lo, acc=theta_fp)
+                xs = self.view.pieces(lo, hi)
+                if xs:
+                    torch.cat(xs, out=d)
+                    if lp is not None:  # x_L <- x (exact merge)
+                        lp.copy_(d)
+                    d.neg_().add_(th)  # theta - x, the same bits as x <- theta + (-x)
+                    norms += torch._foreach_norm(self.view.split_like(d, xs), 2)
+                if e is not None:  # ||pseudo-gradient + residual||^2: the codec's input, not materialized
+                    input_sq.append(torch.dot(d, d) + 2 * torch.dot(d, e) + torch.dot(e, e))
+                if encode:  # e_new into d
+                    outbox.put(lo, d, e, residual_out=d)
+                    residual_sq.append(torch.dot(d, d))
+            sq = _sum_of_squares(norms)
+        with record_function("megatron_diloco::launch"):
+            decision = self._decide(sq, self._choose_overlap_steps(), theta_fp)
+            self.apply_at = decision.tau
+            if decision.skip:
+                return self._skip(sq, completed)  # e untouched; the payload and e_new are dropped
+            if encode:
+                self.residual, self.delta = self.delta, self.residual
+            elif self._executor is None:  # none: delta holds delta_r, the all-reduce buffer
+                outbox = Outbox(self.codec, self.view.numel, self.view.device, send=self.delta)
+            self.pending = self._start(outbox, input_sq, residual_sq)
+            self.x_is_theta = False
+        if self.apply_at == 0:
+            completed = self.merge(at_launch=True)
+        return RoundReport(self.rounds, completed is not None,
+                           completed if self.apply_at == 0 else self.pending.stats, completed, sq)
+
+    def merge_due(self, steps_since_boundary: int) -> bool:
+        """Whether the pending exchange is to be applied after this inner step (``partial``: tau
+        steps after the boundary that launched it; ``steps_since_boundary`` in 1..H-1)."""
+        return self.pending is not None and self.config.overlap == "partial" and self.apply_at == steps_since_boundary
+
+    @torch.no_grad()
+    def merge(self, at_launch: bool = False) -> ExchangeStats:
+        """``partial``: complete the pending exchange into the outer step (collective wait over the
+        outer group, bounded) and merge it into x (module doc). ``at_launch``: no inner step since
+        the launch (tau = 0): x <- theta. Returns the completed exchange's stats."""
+        handle, self.pending = self.pending, None
+
+        def merge_chunk(lo: int, hi: int, th: torch.Tensor, extra: list[torch.Tensor]) -> None:
+            xs = self.view.pieces(lo, hi)
+            if not xs:
+                return
+            if extra:  # exact: theta_new + (x - x_L)
+                torch._foreach_sub_(xs, self.view.split_like(extra[0], xs))
+                torch._foreach_add_(xs, self.view.split_like(th, xs))
+            else:  # mix: alpha x + (1 - alpha) theta_new
+                torch._foreach_lerp_(xs, self.view.split_like(th, xs), 1.0 - self.config.mix_alpha)
+
+        with record_function("megatron_diloco::perform"):
+            if at_launch:
+                self._complete(handle, self.outer)
+                self.x_from(self.theta)
+            else:  # the merge in the outer step's own pass (the host layout: theta crosses PCIe once)
+                lp = self.launch_point
+                self._complete(handle, self.outer, AfterStep([] if lp is None else [lp], merge_chunk))
+            self.x_is_theta = at_launch
+        return handle.stats
+
+    def _skip(self, sq: float, completed: ExchangeStats | None) -> RoundReport:
+        """Drop this round's pseudo-gradient everywhere: x <- theta, residual untouched."""
+        self.skipped_rounds += 1
+        logger.warning("DiLoCoX round %d: non-finite pseudo-gradient on some rank (%s); round skipped on "
+                       "every rank of every replica (local progress of this round dropped; nothing sent)", self.rounds, "this one" if not math.isfinite(sq) else "another one")
+        if self.eager_anchor is not None:  # eager: no fresh pseudo-gradient to look ahead with
+            self.eager_anchor.copy_(self.theta)
+        self.x_from(self.theta)
+        self.x_is_theta = True
+        return RoundReport(self.rounds, completed is not None, ExchangeStats(), completed, sq, skipped=True)
+
+    @torch.no_grad()
+    def drain(self) -> ExchangeStats | None:
+        """Wait for the exchange in flight (if any), apply it, and set x <- theta. Collective. With
+        nothing in flight (``none``, or no boundary yet) it does nothing: x keeps the local progress
+        since the last boundary."""
+        if self.pending is None:
+            return None
+        with record_function("megatron_diloco::drain"):
+            self._complete(self.pending, self.outer)
+            stats = self.pending.stats
+            self.pending = None
+            if self.eager_anchor is not None:  # the look-ahead is now part of theta
+                self.eager_anchor.copy_(self.theta)
+            self.x_from(self.theta)
+            self.x_is_theta = True
+        return stats

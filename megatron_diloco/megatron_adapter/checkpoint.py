@@ -1,0 +1,490 @@
+"""The DiLoCoX state in Megatron's checkpoints: layout, save, load, restart rules.
+
+:class:`CheckpointMixin` gives :class:`~megatron_diloco.megatron_adapter.optimizer.DiLoCoXOptimizer` the
+``MegatronOptimizer`` checkpoint interface (``state_dict``, ``load_state_dict``, ``sharded_state_dict``)
+and the rules around it: the per-replica LR-schedule position, a resume that keeps its checkpoint's
+round schedule, and restarting the outer loop when weights were loaded without DiLoCoX state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.optimizer import DistributedOptimizer
+
+from megatron_diloco.algorithm.exchange import ExchangeStats
+
+if TYPE_CHECKING:
+    from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
+
+logger = logging.getLogger(__name__)
+
+class CheckpointMixin:
+    """The checkpoint half of :class:`~megatron_diloco.megatron_adapter.optimizer.DiLoCoXOptimizer` (module doc)."""
+
+    # ------------------------------------------------------------------ checkpointing
+    # Layout of the DiLoCoX entries in a torch_dist checkpoint (CHECKPOINT_FORMAT 2; T = the length of
+    # a replica's flat shard vectors, i.e. the sum over the replica's ranks, ordered by rank_in_replica,
+    # of their fp32 main-shard numel; every tensor references the live buffer, nothing is cloned):
+    #
+    #   diloco_x.outer.<name>     ShardedTensor (T,) fp32 per flat outer tensor of OuterSync.state_dict()
+    #                             (theta, momentum_buffer, pending_delta when an exchange was in flight):
+    #                             identical on every replica, written once (replica_id = replica index).
+    #   diloco_x.replica.<kind>   ShardedTensor (R, T), row r written by replica r: kind 'param' (fp32 main
+    #                             shards), 'opt.<key>' (optimizer state of a shard's shape: opt.exp_avg,
+    #                             opt.exp_avg_sq with Adam), 'residual' (lossy codec), 'anchor' (eager),
+    #                             'launch' (partial with the exact merge: the launch point x_L).
+    #   diloco_x.outer.meta       ShardedObject per rank position: OuterSync's non-tensor state (rounds,
+    #                             codec plan / low-rank bases, measured link, auto tau's measurements),
+    #                             step_calls, totals.
+    #   diloco_x.replica<r>.meta  ShardedObject per rank position of replica r: per-shard 0-dim optimizer
+    #                             state (torch Adam's step), inner param groups (all but 'params'), grad
+    #                             scaler state.
+    #
+    # Megatron's own model and optimizer entries are written by replica 0 only (see
+    # _megatron_entries_from_replica_zero), so a plain Megatron run loading the checkpoint resumes from
+    # replica 0's state.
+
+    def _shards(self) -> Iterator[tuple[DistributedOptimizer, torch.Tensor]]:
+        """(owning DistributedOptimizer, fp32 main shard) in the order of :func:`megatron_diloco.megatron_adapter.optimizer._main_params`."""
+        for d in self.dist_opts:
+            for g in d.optimizer.param_groups:
+                for p in g["params"]:
+                    yield d, p
+
+    def _replica_tensors(self) -> dict[str, list[tuple[int, torch.Tensor]]]:
+        """This replica's own shard-sized tensors by kind, each as ``(offset, tensor)``: ``offset`` is
+        the tensor's start in the rank's flat shard vector (the order of ``theta``).
+
+        Kinds: ``param`` (fp32 main shards), ``opt.<key>`` (every optimizer state tensor of a shard's
+        shape, e.g. ``opt.exp_avg`` / ``opt.exp_avg_sq`` (fp32) with Adam), ``residual`` (error feedback)
+        ``anchor`` (eager: the replica's anchor a_r) and ``launch`` (partial with the exact merge: x_L),
+        flat ``(N,)`` fp32 at offset 0, when present. No copies.
+        """
+        kinds: dict[str, list[tuple[int, torch.Tensor]]] = {"param": []}
+        offset, count = 0, 0
+        for d, p in self._shards():
+            kinds["param"].append((offset, p))
+            for k, v in sorted(d.optimizer.state.get(p, {}).items()):
+                if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                    kinds.setdefault(f"opt.{k}", []).append((offset, v))
+            offset += p.numel()
+            count += 1
+        uneven = [k for k, entries in kinds.items() if len(entries) != count]
+        if uneven:
+            raise RuntimeError(f"optimizer state {uneven} exists for some main shards only; cannot checkpoint "
+                               "it per replica (is the inner optimizer initialized?)")
+        if self.sync.residual is not None:
+            kinds["residual"] = [(0, self.sync.residual)]
+        if self.sync.eager_anchor is not None:
+            kinds["anchor"] = [(0, self.sync.eager_anchor)]
+        if self.sync.launch_point is not None:
+            kinds["launch"] = [(0, self.sync.launch_point)]
+        return kinds
+
+    def _inner_state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) for every per-replica shard-sized tensor (see :meth:`_replica_tensors`), in a
+        fixed order; names as in the non-sharded :meth:`state_dict`."""
+        for kind, entries in self._replica_tensors().items():
+            for i, (_, t) in enumerate(entries):
+                yield f"{kind}.{i}", t
+
+    def _replica_meta(self) -> dict:
+        """This replica's small non-tensor inner state (pickled as a ShardedObject): per shard, the
+        optimizer state that is not shard-sized (torch Adam's 0-dim ``step``: skipped fp16 steps make it
+        differ between replicas), each inner optimizer's param groups without ``params`` (TE/Apex Adam
+        keep ``step`` there) and its grad scaler state (fp16: scale, growth and hysteresis trackers
+        follow the replica's own overflow history)."""
+        def small(v):
+            return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "numel": self.view.numel,
+            "shard_state": [{k: small(v) for k, v in d.optimizer.state.get(p, {}).items()
+                             if not (isinstance(v, torch.Tensor) and v.shape == p.shape)}
+                            for d, p in self._shards()],
+            "param_groups": [[{k: small(v) for k, v in g.items() if k != "params"}
+                              for g in d.optimizer.param_groups] for d in self.dist_opts],
+            "grad_scaler": [({k: small(v) for k, v in d.grad_scaler.state_dict().items()}
+                             if d.grad_scaler is not None else None) for d in self.dist_opts],
+            # the LR-schedule position: Megatron advances it on successful steps only (see attach_lr_scheduler)
+            "lr_schedule_steps": (self.__dict__["lr_scheduler"].num_steps
+                                  if self.__dict__.get("lr_scheduler") is not None else None),
+            # this replica's own timings (auto tau, budget, timeout): the live run agrees on tau by MAX
+            # over every rank's, so each replica resumes with its own (the outer meta holds replica 0's)
+            "timings": self.sync.timings(),
+        }
+
+    def _outer_state(self) -> dict:
+        return {"sync": self.sync.state_dict(), "step_calls": self.step_calls,
+                "totals": vars(self.totals).copy(), "schedule": self.diloco_config.schedule()}
+
+    def _per_replica_state(self) -> dict:
+        """Clones of this replica's own state (non-sharded :meth:`state_dict` only)."""
+        return {"tensors": {name: t.detach().clone() for name, t in self._inner_state_tensors()},
+                "meta": self._replica_meta()}
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        sd = self.inner.state_dict(*args, **kwargs)
+        if kwargs.get("is_loading"):
+            return sd
+        return {"inner": sd, "diloco_x": self._outer_state(),
+                "diloco_x_replica": self._per_replica_state()}
+
+    def _checkpoint_layout(self) -> tuple[int, int]:
+        """``(offset, T)``: where this rank's flat shard vector starts in its replica's concatenation
+        (ranks ordered by ``rank_in_replica``) and that concatenation's length T (the same on every
+        replica). Collective over the world on the first call (:meth:`_layout_table`); cached."""
+        cached = self.__dict__.get("_ckpt_layout")
+        if cached is not None:
+            return cached
+        topo = self.topology
+        table = self._layout_table()
+        totals: dict[int, int] = {}
+        for replica, _, n in table:
+            totals[replica] = totals.get(replica, 0) + n
+        if len(set(totals.values())) != 1:
+            raise RuntimeError(f"replicas hold different numbers of main-shard elements {totals}: "
+                               "DiLoCoX needs one TP/PP/DP layout for every replica")
+        offset = sum(n for replica, k, n in table
+                     if replica == topo.replica_index and k < topo.rank_in_replica)
+        cached = self._ckpt_layout = (offset, totals[topo.replica_index])
+        return cached
+
+    def _sharded_diloco_state(self, contents: "_CheckpointContents | None") -> dict:
+        """The DiLoCoX entries of the sharded state dict (layout above). ``contents``: None when saving;
+        when loading, what the checkpoint holds (only those entries are requested).
+
+        Saving references the live tensors (no copy; completes an in-flight exchange, collective over
+        the outer group). Loading reads in place into the live tensors, except the fp32 main shards,
+        which are read into one fresh flat buffer (4 B per shard element, freed after the load) because
+        with fp32 models they are views of the model parameters that Megatron's model entries load into
+        in the same read; :meth:`load_state_dict` copies them over."""
+        topo = self.topology
+        r, n = topo.replica_index, self.view.numel
+        offset, total = self._checkpoint_layout()
+        pos_shape, pos_offset = (topo.ranks_per_replica,), (topo.rank_in_replica,)
+        loading = contents is not None
+
+        def outer_entry(name: str, t: torch.Tensor) -> ShardedTensor:
+            return ShardedTensor(f"diloco_x.outer.{name}", t.detach(), t.dtype, (n,), (total,), (offset,),
+                                 axis_fragmentations=None, replica_id=r)
+
+        def replica_entry(kind: str, t: torch.Tensor, at: int) -> ShardedTensor:
+            row = t.detach().view(1, -1)
+            return ShardedTensor(f"diloco_x.replica.{kind}", row, row.dtype, tuple(row.shape),
+                                 (topo.replicas, total), (r, offset + at), axis_fragmentations=None, replica_id=0)
+
+        if loading:
+            live = {"theta": self.sync.theta, "momentum_buffer": self.sync.outer.momentum_buffer,
+                    "pending_delta": self.sync.delta}
+            outer_tensors = {name: (live[name] if live.get(name) is not None else
+                                    torch.empty(n, dtype=torch.float32, device=self.view.device))
+                             for name in contents.outer}
+            outer_meta = None
+            kinds = self._replica_tensors()
+            missing = [k for k in kinds if k not in contents.replica]
+            if missing:
+                raise RuntimeError(
+                    f"checkpoint {contents.path} lacks this run's per-replica DiLoCoX state {missing}: it was "
+                    "written with another optimizer, --diloco-x-compression (error-feedback 'residual') or "
+                    "--diloco-x-overlap ('anchor' of eager, 'launch' of partial); resume with the flags it was written with, or "
+                    "load it with --no-load-optim to start a new outer loop from its weights")
+            fresh = torch.empty(n, dtype=torch.float32, device=self.view.device)
+            kinds["param"] = [(at, v.view_as(p)) for (at, p), v in zip(kinds["param"], self.view.split(fresh))]
+            self._loading_main_params = fresh
+            replica_meta = None
+        else:
+            state = self.sync.state_dict()
+            outer_tensors = {k: v for k, v in state.items() if _is_flat_shard(v, n)}
+            outer_meta = {k: v for k, v in state.items() if k not in outer_tensors}
+            outer_meta.update(format=CHECKPOINT_FORMAT, numel=n, tensors=sorted(outer_tensors),
+                              step_calls=self.step_calls, totals=vars(self.totals).copy(),
+                              schedule=self.diloco_config.schedule())
+            kinds = self._replica_tensors()
+            replica_meta = self._replica_meta()
+        entries: dict[str, Any] = {
+            "outer.meta": ShardedObject("diloco_x.outer.meta", outer_meta, pos_shape, pos_offset, replica_id=r),
+            "replica.meta": ShardedObject(f"diloco_x.replica{r}.meta", replica_meta, pos_shape, pos_offset,
+                                          replica_id=0),
+            "outer": {}, "replica": {},
+        }
+        if n > 0:  # a rank without main shards contributes no tensor piece
+            entries["outer"] = {name: outer_entry(name, t) for name, t in outer_tensors.items()}
+            entries["replica"] = {kind: [replica_entry(kind, t, at) for at, t in items]
+                                  for kind, items in kinds.items()}
+        return entries
+
+    def _megatron_entries_from_replica_zero(self, model_sharded_state_dict: dict, inner_sd: dict) -> None:
+        """Saving: on ranks of replicas 1..R-1, drop Megatron's own model tensors and distributed-
+        optimizer parameter state from the sharded state dict, so that those checkpoint entries are
+        replica 0's, whole (every replica's ranks hold them as data-parallel copies, and with fully
+        parallel save Megatron would let any of them write each piece: a per-shard mix of replicas, which
+        mid-round differ). Costs nothing (fewer bytes written); DiLoCoX itself restores every replica from
+        its own entries. Megatron's small objects (param groups, grad scaler, iteration) are already
+        written by data-parallel rank 0, i.e. replica 0."""
+        if self.topology.replica_index == 0:
+            return
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+        def drop(node: Any) -> Any:
+            if isinstance(node, dict):
+                for key in list(node):
+                    if isinstance(node[key], (ShardedTensor, ShardedTensorFactory)):
+                        del node[key]
+                    else:
+                        drop(node[key])
+            elif isinstance(node, list):
+                for i, item in enumerate(node):
+                    if isinstance(item, (ShardedTensor, ShardedTensorFactory)):
+                        node[i] = None
+                    else:
+                        drop(item)
+            return node
+
+        for key, value in model_sharded_state_dict.items():
+            if key != "optimizer":
+                drop(value)
+        _drop_megatron_param_state(inner_sd)
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs) -> dict:
+        """Megatron's inner sharded state plus the DiLoCoX entries under ``"diloco_x"`` (layout at the
+        top of this section; disk per model parameter with Adam and fp32 main params: 12 B per replica
+        for its own inner state (+4 residual with a lossy codec, +4 anchor with eager) and 4-12 B once
+        for theta, momentum and the in-flight exchange, on top of Megatron's own entries).
+
+        Loading first reads the checkpoint's metadata (``args.load``) to request only what it holds:
+
+        * a DiLoCoX checkpoint: Megatron's distributed-optimizer parameter state is not requested
+          (each replica restores its own from ``diloco_x.replica.*``);
+        * a plain Megatron checkpoint (written without ``--diloco-x``): only Megatron's entries, which
+          every replica loads; :meth:`load_state_dict` then restarts the outer loop from them.
+        """
+        sd = self.inner.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        self._loading_contents = None
+        if not is_loading:
+            sd["diloco_x"] = self._sharded_diloco_state(None)
+            self._megatron_entries_from_replica_zero(model_sharded_state_dict, sd)
+            return sd
+        contents = _read_checkpoint_contents(self)
+        self._loading_contents = contents
+        if contents.kind == "plain":
+            return sd
+        _drop_megatron_param_state(sd)
+        if contents.kind == "legacy":
+            r, topo = self.topology.replica_index, self.topology
+            shape, offset = (topo.ranks_per_replica,), (topo.rank_in_replica,)
+            sd["diloco_x"] = {
+                "legacy.outer": ShardedObject("diloco_x.outer", None, shape, offset, replica_id=r),
+                "legacy.replica": ShardedObject(f"diloco_x.replica{r}", None, shape, offset, replica_id=0)}
+        else:
+            sd["diloco_x"] = self._sharded_diloco_state(contents)
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore from :meth:`state_dict` or from the loaded :meth:`sharded_state_dict`.
+
+        Order: Megatron's inner load (param groups, step, grad scaler of replica 0; fp32 main params
+        and moments only for a plain Megatron checkpoint), then this replica's own state over it, then
+        the main params are published into the model params. A checkpoint without DiLoCoX state is
+        noted: :meth:`after_checkpoint_load` then restarts the outer loop from the loaded params."""
+        state_dict = dict(state_dict)
+        if "inner" in state_dict:  # plain state_dict() format
+            self.inner.load_state_dict(state_dict["inner"])
+            per_replica = state_dict.get("diloco_x_replica")
+            if per_replica is not None and "tensors" not in per_replica:  # written before format 2
+                per_replica = {"tensors": per_replica, "meta": None}
+            self._load_outer_and_replica(state_dict["diloco_x"], per_replica)
+            return
+        ours = state_dict.pop("diloco_x", None)
+        self.inner.load_state_dict(state_dict)
+        contents = self.__dict__.get("_loading_contents")
+        if ours is None:  # the outer loop restarts from these params (after_checkpoint_load)
+            where = f"checkpoint {contents.path}" if contents is not None else "the state dict"
+            self._loaded_without_diloco_state = (
+                f"{where} holds no DiLoCoX state (written without --diloco-x); inner optimizer state loaded "
+                "as Megatron loads it")
+            return
+        if "legacy.outer" in ours:
+            legacy = ours["legacy.replica"]
+            self._load_outer_and_replica(ours["legacy.outer"], {"tensors": legacy, "meta": None})
+            return
+        outer_meta, replica_meta = ours["outer.meta"], ours["replica.meta"]
+        if outer_meta.get("format") != CHECKPOINT_FORMAT:
+            raise RuntimeError(f"unknown DiLoCoX checkpoint format {outer_meta.get('format')}")
+        n = self.view.numel
+        if int(outer_meta["numel"]) != n:
+            raise ValueError(f"DiLoCoX checkpoint holds an outer shard of {outer_meta['numel']} elements, this "
+                             f"rank owns {n}: resume with the same TP/PP/DP layout and --diloco-x-replicas")
+        loaded_outer = ours.get("outer", {})
+        sync_state = {k: v for k, v in outer_meta.items()
+                      if k not in ("format", "numel", "tensors", "step_calls", "totals", "schedule")}
+        for name in outer_meta["tensors"]:
+            sync_state[name] = (loaded_outer[name] if n > 0 else
+                                torch.empty(0, dtype=torch.float32, device=self.view.device))
+        self.sync.load_state_dict(sync_state)  # copies onto itself where read in place
+        self.step_calls = int(outer_meta["step_calls"])
+        self.totals = ExchangeStats(**outer_meta["totals"])
+        self._keep_schedule(outer_meta.get("schedule"))
+        fresh = self.__dict__.pop("_loading_main_params", None)
+        if n > 0:
+            loaded = ours["replica"]
+            for kind, entries in self._replica_tensors().items():
+                if kind == "param":
+                    continue
+                for (_, t), src in zip(entries, loaded[kind]):
+                    if src.data_ptr() != t.data_ptr():  # not read in place (e.g. state reallocated)
+                        t.copy_(src.view_as(t))
+            if fresh is None:  # loaded through another path: copy the main shards piece by piece
+                for (_, p), src in zip(self._replica_tensors()["param"], loaded["param"]):
+                    p.detach().copy_(src.view_as(p))
+            else:
+                self.view.copy_from_(fresh)
+        self._load_replica_meta(replica_meta)
+        self._publish_params(gather_now=True)  # forward hooks may be off (first step after a load)
+        self._loaded_diloco_state = True
+
+    def _load_outer_and_replica(self, outer: dict | None, per_replica: dict | None) -> None:
+        """Restore from the pickled formats (non-sharded :meth:`state_dict`; torch_dist checkpoints
+        written before format 2, whose ShardedObjects held clones of every tensor)."""
+        if outer is None or per_replica is None:
+            raise RuntimeError("checkpoint has no DiLoCoX state for this replica: it was not written with "
+                               "--diloco-x and the same --diloco-x-replicas; load it with --no-load-optim to "
+                               "start a new outer loop from its weights")
+        self.sync.load_state_dict(outer["sync"])
+        self.step_calls = int(outer["step_calls"])
+        self.totals = ExchangeStats(**outer["totals"])
+        self._keep_schedule(outer.get("schedule"))
+        tensors, legacy = per_replica["tensors"], per_replica["meta"] is None
+        names = [name for name, _ in (self._legacy_state_tensors() if legacy else self._inner_state_tensors())]
+        missing = [name for name in names if name not in tensors]
+        if missing:
+            raise RuntimeError(
+                f"checkpoint lacks this run's per-replica DiLoCoX state {missing[:3]}: it was written with "
+                "another --diloco-x-compression / --diloco-x-overlap (error-feedback residual, eager "
+                "anchor); resume with the flags it was written with, or load it with "
+                "--no-load-optim to start a new outer loop from its weights")
+        for name, t in (self._legacy_state_tensors() if legacy else self._inner_state_tensors()):
+            t.detach().copy_(tensors[name])
+        if not legacy:
+            self._load_replica_meta(per_replica["meta"])
+        self._publish_params(gather_now=True)  # forward hooks may be off (first step after a load)
+        self._loaded_diloco_state = True
+
+    def _legacy_state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The per-replica tensors under the names of checkpoint format 1 (``{i}.param``, ``{i}.<state
+        key>`` including Adam's 0-dim ``step``, ``diloco_x.residual``, ``diloco_x.anchor``)."""
+        for i, (d, p) in enumerate(self._shards()):
+            yield f"{i}.param", p
+            for k, v in sorted(d.optimizer.state.get(p, {}).items()):
+                if isinstance(v, torch.Tensor):
+                    yield f"{i}.{k}", v
+        if self.sync.residual is not None:
+            yield "diloco_x.residual", self.sync.residual
+        if self.sync.eager_anchor is not None:
+            yield "diloco_x.anchor", self.sync.eager_anchor
+
+
+# ---------------------------------------------------------------------- checkpoint helpers
+
+#: Version of the DiLoCoX entries in a torch_dist checkpoint (1: pickled ShardedObjects, before
+#: per-replica ShardedTensors; 2: the layout described in DiLoCoXOptimizer's checkpointing section).
+CHECKPOINT_FORMAT = 2
+
+
+def _is_flat_shard(value: Any, numel: int) -> bool:
+    """Whether ``value`` is a flat fp32 tensor over the rank's shard (``(numel,)``)."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel
+
+
+def _drop_megatron_param_state(sd: Any) -> None:
+    """Remove the ``param_state`` of every DistributedOptimizer sharded state dict inside ``sd``
+    (ChainedOptimizer nests one per sub-optimizer); their common entries (param groups, step, grad
+    scaler) stay."""
+    if isinstance(sd, dict):
+        if "param_state_sharding_type" in sd:
+            sd.pop("param_state", None)
+        for value in sd.values():
+            _drop_megatron_param_state(value)
+
+
+@dataclasses.dataclass
+class _CheckpointContents:
+    """What a torch_dist checkpoint holds, as far as DiLoCoX is concerned."""
+
+    path: str
+    kind: str
+    """``"diloco"`` (format 2), ``"legacy"`` (format 1: pickled ShardedObjects) or ``"plain"``
+    (no DiLoCoX state: written without ``--diloco-x``)."""
+    outer: tuple[str, ...] = ()
+    """Names of the ``diloco_x.outer.<name>`` tensors."""
+    replica: tuple[str, ...] = ()
+    """Kinds of the ``diloco_x.replica.<kind>`` tensors."""
+
+
+def _checkpoint_dir_being_loaded() -> str | None:
+    """The checkpoint directory Megatron's ``load_checkpoint`` reads: ``args.load`` at the iteration
+    of its tracker file (or ``--ckpt-step``). None when that cannot be told (no ``args.load``; a
+    non-persistent checkpoint may be newer)."""
+    from megatron.training import get_args
+    from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
+
+    args = get_args()
+    load_dir = getattr(args, "load", None)
+    if not load_dir or getattr(args, "non_persistent_ckpt_type", None):
+        return None
+    if getattr(args, "ckpt_step", None):
+        iteration, release = int(args.ckpt_step), False
+    else:
+        tracker = get_checkpoint_tracker_filename(load_dir)
+        if not os.path.isfile(tracker):
+            return None
+        text = open(tracker).read().strip()
+        release = text == "release"
+        iteration = 0 if release else int(text)
+    return get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+
+
+def _read_checkpoint_contents(opt: DiLoCoXOptimizer) -> _CheckpointContents:
+    """Read the checkpoint's metadata (the ``.metadata`` file; no tensor data) and check that its
+    DiLoCoX entries fit this run's layout (errors name the flags). Called on every rank."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    path = _checkpoint_dir_being_loaded()
+    if path is None:
+        raise RuntimeError(
+            "DiLoCoX cannot tell which checkpoint is being loaded (needs --load with its "
+            "latest_checkpointed_iteration.txt, or --ckpt-step; non-persistent checkpoints are not "
+            "supported with --diloco-x): load with --no-load-optim to start a new outer loop from the weights")
+    metadata = load_sharded_metadata(path)
+    outer, replica, legacy = {}, {}, False
+    for key, entry in metadata.items():
+        if key.startswith("diloco_x.outer.") and isinstance(entry, ShardedTensor):
+            outer[key[len("diloco_x.outer."):]] = tuple(entry.global_shape)
+        elif key.startswith("diloco_x.replica.") and isinstance(entry, ShardedTensor):
+            replica[key[len("diloco_x.replica."):]] = tuple(entry.global_shape)
+        elif key.startswith("diloco_x.outer/"):
+            legacy = True  # format 1: one pickled ShardedObject per rank position
+    if outer:
+        _, total = opt._checkpoint_layout()
+        want_outer, want_replica = (total,), (opt.topology.replicas, total)
+        bad = {k: s for k, s in outer.items() if s != want_outer}
+        bad.update({k: s for k, s in replica.items() if s != want_replica})
+        if bad:
+            raise RuntimeError(
+                f"DiLoCoX checkpoint {path} was written with another layout: entries {bad} vs this run's outer "
+                f"{want_outer} / per-replica {want_replica} (replicas, main-shard elements per replica); resume "
+                "with the --diloco-x-replicas and TP/PP/DP layout it was written with, or load it with "
+                "--no-load-optim to start a new outer loop from its weights")
+        return _CheckpointContents(path, "diloco", tuple(sorted(outer)), tuple(sorted(replica)))
+    if legacy:
+        return _CheckpointContents(path, "legacy")
+    return _CheckpointContents(path, "plain")

@@ -1,0 +1,436 @@
+"""``DiLoCoXOptimizer``: the ``MegatronOptimizer`` interface around Megatron's distributed optimizer.
+
+Each ``step()`` runs the inner (replica-local) optimizer step; every H-th call it also runs the outer
+boundary on the rank's fp32 main-parameter shard (:class:`megatron_diloco.algorithm.sync.OuterSync`), writes
+the result into the model parameters and re-gathers them inside the replica.
+
+Process groups: the outer group (one rank per replica, same shard) carries the pseudo-gradient
+exchange and, once, at the first boundary, the start-weights fingerprint; the decision group (gloo,
+the whole world) carries the skip decision per boundary (with tau and theta's fingerprints); ``replica_groups``
+(intra-replica groups: intra-DP and model-parallel) carry the pseudo-gradient norm for logging and
+the param gathers. Nothing else crosses replicas between boundaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer import ChainedOptimizer, DistributedOptimizer, MegatronOptimizer
+
+from megatron_diloco.algorithm.config import DiLoCoXConfig
+from megatron_diloco.algorithm.exchange import ExchangeStats
+from megatron_diloco.algorithm.link import host_copy
+from megatron_diloco.algorithm.shard_view import ShardView, fingerprint
+from megatron_diloco.algorithm.protocols import RoundReport
+from megatron_diloco.algorithm.sync import OuterSync
+from megatron_diloco.megatron_adapter.checkpoint import CheckpointMixin
+from megatron_diloco.megatron_adapter.restart import RestartMixin
+from megatron_diloco.megatron_adapter.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+
+def distributed_optimizers(optimizer: MegatronOptimizer) -> list[DistributedOptimizer]:
+    """The ``DistributedOptimizer`` instances inside ``optimizer`` (chained or not), in order."""
+    parts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    for part in parts:
+        if not isinstance(part, DistributedOptimizer):
+            raise TypeError(
+                f"--diloco-x needs Megatron's distributed optimizer, got {type(part).__name__}; "
+                "run with --use-distributed-optimizer (install() sets it)"
+            )
+    return list(parts)
+
+
+def _shard_shapes(dist_opts: list[DistributedOptimizer]) -> list[tuple[int, ...]]:
+    """Per main shard (same order as :func:`_main_params`): ``(rows, cols)`` when the shard is whole
+    rows of a >= 2-D parameter (viewed as first dim x rest), else ``(numel,)``. Low-rank codecs
+    compress only the former."""
+    shapes = []
+    for d in dist_opts:
+        for g, group in enumerate(d.optimizer.param_groups):
+            # DistributedOptimizer lists a group's fp32-param shards, then its fp16/bf16 ones.
+            model_params = [*d.model_fp32_groups[g], *d.model_float16_groups[g]]
+            assert len(model_params) == len(group["params"])
+            for model_param, shard in zip(model_params, group["params"]):
+                span = d._get_model_param_range_map(model_param)["param"]
+                cols = math.prod(model_param.shape[1:]) if model_param.dim() >= 2 else 0
+                whole_rows = cols > 0 and span.start % cols == 0 and span.size % cols == 0 and span.size > 0
+                shapes.append((span.size // cols, cols) if whole_rows else (shard.numel(),))
+    return shapes
+
+
+def _main_params(dist_opts: list[DistributedOptimizer]) -> list[torch.Tensor]:
+    """The fp32 main-parameter shards the inner optimizers update, in a replica-independent order."""
+    return [p for d in dist_opts for g in d.optimizer.param_groups for p in g["params"]]
+
+
+class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
+    """DiLoCoX around a Megatron (chained) distributed optimizer.
+
+    Args:
+        inner: the optimizer ``get_megatron_optimizer`` built (its DistributedOptimizer parts shard
+            the replica's parameters over the intra-replica DP group).
+        config: DiLoCoX hyperparameters.
+        topology: replica index and the process groups (outer, intra-replica).
+        on_round: optional callback receiving each boundary's :meth:`round_metrics` dict
+            (called on every rank; used for logging).
+
+    The wrapper forwards every ``MegatronOptimizer`` method to ``inner`` except ``step``,
+    ``state_dict``, ``load_state_dict``, ``sharded_state_dict`` and ``reload_model_params``. Boundaries are counted in
+    ``step()`` calls (a skipped fp16 step still counts), so all replicas agree on them.
+    """
+
+    def __init__(self, inner: MegatronOptimizer, config: DiLoCoXConfig, topology: Topology,
+                 on_round: Callable[[dict], None] | None = None) -> None:
+        # Deliberately no super().__init__: all optimizer state lives in ``inner``.
+        self.inner = inner
+        self.diloco_config = config
+        self.topology = topology
+        self.on_round = on_round
+        self.dist_opts = distributed_optimizers(inner)
+        self.view = ShardView(_main_params(self.dist_opts))
+        self.sync = OuterSync(self.view, config, topology.outer_group, _shard_shapes(self.dist_opts),
+                              host_group=topology.outer_host_group, decision_group=topology.decision_group,
+                              link_sharers=self._link_sharers())
+        # the round's inner-step time: the sum of its iterations' spans, each from the start of the
+        # iteration (mark_iteration_start: Megatron's train_step; else the end of the previous step())
+        # to the end of the inner step; evaluations, saves and the outer work between are not in it
+        self._iteration_started: float | None = None
+        self._last_step_ended: float | None = None
+        self._round_step_s, self._round_timed_steps = 0.0, 0
+        self.step_calls = 0
+        self.totals = ExchangeStats()
+        self.last_report: RoundReport | None = None
+        #: partial: the exchange that landed tau steps after its launch, until the round's boundary
+        #: reports it (its bytes and times; accounted when it landed)
+        self._landed: ExchangeStats | None = None
+        self._start_checked = False  # whether the replicas' start weights were compared
+        # what the last load_state_dict restored, for after_checkpoint_load: DiLoCoX state, or (the
+        # restart reason) a checkpoint without it
+        self._loaded_diloco_state = False
+        self._loaded_without_diloco_state: str | None = None
+        self._params_gathered = True  # model params hold the main shards everywhere (not deferred)
+
+    # ------------------------------------------------------------------ interface
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes not defined here (e.g. chained_optimizers, model_chunks).
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def config(self):  # Megatron's OptimizerConfig of the inner optimizer
+        return self.inner.config
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.inner.param_groups = value
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def get_parameters(self):
+        return self.inner.get_parameters()
+
+    def prepare_model_params_for_param_sync(self) -> None:
+        self.inner.prepare_model_params_for_param_sync()
+
+    def get_grads_for_grad_norm(self, *a, **k):
+        return self.inner.get_grads_for_grad_norm(*a, **k)
+
+    def has_grad_norm_group(self, *a, **k):
+        return self.inner.has_grad_norm_group(*a, **k)
+
+    def get_grad_stats_parallel_group(self):
+        return self.inner.get_grad_stats_parallel_group()
+
+    def prepare_grads(self) -> bool:
+        return self.inner.prepare_grads()
+
+    def step_with_ready_grads(self) -> bool:
+        return self.inner.step_with_ready_grads()
+
+    def get_grad_norm(self):
+        return self.inner.get_grad_norm()
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        return self.inner.clip_grad_norm(clip_grad)
+
+    def count_zeros(self) -> float:
+        return self.inner.count_zeros()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self.inner.get_loss_scale()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.inner.scale_loss(loss)
+
+    def reload_model_params(self, state_dict=None) -> None:
+        """Megatron calls this after loading model weights without the optimizer state
+        (``--no-load-optim``, ``--finetune``, ``--pretrained-checkpoint`` with fp16/bf16): the main
+        shards take the loaded weights; the outer loop restarts from them once the load is over
+        (:meth:`after_checkpoint_load`)."""
+        self.inner.reload_model_params(state_dict)
+
+    def offload_to_cpu(self):
+        return self.inner.offload_to_cpu()
+
+    def restore_from_cpu(self):
+        return self.inner.restore_from_cpu()
+
+    # ------------------------------------------------------------------ the step
+    def step(self):
+        """Inner step; on every H-th call also the outer boundary. Returns the inner step's
+        ``(update_successful, grad_norm, num_zeros_in_grad)``.
+
+        Between boundaries this adds to the inner step a counter, one comparison (``partial``: the
+        step the pending exchange lands on) and, while an exchange is in flight, two non-blocking
+        queries of its completion (:meth:`OuterSync.poll`): no device work, no host sync, no collective.
+
+        On a step that ends with outer work (a boundary, ``partial``'s landing), the inner step's own
+        parameter all-gather is deferred (Megatron's ``_defer_param_sync``): the outer work changes
+        the main params, and :meth:`_publish_params` gathers them once."""
+        started = self._iteration_started if self._iteration_started is not None else self._last_step_ended
+        self._iteration_started = None
+        since_boundary = self.sync.schedule.steps_since_boundary(self.step_calls + 1)
+        self.sync.poll()  # the exchange in flight: completed during this step's forward and backward?
+        land = self.sync.merge_due(since_boundary)  # partial: the exchange lands tau steps after its launch
+        outer_work = land or since_boundary == 0
+        if outer_work:
+            self._defer_inner_param_gather(True)
+        try:
+            result = self.inner.step()  # Megatron's step runs under its own no_grad
+        finally:
+            if outer_work:
+                self._defer_inner_param_gather(False)
+        if started is not None:  # this iteration's inner time (the outer work below is not in it)
+            self._round_step_s += time.perf_counter() - started
+            self._round_timed_steps += 1
+        self.step_calls += 1
+        self.sync.poll()  # ... or during the inner optimizer step (its time; non-blocking)
+        if land:
+            self._merge()
+        elif since_boundary == 0:
+            self._boundary()
+        self._last_step_ended = time.perf_counter()
+        return result
+
+    def mark_iteration_start(self) -> None:
+        """The training iteration whose ``step()`` comes next starts now (``megatron_diloco.install``
+        calls it at the start of Megatron's ``train_step``): its forward, backward and inner step
+        count towards the round's mean step time; what runs between iterations (evaluation,
+        checkpoint saves) does not. Without it an iteration is timed from the end of the previous
+        ``step()`` (the first one of a run or after a resume is then not timed)."""
+        self._iteration_started = time.perf_counter()
+
+    def _defer_inner_param_gather(self, defer: bool) -> None:
+        """Whether the inner step skips its synchronous parameter all-gather (intra-replica DP group;
+        without ``--overlap-param-gather``, where Megatron gathers in the next forward instead)."""
+        for d in self.dist_opts:
+            if not d.ddp_config.overlap_param_gather:
+                d._defer_param_sync = defer
+
+    @torch.no_grad()
+    def _merge(self) -> None:
+        stats = self.sync.merge()
+        self._publish_params()
+        self._account(stats)
+        self._landed = stats  # reported with the round, at its boundary
+
+    @torch.no_grad()
+    def _boundary(self, final: bool = False) -> None:
+        """The boundary after this step (``final``: the last, shorter round of a run that ended
+        mid-round, :meth:`finish`: its exchange goes with the main codec, whatever the warm-up's)."""
+        # mean inner-step time of this round (its iterations only: no evaluation, save, landing or
+        # boundary work): auto tau, the adaptive byte budget, the derived timeout; and the next
+        # round's length (auto tau and the budget hide the exchange within it)
+        cfg = self.diloco_config
+        timed, total = self._round_timed_steps, self._round_step_s
+        self._round_step_s, self._round_timed_steps = 0.0, 0
+        self.sync.set_step_time(total / timed if timed > 0 else None,
+                                next_round_steps=cfg.local_steps if final else self.sync.schedule.round_steps(self.step_calls))
+        if not self._start_checked:
+            self._check_replicas_started_alike()
+        report = self.sync.boundary()
+        self._publish_params()
+        self._account(report.completed)
+        # the exchange this round applied: at the boundary, or (partial, tau < H) at its landing
+        if report.completed is None and self._landed is not None:
+            report = dataclasses.replace(report, applied=True, completed=self._landed)
+        self._landed = None
+        self.last_report = report
+        if self.on_round is not None:
+            self.on_round(self.round_metrics(report))
+
+    def _check_replicas_started_alike(self) -> None:
+        """First boundary (after any load): ``theta``, the weights every replica started from, must be
+        bit-identical across the outer group; a bitwise fingerprint (2 x int64) is all-gathered over
+        it, once. Raises naming the likely cause otherwise, before anything is exchanged."""
+        self._start_checked = True
+        if self.topology.replicas <= 1:
+            return
+        fp = host_copy(self.sync.fingerprint([self.sync.theta]), self.topology.outer_group)
+        gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
+        dist.all_gather(gathered, fp, group=self.topology.outer_group)
+        if not all(torch.equal(gathered[0], g) for g in gathered):
+            raise RuntimeError(
+                f"DiLoCoX: the replicas did not start from the same weights (rank {dist.get_rank()}, "
+                f"outer group {dist.get_process_group_ranks(self.topology.outer_group)}): every replica "
+                "must initialize with the same --seed and load the same checkpoint (no "
+                "--data-parallel-random-init, no per-cluster --load paths)")
+
+    def _publish_params(self, gather_now: bool = False) -> None:
+        """Main (fp32) shards -> model params, then re-gather them inside the replica (collectives over
+        the intra-replica DP group only).
+
+        With ``--overlap-param-gather`` Megatron gathers in the next forward's pre-hooks; an
+        all-gather the inner step already dispatched (``--overlap-param-gather-with-optimizer-step``:
+        the first model chunk's, right after its optimizer step) reads the param buffer written
+        here, so it is finished first, and the dispatch state is reset so that the new params are
+        gathered again (re-dispatched at once for that chunk, as Megatron's step does). ``gather_now``:
+        gather synchronously (end of training and after a load, when the forward hooks may be off)."""
+        self._params_gathered = gather_now
+        for d in self.dist_opts:
+            if not d.ddp_config.overlap_param_gather:
+                d._copy_main_params_to_model_params()
+                d.start_param_sync_for_bucket_group_subset()
+                continue
+            chunks = list(d.model_chunks)
+            for chunk in chunks:
+                for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+                    if group.param_gather_handle is not None:
+                        group.start_param_sync(force_sync=True)  # waits for the one in flight
+            d._copy_main_params_to_model_params()
+            for chunk in chunks:
+                if gather_now:
+                    for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+                        group.start_param_sync(force_sync=True)
+                else:
+                    chunk.reset_param_sync_dispatch_state()
+                    if getattr(chunk, "overlap_param_gather_with_optimizer_step", False):
+                        chunk.start_param_sync(force_dispatch=True)
+
+    def _account(self, completed: ExchangeStats | None) -> None:
+        """Add an exchange that completed (its bytes are final then, also for adaptive codecs)."""
+        if completed is None:
+            return
+        for field in ("bytes_sent", "bytes_received", "raw_bytes", "payload_bytes", "exchange_s", "exposed_s"):
+            setattr(self.totals, field, getattr(self.totals, field) + getattr(completed, field))
+
+    def round_metrics(self, report: RoundReport) -> dict:
+        """This boundary's figures; the pseudo-gradient norm is reduced over the replica only."""
+        done = report.completed  # the exchange applied here (launched one round ago when delayed)
+        sq = torch.tensor([report.pseudo_grad_sq, done.input_sq if done else 0.0,
+                           done.residual_sq if done else 0.0], dtype=torch.float64, device=self.view.device)
+        for group in self.topology.replica_groups:
+            dist.all_reduce(sq, group=group)
+        return {
+            "round": report.round,
+            "step": self.step_calls,
+            "applied": report.applied,
+            "bytes_sent": done.bytes_sent if done else 0,
+            "bytes_received": done.bytes_received if done else 0,
+            "exchange_s": done.exchange_s if done else 0.0,
+            "exposed_s": done.exposed_s if done else 0.0,
+            "pseudo_grad_norm": float(sq[0].sqrt()),
+            # ||not sent|| / ||encoded|| over the replica (this replica's payloads; 0 when lossless)
+            "compression_error": float((sq[2] / sq[1]).sqrt()) if sq[1] > 0 else 0.0,
+            "skipped": report.skipped,
+            "compression_ratio": (done.raw_bytes / done.payload_bytes
+                                  if done and done.payload_bytes else 0.0),
+        }
+
+    def finish(self) -> None:
+        """End of training: leave every replica with the one model they all agree on, theta.
+
+        A run that ends mid-round (``--train-iters`` not on a boundary, or before the first one)
+        first takes one more boundary over the inner steps since the last (a shorter last round:
+        its pseudo-gradient is exchanged, blocking, with the main codec and its error feedback);
+        then the exchange still in flight is applied and x <- theta on every replica
+        (:meth:`OuterSync.drain`). So the final evaluation and Megatron's final save see the same
+        model on every replica, whatever the overlap rule. Collective over the outer groups and the
+        decision group."""
+        if self.step_calls > 0 and not self.sync.schedule.is_boundary(self.step_calls):
+            self._boundary(final=True)
+        stats = self.sync.drain()
+        # always: Megatron turned the forward pre-hooks off after its loop, so with
+        # --overlap-param-gather nothing would gather the last boundary's params
+        self._publish_params(gather_now=True)
+        if stats is not None:
+            self._account(stats)
+
+    def params_fingerprint(self) -> torch.Tensor:
+        """:func:`megatron_diloco.algorithm.shard_view.fingerprint` of this rank's fp32 main-parameter shards
+        (int64 ``[2]``, on their device). Local. Over the ranks of a replica, in rank order, they
+        identify the model (the shards partition its parameters for a given TP/PP/DP layout)."""
+        return fingerprint(self.view.shards) if self.view.shards else torch.zeros(
+            2, dtype=torch.int64, device=self.view.device)
+
+    def replicas_identical(self) -> bool:
+        """Whether this rank's shard and model params are bit-identical across the outer group.
+
+        With ``--diloco-x-overlap eager`` or ``partial`` the replicas' params differ by design (each
+        one's own look-ahead or progress) while x is not theta (:attr:`OuterSync.x_is_theta`); then
+        the shared outer state (theta, momentum) is compared instead. After :meth:`finish` the params are compared. With
+        ``--overlap-param-gather`` the model params are gathered by the next forward, not at the
+        boundary: until then only the fp32 main shards are compared (the model's own shard is their
+        copy; the rest is the previous round's local params by design)."""
+        if not self.sync.x_is_theta:  # theta and m, on the device (streamed when host-held)
+            fp = self.sync.fingerprint(self.sync.outer.tensors())
+        else:
+            tensors = list(self.view.shards)
+            for d in self.dist_opts:
+                if self._params_gathered or not d.ddp_config.overlap_param_gather:
+                    tensors += [p for chunk in d.model_chunks for p in chunk.parameters()]
+            fp = fingerprint(tensors)
+        fp = host_copy(fp, self.topology.outer_group)
+        gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
+        if self.topology.replicas > 1:
+            dist.all_gather(gathered, fp, group=self.topology.outer_group)
+        else:
+            gathered = [fp]
+        same = torch.tensor([int(all(torch.equal(gathered[0], g) for g in gathered))],
+                            device=self.view.device)
+        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        return bool(same.item())
+
+    def _layout_table(self) -> list[tuple[int, int, int]]:
+        """``(replica index, rank in replica, shard numel)`` of every rank of the world. The first call
+        all-gathers 3 int64 per rank over the default (world) group, so it must be made on every rank
+        (construction, checkpoint save / load are); cached afterwards."""
+        cached = self.__dict__.get("_layout_rows")
+        if cached is not None:
+            return cached
+        topo = self.topology
+        mine = torch.tensor([topo.replica_index, topo.rank_in_replica, self.view.numel], dtype=torch.int64,
+                            device=self.view.device)
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, mine)
+        table = self._layout_rows = [tuple(int(x) for x in row.tolist()) for row in rows]
+        return table
+
+    def _link_sharers(self) -> int:
+        """S: the ranks of this rank's replica that hold a shard, i.e. whose outer groups' exchanges
+        cross the site's slow link at the same time (each counts on 1 / S of
+        ``--diloco-x-bandwidth-mbps``). Collective over the world on the first call
+        (:meth:`_layout_table`)."""
+        if not dist.is_initialized():
+            return 1
+        replica = self.topology.replica_index
+        return sum(1 for r, _, n in self._layout_table() if r == replica and n > 0)

@@ -1,0 +1,53 @@
+"""The package's layout keeps its promises: the algorithm imports nothing from Megatron, and no module
+or class grows past what one reading holds."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "megatron_diloco"
+ALGORITHM = PACKAGE / "algorithm"
+#: the planner's CLI (its flag table and report) is the one module allowed past the module limit
+MODULE_LINES, CLASS_LINES, LONG_MODULES = 600, 400, {"plan.py"}
+
+
+def _imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def test_the_algorithm_imports_nothing_from_megatron():
+    """No ``import megatron...`` anywhere under ``megatron_diloco/algorithm`` (also inside functions),
+    nor of the adapter; and importing every algorithm module loads no ``megatron`` module."""
+    modules = sorted(ALGORITHM.rglob("*.py"))
+    assert len(modules) > 10
+    for path in modules:
+        bad = [n for n in _imports(path) if n == "megatron" or n.startswith("megatron.")
+               or n.startswith("megatron_diloco.megatron_adapter")]
+        assert not bad, (path, bad)
+    names = [".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__") for p in modules]
+    code = ("import sys\n" + "".join(f"import {n}\n" for n in names)
+            + "print(sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_no_module_or_class_past_one_reading():
+    """No module over 600 lines (the planner aside) and no class over 400."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if path.name not in LONG_MODULES:
+            assert len(text.splitlines()) <= MODULE_LINES, (path, len(text.splitlines()))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                assert node.end_lineno - node.lineno + 1 <= CLASS_LINES, (path, node.name)
