@@ -3,6 +3,8 @@
 # make test   - the test suite
 # make bench-wan - throughput over an emulated slow network (root; ARGS=... to add flags)
 # make bench-venv - .venv plus the benchmarks' pinned plotting extra (requirements-bench.txt)
+# make docs   - regenerate docs/flags.md from the --diloco-x* argparse group
+# make plots  - regenerate every plot of benchmarks/plots/ from benchmarks/results/*.json
 
 SHELL := /bin/bash
 VENV := .venv
@@ -19,7 +21,7 @@ PYTHON312 ?= $(shell for p in python3.12 /root/.pyenv/versions/3.12.*/bin/python
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 \
 	&& { command -v $$p; break; }; done)
 
-.PHONY: venv bench-venv demo test bench-wan clean-venv
+.PHONY: venv bench-venv demo test bench-wan docs plots clean-venv
 
 venv: $(STAMP)
 
@@ -51,6 +53,13 @@ test: venv
 # benchmarks/results/wan.json and benchmarks/wan.png.
 bench-wan: bench-venv
 	$(PY) benchmarks/throughput/wan_bench.py $(ARGS)
+
+docs: venv
+	$(PY) docs/gen_flags.py > docs/flags.md.tmp && mv docs/flags.md.tmp docs/flags.md
+
+# Reads benchmarks/results/*.json only (no GPU, no run); stamps each plot with the commit.
+plots: bench-venv
+	$(PY) benchmarks/plots.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,330 @@
+"""Every plot of the benchmark report, drawn from ``benchmarks/results/*.json`` only (no run, no GPU):
+
+    python benchmarks/plots.py [--out benchmarks/plots] [--only gap,bytes,speedup]   # or: make plots
+
+- ``gap_vs_tokens.png`` (``results/convergence.json``): the gap to AllReduce's validation loss, %, vs
+  tokens, for the headline rows of RESULTS §2.1.
+- ``loss_vs_bytes.png`` (``results/convergence.json``): final validation loss vs bytes sent per rank,
+  with the Pareto frontier; only frontier points are labelled.
+- ``speedup_vs_link.png`` (``results/wan.json``, ``results/gpu.json``): speedup over AllReduce vs the
+  slow link's bandwidth; the planner's curves (``python -m megatron_diloco.plan``, run in-process
+  through its command line) at 1B / 10B / 100B, and next to them the planner's curves for the
+  measured configurations with the measured points on them.
+
+Each plot is stamped with the commit it was made at (``git rev-parse --short HEAD``; ``+dirty`` when
+the results or this file have uncommitted changes). Needs matplotlib (``make bench-venv``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"
+
+#: RESULTS §2.1's headline rows (benchmarks/convergence.py: HEADLINE_METHODS; the default measured
+#: at H = 30 as ``partial_auto_int4_hwarm900_wtau1_w2``)
+DEFAULT_ROW = "partial_auto_int4_hwarm900_wtau1_w2"
+GAP_ROWS = (DEFAULT_ROW, "diloco_int4_hwarm900_w2", "partial_auto_int4", "diloco_int4")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def commit_stamp() -> str:
+    """The short commit, ``+dirty`` when the results or this file differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=BENCH, capture_output=True, text=True, check=False).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", str(RESULTS), str(Path(__file__).resolve()))
+    return head + ("+dirty" if dirty else "")
+
+
+def _stamp(fig, stamp: str) -> None:
+    fig.text(0.995, 0.995, f"commit {stamp}", ha="right", va="top", fontsize=7, color="0.4")
+
+
+# --------------------------------------------------------------------------- convergence
+def label(name: str, row: dict) -> str:
+    """A reader's label for a convergence row (the harness names are for the harness)."""
+    if row.get("overlap") == "allreduce":
+        return "AllReduce" + (" (inner lr " + name.split("_lr")[1] + ")" if "_lr" in name else "")
+    if name == DEFAULT_ROW:
+        return "default (--diloco-x)"
+    parts = ["blocking" if row["overlap"] == "none" else row["overlap"]]
+    if row["overlap"] == "partial" and row.get("tau") not in (None, "auto"):
+        parts[0] += f" tau {row['tau']}"
+    parts.append("fp32" if row.get("codec") in (None, "none") else row["codec"])
+    if row.get("local_steps") not in (None, 30):
+        parts.append(f"H {row['local_steps']}")
+    warm = re.search(r"hwarm(\d*)", name)
+    if warm:
+        w = f"warm-up {warm[1] or 300} steps"
+        h0 = re.search(r"_h0_(\d+)", name)
+        w += f" of H0 {h0[1]}" if h0 else ""
+        w += " as int2" if name.endswith("_w2") else ""
+        tau_w = re.search(r"_wtau(\d+)", name)
+        w += f" tau_w {tau_w[1]}" if tau_w else ""
+        parts.append(w)
+    if row.get("outer_lr") not in (None, 1.0):
+        parts.append(f"eta {row['outer_lr']:g}")
+    return ", ".join(parts)
+
+
+def _paired_final_gaps(row: dict, ref: dict) -> list[float]:
+    """Per seed that both ran: final validation loss / AllReduce's - 1, in %."""
+    theirs = dict(zip(ref["seeds"], ref["final_val_loss_per_seed"]))
+    return [100 * (v / theirs[s] - 1) for s, v in zip(row["seeds"], row["final_val_loss_per_seed"]) if s in theirs]
+
+
+def plot_gap(conv: dict, path: Path, stamp: str) -> None:
+    """Gap to AllReduce (%) vs tokens: the curve of each row's first seed (the only curve the JSON
+    keeps), and at the end every seed's final gap (after the drain) with the mean."""
+    plt = _plt()
+    methods = conv["methods"]
+    ref = methods["allreduce"]
+    ref_curve = dict(map(tuple, ref["curve"]))
+    end = conv["regime"]["tokens"] / 1e6
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for k, name in enumerate(n for n in GAP_ROWS if n in methods):
+        row = methods[name]
+        color = f"C{k}"
+        xs = [t for t, _ in row["curve"] if t in ref_curve]
+        ys = [100 * (dict(map(tuple, row["curve"]))[t] / ref_curve[t] - 1) for t in xs]
+        ax.plot([x / 1e6 for x in xs], ys, color=color, lw=2.2 if name == DEFAULT_ROW else 1.3,
+                label=f"{label(name, row)}: final {100 * row['gap_vs_allreduce']:+.2f}% ({len(row['seeds'])} seeds)")
+        finals = _paired_final_gaps(row, ref)
+        x_end = end * (1.03 + 0.025 * k)
+        ax.scatter([x_end] * len(finals), finals, color=color, s=14, zorder=3)
+        ax.errorbar([x_end], [100 * row["gap_vs_allreduce"]], yerr=[[100 * row["gap_vs_allreduce"] - min(finals)],
+                    [max(finals) - 100 * row["gap_vs_allreduce"]]], color=color, marker="_", ms=10, capsize=0, lw=1)
+    ax.axhline(0, color="black", lw=0.8)
+    ax.axvline(end, color="0.7", lw=0.8, ls=":")
+    ax.text(end * 1.005, ax.get_ylim()[0], " final, per seed", va="bottom", fontsize=7, color="0.35")
+    r = conv["regime"]
+    ax.set(xlabel="tokens (M)", ylabel="validation loss above AllReduce (%)",
+           title=f"Gap to AllReduce, {r['params'] / 1e6:.1f}M GPT, {r['replicas']} replicas, H = {r['local_steps']}, "
+                 f"{r['tokens'] / 1e6:.1f}M tokens ({conv.get('card', '')})")
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7.5, loc="upper right")
+    fig.text(0.01, 0.005, "Lines: mid-run evaluations of each row's first seed vs AllReduce's (per-seed curves were "
+             "not recorded, so no band); overlapped rows read high there\n(an evaluation at a boundary sees unmerged "
+             "parameters). Right: final evaluation after the drain, each seed paired with AllReduce's; bar = min..max, "
+             "tick = mean.", fontsize=6.5, color="0.3", va="bottom")
+    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
+    _stamp(fig, stamp)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """The points no other point beats on both bytes and loss (fewer-or-equal bytes and lower loss),
+    by increasing bytes."""
+    front, best = [], math.inf
+    for b, loss, name in sorted(points, key=lambda p: (p[0], p[1])):
+        if loss < best:
+            front.append((b, loss, name))
+            best = loss
+    return front
+
+
+def plot_bytes(conv: dict, path: Path, stamp: str) -> None:
+    """Final validation loss vs bytes sent per rank; the Pareto frontier drawn and labelled."""
+    plt = _plt()
+    methods = conv["methods"]
+    # rows at the recipe's inner lr (the lr sweep's rows answer another question)
+    rows = {n: r for n, r in methods.items() if r.get("final_val_loss") and r.get("bytes_total") and "_lr" not in n}
+    pts = [(r["bytes_total"] / 1e9, r["final_val_loss"], n) for n, r in rows.items()]
+    front = pareto(pts)
+    on_front = {n for _, _, n in front}
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    ax.scatter([b for b, _, n in pts if n not in on_front], [l for _, l, n in pts if n not in on_front],
+               color="0.65", s=16, label="other measured rows", zorder=2)
+    fx, fy = [b for b, _, _ in front], [l for _, l, _ in front]
+    ax.step(fx, fy, where="post", color="C3", lw=1.2, zorder=1, label="Pareto frontier")
+    ax.scatter(fx, fy, color="C3", s=28, zorder=3)
+    if DEFAULT_ROW in rows and DEFAULT_ROW not in on_front:
+        r = rows[DEFAULT_ROW]
+        ax.scatter([r["bytes_total"] / 1e9], [r["final_val_loss"]], marker="*", s=140, color="C0", zorder=4,
+                   label=f"default (--diloco-x): {r['final_val_loss']:.4f}, {r['bytes_total'] / 1e9:.2f} GB")
+    # labels of the frontier only, stacked in a column right of the cluster (in loss order, so the
+    # connectors do not cross); the last point (most bytes) is labelled on its left
+    lo, hi = min(l for _, l, _ in pts), max(l for _, l, _ in pts)
+    cluster = front[:-1]
+    slots = [hi - (hi - lo) * (0.05 + 0.6 * i / max(1, len(cluster) - 1)) for i in range(len(cluster))]
+    x_text = 12.0  # GB: right of the DiLoCo rows (4-8 GB), left of AllReduce
+    for (b, loss, n), y in zip(sorted(cluster, key=lambda p: -p[1]), slots):
+        ax.annotate(f"{label(n, rows[n])}: {loss:.4f}, {b:.3g} GB", (b, loss), xytext=(x_text, y), fontsize=7,
+                    va="center", arrowprops=dict(arrowstyle="-", color="0.5", lw=0.6, relpos=(0, 0.5)))
+    b, loss, n = front[-1]
+    ax.annotate(f"{label(n, rows[n])}\n{loss:.4f}, {b:.3g} GB", (b, loss), xytext=(-8, 0), textcoords="offset points",
+                fontsize=7, ha="right", va="center")
+    ax.set_xscale("log")
+    ax.set_ylim(lo - 0.35 * (hi - lo), hi + 0.05 * (hi - lo))
+    r = conv["regime"]
+    ax.set(xlabel="bytes sent per rank over the run (GB, log)", ylabel="final validation loss",
+           title=f"Final loss vs bytes, {r['params'] / 1e6:.1f}M GPT, {r['replicas']} replicas, "
+                 f"{r['tokens'] / 1e6:.1f}M tokens; means over each row's seeds (1-3)")
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7.5, loc="lower left")
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    _stamp(fig, stamp)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- speedup vs link
+def plan_json(flags: list[str]) -> dict:
+    """``python -m megatron_diloco.plan <flags> --json``: the command line's own entry point, called
+    in-process (torch, which the codec's byte layout needs, is imported once for every call)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = importlib.import_module("megatron_diloco.plan").main([*flags, "--json"])
+    if code:
+        raise RuntimeError(f"python -m megatron_diloco.plan {' '.join(flags)}: exit {code}")
+    return json.loads(out.getvalue())
+
+
+#: The planner's projections at three sizes (its FLOP model; the speedup depends on the model size
+#: only through the layout's tokens per GPU per step, H and the codec, so the layouts are stated)
+SIZES = (
+    ("1B: 8 GPUs / replica (DP 8), 0.5M tokens / step", ["--params", "1e9", "--dp", "8", "--tokens-per-step", "524288"]),
+    ("10B: 32 GPUs / replica (TP 4 x DP 8), 1M tokens / step",
+     ["--params", "10e9", "--tp", "4", "--dp", "8", "--tokens-per-step", "1048576"]),
+    ("100B: 128 GPUs / replica (TP 8 x PP 8 x DP 2), 2M tokens / step",
+     ["--params", "100e9", "--tp", "8", "--pp", "8", "--dp", "2", "--tokens-per-step", "2097152"]),
+)
+SIZES_COMMON = ["--replicas", "2", "--gpu-tflops", "400", "--local-steps", "100", "--codec", "int4",
+                "--overlap", "partial", "--link-scope", "cluster"]
+
+
+def _links(lo: float, hi: float, n: int) -> list[float]:
+    return [lo * (hi / lo) ** (i / (n - 1)) for i in range(n)]
+
+
+def measured_setups() -> list[dict]:
+    """The measured configurations of wan.json / gpu.json as planner flags, with their points
+    (bandwidth, measured speedup over AllReduce); the inputs as benchmarks/planning/plan_validate.py
+    takes them (the run's layout, its measured inner step; CPU: its measured boundary work)."""
+    out = []
+    wan = json.loads((RESULTS / "wan.json").read_text())
+    cfg, model = wan["config"], wan["model"]
+    for method, codec, overlap, text in (("dilocox", "int4", "partial", "default (partial, int4)"),
+                                         ("diloco", "none", "none", "DiLoCo (blocking, fp32)")):
+        runs = [r for r in wan["runs"] if r["method"] == method and r.get("speedup_vs_allreduce")]
+        if not runs:
+            continue
+        step = statistics.median(r["inner_step_s"] for r in runs)
+        boundary = statistics.median(max(0.0, r["boundary_per_round_s"] - r["exposed_comm_per_round_s"]) for r in runs)
+        out.append(dict(
+            label=f"CPU, emulated WAN, {model['params'] / 1e6:.2f}M GPT, H {cfg['local_steps']}: {text}",
+            flags=["--params", str(model["params"]), "--replicas", str(cfg["replicas"]),
+                   "--tokens-per-step", str(model["tokens_per_iter"] // cfg["replicas"]),
+                   "--step-time-s", f"{step:.6g}", "--boundary-s", f"{boundary:.6g}", "--param-bytes", "4",
+                   "--local-steps", str(cfg["local_steps"]), "--codec", codec, "--overlap", overlap,
+                   "--outer-momentum", "0", "--link-scope", "cluster"],
+            points=[(r["link_mbps"], r["speedup_vs_allreduce"]) for r in runs]))
+    gpu = json.loads((RESULTS / "gpu.json").read_text())
+    for gpus in (2, 4):
+        runs = [r for r in gpu["runs"] if r["method"] == "dilocox" and r["gpus"] == gpus]
+        if not runs:
+            continue
+        pp = gpus // 2
+        params = {1: 85_248_768, 2: 85_543_680}[pp]  # per rank of the 85.5M GPT by PP size (plan_validate)
+        out.append(dict(
+            label=f"{gpus} x H100, link model, 85.5M GPT, H {runs[0]['local_steps']}: delayed + int8",
+            flags=["--params", str(params), "--pp", str(pp), "--replicas", "2",
+                   "--tokens-per-step", str(runs[0]["tokens_per_step"] // 2),
+                   "--step-time-s", f"{statistics.median(r['compute_step_s'] for r in runs):.6g}",
+                   "--latency-ms", str(runs[0].get("latency_ms") or 0), "--link-scope", "gpu", "--link-efficiency", "1",
+                   "--local-steps", str(runs[0]["local_steps"]), "--codec", "int8", "--overlap", "delayed",
+                   "--outer-momentum", "0", "--baseline-algo", "ring", "--baseline-bytes-per-param", "8",
+                   "--baseline-overlap"],
+            points=[(r["link_mbps"], r["speedup_vs_allreduce"]) for r in runs]))
+    return out
+
+
+def plot_speedup(path: Path, stamp: str) -> None:
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5), sharey=False)
+    links = _links(10, 100_000, 25)
+    for k, (text, flags) in enumerate(SIZES):
+        ys = [plan_json([*flags, *SIZES_COMMON, "--link-mbps", f"{l:g}"])["speedup_vs_allreduce"] for l in links]
+        ax1.plot(links, ys, color=f"C{k}", lw=1.8, label=text)
+    ax1.set(xscale="log", yscale="log", xlabel="slow link between the 2 clusters (Mbit/s, each way)",
+            ylabel="speedup over AllReduce (tokens/s)",
+            title="Planner: 2 replicas, 400 TFLOP/s per GPU, H = 100, int4, partial overlap")
+    ax1.title.set_fontsize(9)
+    ax1.axhline(1, color="black", lw=0.8)
+    ax1.grid(alpha=0.3, which="both")
+    ax1.legend(fontsize=7.5)
+    links2 = _links(5, 20_000, 25)
+    for k, setup in enumerate(measured_setups()):
+        color = f"C{k + 3}"
+        ys = [plan_json([*setup["flags"], "--link-mbps", f"{l:g}"])["speedup_vs_allreduce"] for l in links2]
+        ax2.plot(links2, ys, color=color, lw=1.2, ls="--")
+        xs, ms = zip(*setup["points"])
+        ax2.scatter(xs, ms, color=color, s=30, zorder=3, label=setup["label"])
+    ax2.set(xscale="log", yscale="log", xlabel="link (Mbit/s, each way)", ylabel="speedup over AllReduce (tokens/s)",
+            title="Measured (points) and the planner for the same configuration (dashed)")
+    ax2.title.set_fontsize(9)
+    ax2.axhline(1, color="black", lw=0.8)
+    ax2.grid(alpha=0.3, which="both")
+    ax2.set_ylim(0.8, 1000)  # room for the legend above the data
+    ax2.legend(fontsize=7, loc="upper right")
+    fig.text(0.01, 0.005, "Left: the planner's model (python -m megatron_diloco.plan), which leaves out activations, "
+             "stragglers, and here latency (0 ms). Under its FLOP model the speedup depends on the model size only through the "
+             "tokens per GPU per step, H and the codec.\nRight: benchmarks/results/wan.json (2 CPU cores, tc-shaped "
+             "veth, one link per replica) and gpu.json (in-process link model, one link per GPU; delayed + int8 is "
+             "an earlier configuration, not today's default);\ndashed: the planner given each run's measured inner "
+             "step (benchmarks/RESULTS.md 3.1-3.3).", fontsize=6.5, color="0.3", va="bottom")
+    fig.tight_layout(rect=(0, 0.08, 1, 0.97))
+    _stamp(fig, stamp)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=BENCH / "plots", help="folder for the PNGs (default benchmarks/plots)")
+    p.add_argument("--only", default="gap,bytes,speedup", help="comma-separated subset of gap, bytes, speedup")
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    stamp = commit_stamp()
+    only = set(a.only.split(","))
+    conv = json.loads((RESULTS / "convergence.json").read_text())
+    made = []
+    if "gap" in only:
+        plot_gap(conv, a.out / "gap_vs_tokens.png", stamp)
+        made.append("gap_vs_tokens.png")
+    if "bytes" in only:
+        plot_bytes(conv, a.out / "loss_vs_bytes.png", stamp)
+        made.append("loss_vs_bytes.png")
+    if "speedup" in only:
+        plot_speedup(a.out / "speedup_vs_link.png", stamp)
+        made.append("speedup_vs_link.png")
+    print(f"plots ({stamp}): " + ", ".join(str(a.out / m) for m in made))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""The generated flag reference (docs/flags.md) matches the flags the package defines today.
+
+Fast and Megatron-free: docs/gen_flags.py builds a bare ``argparse.ArgumentParser()``, calls
+``add_diloco_x_args`` and renders the page; the test compares a fresh rendering with the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+from megatron_diloco import add_diloco_x_args
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def _gen_flags():
+    spec = importlib.util.spec_from_file_location("gen_flags", DOCS / "gen_flags.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_flags_md_is_up_to_date():
+    fresh = _gen_flags().render()
+    assert (DOCS / "flags.md").read_text() == fresh, "docs/flags.md is stale: run `make docs`"
+
+
+def test_flags_md_lists_every_flag_of_the_group():
+    parser = argparse.ArgumentParser()
+    before = {s for a in parser._actions for s in a.option_strings}
+    add_diloco_x_args(parser)
+    flags = {s for a in parser._actions for s in a.option_strings} - before
+    assert flags and all(f.startswith("--diloco-x") for f in flags)
+    text = (DOCS / "flags.md").read_text()
+    missing = [f for f in sorted(flags) if f"| `{f}` |" not in text]
+    assert not missing, f"not in docs/flags.md: {missing}"
