@@ -83,7 +83,21 @@ def render() -> str:
         flag = ", ".join(f"`{s}`" for s in a.option_strings)
         text = _help(parser, a).replace("|", "\\|")
         rows.append(f"| {flag} | {_default(a)} | {_values(a)} | {text} |")
-    return HEADER + "\n" + "\n".join(rows) + "\n"
+    return HEADER + "\n" + "\n".join(rows) + "\n" + _metrics()
+
+
+def _metrics() -> str:
+    """The round metrics table (``diloco_x/*`` scalars, the round line) from ``ROUND_METRICS``."""
+    from megatron_diloco.summary import ROUND_METRICS
+
+    rows = ["", "## Round metrics", "",
+            "Every boundary logs these as `diloco_x/<name>` TensorBoard / W&B scalars at Megatron's iteration "
+            "(written by the rank that holds Megatron's writer: the last rank, i.e. the last replica's last "
+            "stage); rank 0 prints the replica's figures in the `[DiLoCoX] round` line. \"The exchange\" is "
+            "the one applied in the round that just ended.", "",
+            "| name | unit | meaning | whose |", "|---|---|---|---|"]
+    rows += [f"| `{name}` | {unit} | {meaning} | {whose} |" for name, (unit, meaning, whose) in ROUND_METRICS.items()]
+    return "\n".join(rows) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -213,6 +213,8 @@ def test_tensorboard_scalars_at_megatrons_iteration(tmp_path):
     event files."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from megatron_diloco.summary import ROUND_METRICS
+
     def scalar_steps(folder) -> dict[str, list[int]]:
         events = EventAccumulator(str(folder))
         events.Reload()
@@ -229,3 +231,4 @@ def test_tensorboard_scalars_at_megatrons_iteration(tmp_path):
         assert steps["lm loss"] == list(iterations), steps["lm loss"]  # Megatron's own
         ours = {tag: s for tag, s in steps.items() if tag.startswith("diloco_x/")}
         assert ours and all(s == boundaries for s in ours.values()), ours
+        assert set(ours) == {f"diloco_x/{name}" for name in ROUND_METRICS}, sorted(ours)  # as documented

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_diloco.megatron_adapter.arguments import config_from_args, validate_megatron_args
 from megatron_diloco.algorithm.config import CODECS, DiLoCoXConfig
-from megatron_diloco.summary import format_summary, params_digest
+from megatron_diloco.summary import format_round_line, format_summary, params_digest
 from megatron_diloco.megatron_adapter.replica_local import install_replica_local_collectives, replica_local_loss_reduction
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,8 @@ def install(args: argparse.Namespace) -> DiLoCoXConfig | None:
     _show_package_logs(args)
     args._diloco_x_config = config
     if os.environ.get("RANK", "0") == "0":
+        for warning in config.ineffective_settings():
+            print(f"megatron-diloco: warning: {warning}", flush=True)
         print(f"megatron-diloco: DiLoCoX on: {config}; set --use-distributed-optimizer, "
               f"--num-distributed-optimizer-instances {config.replicas}, --use-tp-pp-dp-mapping "
               "(Megatron's argument table above predates these)", flush=True)
@@ -287,14 +289,7 @@ class _Installation:
     def log_round(self, m: dict) -> None:
         self.rounds.append(m)
         if dist.get_rank() == 0:
-            print(f"[DiLoCoX] round {m['round']:4d} | step {m['step']:6d} | "
-                  f"{'applied' if m['applied'] else 'launched'} | "
-                  f"sent {m['bytes_sent'] / 1e6:.3f} MB | recv {m['bytes_received'] / 1e6:.3f} MB | "
-                  f"exchange {m['exchange_s']:.3f} s | exposed {m['exposed_s']:.4f} s | "
-                  f"pseudo-grad norm {m['pseudo_grad_norm']:.4e}"
-                  + (f" | compression {m['compression_ratio']:.2f}x, rel. error {m['compression_error']:.4f}"
-                     if self.config.compression != "none" else "")
-                  + (" | SKIPPED (non-finite pseudo-gradient)" if m["skipped"] else ""), flush=True)
+            print(format_round_line(m, lossy=self.config.compression != "none"), flush=True)
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
         tb, wb = get_tensorboard_writer(), get_wandb_writer()

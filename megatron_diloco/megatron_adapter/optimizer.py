@@ -334,26 +334,42 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
             setattr(self.totals, field, getattr(self.totals, field) + getattr(completed, field))
 
     def round_metrics(self, report: RoundReport) -> dict:
-        """This boundary's figures; the pseudo-gradient norm is reduced over the replica only."""
-        done = report.completed  # the exchange applied here (launched one round ago when delayed)
-        sq = torch.tensor([report.pseudo_grad_sq, done.input_sq if done else 0.0,
-                           done.residual_sq if done else 0.0], dtype=torch.float64, device=self.view.device)
+        """This boundary's figures (:data:`megatron_diloco.summary.ROUND_METRICS` names and explains each); the ``replica_*``
+        ones and the pseudo-gradient norm are reduced over the replica (two small all-reduces over
+        the intra-replica groups: the fast network), the others are this rank's."""
+        done = report.completed  # the exchange applied in this round (launched one round ago when delayed)
+        sums = torch.tensor([report.pseudo_grad_sq, done.input_sq if done else 0.0,
+                             done.residual_sq if done else 0.0, done.bytes_sent if done else 0,
+                             done.bytes_received if done else 0], dtype=torch.float64, device=self.view.device)
+        maxes = torch.tensor([done.exchange_s if done else 0.0, done.exposed_s if done else 0.0],
+                             dtype=torch.float64, device=self.view.device)
         for group in self.topology.replica_groups:
-            dist.all_reduce(sq, group=group)
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        sync = self.sync
+        tau = {"none": 0, "partial": sync.apply_at}.get(self.diloco_config.overlap, sync.next_round_steps)
         return {
             "round": report.round,
             "step": self.step_calls,
             "applied": report.applied,
             "bytes_sent": done.bytes_sent if done else 0,
             "bytes_received": done.bytes_received if done else 0,
+            "replica_bytes_sent": float(sums[3]),
+            "replica_bytes_received": float(sums[4]),
             "exchange_s": done.exchange_s if done else 0.0,
             "exposed_s": done.exposed_s if done else 0.0,
-            "pseudo_grad_norm": float(sq[0].sqrt()),
+            "replica_exchange_s": float(maxes[0]),
+            "replica_exposed_s": float(maxes[1]),
+            "pseudo_grad_norm": float(sums[0].sqrt()),
             # ||not sent|| / ||encoded|| over the replica (this replica's payloads; 0 when lossless)
-            "compression_error": float((sq[2] / sq[1]).sqrt()) if sq[1] > 0 else 0.0,
+            "compression_error": float((sums[2] / sums[1]).sqrt()) if sums[1] > 0 else 0.0,
             "skipped": report.skipped,
             "compression_ratio": (done.raw_bytes / done.payload_bytes
                                   if done and done.payload_bytes else 0.0),
+            "overlap_steps": tau,
+            "round_steps": sync.next_round_steps,
+            "step_s": sync.step_time_s or 0.0,
+            "link_mbps": sync.link_mbps or 0.0,
         }
 
     def finish(self) -> None:
