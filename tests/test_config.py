@@ -269,3 +269,28 @@ def test_a_resume_keeps_an_auto_warmup_and_warns_on_changed_flags(caplog):
     assert cfg.warmup_iters == 900 and "--diloco-x-warmup-iters" in caplog.text
     changed = resume(["--diloco-x-local-steps", "20"], 3000, saved)  # H changed: the flags' auto warm-up
     assert (changed.local_steps, changed.warmup_local_steps, changed.warmup_iters) == (20, 6, 600)
+
+
+@pytest.mark.parametrize("kwargs, phrase", [
+    (dict(overlap="delayed", merge="mix"), "--diloco-x-merge mix applies to --diloco-x-overlap partial"),
+    (dict(mix_alpha=0.3), "--diloco-x-mix-alpha applies to --diloco-x-merge mix"),
+    (dict(rank=8), "--diloco-x-rank applies to --diloco-x-compression lowrank"),
+    (dict(energy=0.5, compression="int4"), "--diloco-x-energy applies to --diloco-x-compression adaptive"),
+    (dict(nesterov=False), "--diloco-x-no-nesterov changes nothing"),
+    (dict(outer_chunk_mb=4.0), "--diloco-x-outer-chunk-mb applies to --diloco-x-outer-state cpu"),
+    (dict(bandwidth_mbps=1000.0, overlap="delayed"), "--diloco-x-bandwidth-mbps sizes auto tau"),
+])
+def test_settings_that_do_nothing_are_named(kwargs, phrase):
+    """A flag set away from its default that the other flags make ineffective is named (install prints
+    it as a warning); the same flag where it acts is not."""
+    assert any(phrase in w for w in DiLoCoXConfig(replicas=2, **kwargs).ineffective_settings())
+    acting = {"merge": dict(overlap="partial", merge="mix"), "mix_alpha": dict(merge="mix", mix_alpha=0.3),
+              "rank": dict(compression="lowrank", rank=8), "energy": dict(compression="adaptive", energy=0.5),
+              "nesterov": dict(nesterov=False, outer_momentum=0.9), "outer_chunk_mb": dict(outer_state="cpu", outer_chunk_mb=4.0),
+              "bandwidth_mbps": dict(bandwidth_mbps=1000.0)}
+    field = next(k for k in acting if k in kwargs)
+    assert DiLoCoXConfig(replicas=2, **acting[field]).ineffective_settings() == []
+
+
+def test_defaults_have_no_ineffective_settings():
+    assert DiLoCoXConfig().ineffective_settings() == []

@@ -372,6 +372,33 @@ class DiLoCoXConfig:
         spec = CODECS[self.compression]
         return spec.matrix or (self.outer_state == "cpu" and not spec.lossy)
 
+    def ineffective_settings(self) -> list[str]:
+        """Settings that differ from their defaults but do nothing with the others given, one sentence
+        each naming the flag and what it needs (``install`` prints them as warnings; a value equal to
+        the default is not told apart from no flag)."""
+        d = {f.name: f.default for f in dataclasses.fields(self)}
+        out = []
+        if self.merge != d["merge"] and self.overlap != "partial":
+            out.append(f"--diloco-x-merge {self.merge} applies to --diloco-x-overlap partial only "
+                       f"(overlap is {self.overlap})")
+        if self.mix_alpha != d["mix_alpha"] and not (self.overlap == "partial" and self.merge == "mix"):
+            out.append("--diloco-x-mix-alpha applies to --diloco-x-merge mix with --diloco-x-overlap partial only")
+        if self.rank != d["rank"] and self.compression not in ("lowrank", "lowrank-int8"):
+            out.append(f"--diloco-x-rank applies to --diloco-x-compression lowrank / lowrank-int8 only "
+                       f"(compression is {self.compression}; adaptive chooses its ranks by --diloco-x-energy)")
+        if self.energy != d["energy"] and self.compression != "adaptive":
+            out.append(f"--diloco-x-energy applies to --diloco-x-compression adaptive only "
+                       f"(compression is {self.compression})")
+        if not self.nesterov and self.outer_momentum == 0.0:
+            out.append("--diloco-x-no-nesterov changes nothing with --diloco-x-outer-momentum 0 (no momentum)")
+        if self.outer_chunk_mb != d["outer_chunk_mb"] and self.outer_state != "cpu":
+            out.append("--diloco-x-outer-chunk-mb applies to --diloco-x-outer-state cpu only")
+        auto_tau = self.overlap == "partial" and (self.overlap_steps is None or bool(self.warmup_iters))
+        if self.bandwidth_mbps is not None and not auto_tau and self.compression != "adaptive":
+            out.append("--diloco-x-bandwidth-mbps sizes auto tau (--diloco-x-overlap partial, --diloco-x-overlap-steps "
+                       "auto) and the adaptive codec's byte budget; neither is used here")
+        return out
+
     def outer_timeout_s(self, step_time_s: float | None = None, longest_exchange_s: float = 0.0) -> float:
         """T in seconds: ``--diloco-x-outer-timeout-minutes`` when given, else the derived rule of
         :attr:`outer_timeout_minutes` (``step_time_s``: mean inner-step time, None while unknown;
