@@ -69,6 +69,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 from typing import Any
 
@@ -675,7 +676,9 @@ def _field_docs() -> dict[str, str]:
     docs = {}
     for a, b in zip(body, body[1:]):
         if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-            docs[a.target.id] = " ".join(str(b.value.value).split()).replace("%", "%%")
+            text = " ".join(str(b.value.value).split())
+            text = re.sub(r":[a-z]+:`~?(?:[\w.]+\.)?([\w]+)`", r"\1", text).replace("``", "")  # no Sphinx markup
+            docs[a.target.id] = text.replace("%", "%%")
     return docs
 
 
@@ -685,9 +688,17 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), help="start from a preset (flags given override it)")
     p.add_argument("--json", action="store_true", help="print the projection as JSON")
+    p.add_argument("training", nargs=argparse.REMAINDER, metavar="-- TRAINING FLAGS",
+                   help="your pretraining command line after `--`: Megatron's model, batch and parallelism flags "
+                        "and the --diloco-x* flags set the corresponding values (this tool's own flags, given "
+                        "before `--`, override them); what it cannot know (--dp, --gpu-tflops or --step-time-s, "
+                        "--link-mbps without --diloco-x-bandwidth-mbps) comes from this tool's flags")
+    defaults = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
     for f in dataclasses.fields(PlanConfig):
         flag = _flag(f.name)
         doc = docs.get(f.name, "")
+        default = defaults[f.name]
+        doc = f"{doc} (default: {'not set' if default is None else default})" if doc else doc
         if f.type in ("bool",):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc or None)
         else:
@@ -700,14 +711,68 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def from_training_command(argv: list[str]) -> dict[str, Any]:
+    """PlanConfig values from a pretraining command line: Megatron's own flags (parsed by Megatron's
+    parser: the same names and defaults as your run) and the ``--diloco-x*`` flags (the package's
+    parser). Only what the command line determines; flags Megatron does not know are ignored.
+    Imports Megatron (a few seconds)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_diloco import add_diloco_x_args
+
+    parser = add_diloco_x_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    a, _ = parser.parse_known_args([x for x in argv if x != "--"])
+    auto = lambda v: None if v == "auto" else v  # noqa: E731 (the package's auto rules run in plan())
+    values: dict[str, Any] = {
+        "layers": a.num_layers, "hidden": a.hidden_size, "ffn_hidden": a.ffn_hidden_size,
+        "heads": a.num_attention_heads, "seq_length": a.seq_length, "vocab": a.vocab_size,
+        "micro_batch": a.micro_batch_size, "tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size,
+        "train_iters": a.train_iters, "swiglu": bool(a.swiglu), "tied_embeddings": not a.untie_embeddings_and_output_weights,
+        "recompute": a.recompute_granularity or "none", "param_bytes": 2 if (a.bf16 or a.fp16) else 4,
+        "replicas": a.diloco_x_replicas, "local_steps": a.diloco_x_local_steps, "codec": a.diloco_x_compression,
+        "overlap": a.diloco_x_overlap, "outer_momentum": a.diloco_x_outer_momentum,
+        "outer_state": a.diloco_x_outer_state, "outer_chunk_mb": a.diloco_x_outer_chunk_mb,
+        "rank": a.diloco_x_rank, "energy": a.diloco_x_energy,
+        "warmup_local_steps": auto(a.diloco_x_warmup_local_steps), "warmup_iters": auto(a.diloco_x_warmup_iters),
+        "warmup_overlap_steps": auto(a.diloco_x_warmup_overlap_steps),
+        "warmup_codec": auto(a.diloco_x_warmup_compression),
+    }
+    if a.global_batch_size and a.seq_length:  # the replica's: --global-batch-size is the sum over replicas
+        values["tokens_per_step"] = a.global_batch_size // a.diloco_x_replicas * a.seq_length
+    if a.diloco_x_bandwidth_mbps is not None:  # the site's link, shared by the replica's ranks
+        values.update(link_mbps=a.diloco_x_bandwidth_mbps, link_scope="cluster")
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def config_from_args(args: argparse.Namespace) -> PlanConfig:
-    """The PlanConfig of parsed CLI arguments: preset values, overridden by the flags given."""
+    """The PlanConfig of parsed CLI arguments: preset values, then the training command line's
+    (after ``--``), overridden by this tool's flags given."""
     values = dict(PRESETS[args.preset]) if args.preset else {}
+    if getattr(args, "training", None):
+        values.update(from_training_command(args.training))
     for f in dataclasses.fields(PlanConfig):
         v = getattr(args, f.name)
         if v is not None:
             values[f.name] = v
     return PlanConfig(**values)
+
+
+def training_flags(cfg: PlanConfig, p: "Plan") -> str:
+    """The ``--diloco-x*`` flags of the run this plan projects (the auto rules left to the run)."""
+    flags = ["--diloco-x", f"--diloco-x-replicas {cfg.replicas}", f"--diloco-x-local-steps {cfg.local_steps}",
+             f"--diloco-x-compression {cfg.codec}", f"--diloco-x-overlap {cfg.overlap}",
+             f"--diloco-x-bandwidth-mbps {p.bandwidth_flag_mbps:g}"]
+    if cfg.outer_momentum:
+        flags.append(f"--diloco-x-outer-momentum {cfg.outer_momentum:g}")
+    if cfg.outer_state != "gpu":
+        flags.append(f"--diloco-x-outer-state {cfg.outer_state}")
+    for name, flag in (("warmup_local_steps", "--diloco-x-warmup-local-steps"),
+                       ("warmup_iters", "--diloco-x-warmup-iters"),
+                       ("warmup_overlap_steps", "--diloco-x-warmup-overlap-steps"),
+                       ("warmup_codec", "--diloco-x-warmup-compression")):
+        if getattr(cfg, name) is not None:
+            flags.append(f"{flag} {getattr(cfg, name)}")
+    return " ".join(flags)
 
 
 def outer_state_options(cfg: PlanConfig) -> list[dict[str, Any]]:
@@ -727,7 +792,9 @@ def format_outer_state_options(cfg: PlanConfig, options: list[dict[str, Any]]) -
     """The options of :func:`outer_state_options` as lines, ending with which layout fits."""
     lines = []
     for o in options:
-        fit = "" if o["fits"] is None else f"  {'fits' if o['fits'] else 'does NOT fit'} {cfg.gpu_memory_gib:g} GiB"
+        counted = "" if plan(cfg).activations_estimated else " (activations not counted: give --layers, --heads, ...)"
+        fit = ("" if o["fits"] is None else
+               f"  {'fits' if o['fits'] else 'does NOT fit'} {cfg.gpu_memory_gib:g} GiB{counted}")
         host = (f" + {o['host_gib']:.2f} GiB host ({o['host_gib_per_node']:.0f} GiB per {cfg.gpus_per_node}-GPU node)"
                 if o["outer_state"] == "cpu" else "")
         lines.append(f"  --diloco-x-outer-state {o['outer_state']}: {o['gpu_gib']:.2f} GiB GPU{host}{fit}")
@@ -751,11 +818,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         out = p.to_dict()
         out["outer_state_options"] = options
+        out["training_flags"] = training_flags(cfg, p)
         if args.preset == "paper":
             out["assumptions"] = list(PAPER_ASSUMPTIONS)
         print(json.dumps(out, indent=1))
     else:
         print(format_table(p))
+        print("\ntraining flags this plan implies:\n  " + training_flags(cfg, p))
         print("\nwhere the outer state lives (memory per GPU):")
         print(format_outer_state_options(cfg, options))
         if args.preset == "paper":

@@ -290,3 +290,35 @@ def test_calibration_travels_with_the_package_and_matches_the_benchmark():
     assert plan_mod.measured_ratio("lowrank-int8", rank=4) == plan_mod.MEASURED_RATIOS["lowrank-int8-r4"]
     with pytest.raises(ValueError, match="--compression-ratio"):
         plan_mod.measured_ratio("lowrank", rank=7)
+
+
+def test_plan_reads_a_training_command_line():
+    """``python -m megatron_diloco.plan <its flags> -- <pretraining flags>``: Megatron's model, batch and
+    parallelism flags and the --diloco-x* flags give the same projection as this tool's own flags for
+    the same run (a subprocess: it imports Megatron); the flags the plan implies are printed."""
+    import json
+    import subprocess
+    import sys
+
+    train = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
+             "--global-batch-size", "512", "--micro-batch-size", "1", "--tensor-model-parallel-size", "2",
+             "--pipeline-model-parallel-size", "2", "--bf16", "--train-iters", "20000", "--vocab-size", "50304",
+             "--diloco-x", "--diloco-x-replicas", "2", "--diloco-x-local-steps", "50", "--diloco-x-compression", "int8",
+             "--diloco-x-bandwidth-mbps", "500", "--untie-embeddings-and-output-weights"]
+    out = subprocess.run([sys.executable, "-m", "megatron_diloco.plan", "--dp", "4", "--gpu-tflops", "300",
+                          "--json", "--", *train], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout)
+    native = plan_mod.plan(plan_mod.PlanConfig(
+        layers=24, hidden=2048, heads=16, seq_length=2048, tokens_per_step=512 // 2 * 2048, micro_batch=1, tp=2, pp=2,
+        dp=4, param_bytes=2, train_iters=20000, vocab=50304, replicas=2, local_steps=50, codec="int8",
+        link_mbps=500, link_scope="cluster", gpu_tflops=300))
+    assert got["params"] == native.params and got["exchange_s"] == native.exchange_s
+    assert got["speedup_vs_allreduce"] == native.speedup_vs_allreduce and got["warmup"] == list(native.warmup)
+    assert "--diloco-x-local-steps 50" in got["training_flags"] and "--diloco-x-compression int8" in got["training_flags"]
+
+
+def test_plan_help_shows_defaults_without_markup():
+    text = plan_mod.build_parser().format_help()
+    assert "(default: int4)" in text and "(default: 500)" in text
+    assert "``" not in text and ":data:" not in text and ":func:" not in text
