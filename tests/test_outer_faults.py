@@ -107,7 +107,7 @@ def _slowed_worker(rank: int, world: int, overlap: str, codec: str, derived: boo
         w.sub_(0.01 * torch.randn(32, 48))
         if rank == 1:
             time.sleep(delay)  # and arrives late at the boundary (the skip decision waits for it)
-        sync.set_step_time(step_time)  # H x step time = 2 s: the derived bound is 4 x that
+        sync.before_boundary(step_time)  # H x step time = 2 s: the derived bound is 4 x that
         armed = sync.timeout_s()  # the bound of this boundary's waits
         assert armed == (max(bound, 4 * sync.longest_exchange_s) if derived else bound)
         report = sync.boundary()
@@ -219,7 +219,7 @@ def _scenario_measurement(rank: int, world: int, event) -> None:
     if rank == 1:
         _freeze()
     event(kind="boundary", round=1)
-    sync.set_step_time(0.01)
+    sync.before_boundary(0.01)
     sync.boundary()
 
 
@@ -398,7 +398,7 @@ def _link_resume_worker(rank: int, world: int, old_checkpoint: bool) -> None:
     sync = OuterSync(ShardView([w]), cfg, dist.new_group(backend="gloo"), shapes=[(32, 48)])
     for _ in range(2):
         w.sub_(0.01 * (rank + 1))
-        sync.set_step_time(0.5)
+        sync.before_boundary(0.5)
         sync.boundary()
     measured = sync.link_bytes_per_s
     assert measured is not None and 0 < measured < float("inf")
@@ -413,7 +413,7 @@ def _link_resume_worker(rank: int, world: int, old_checkpoint: bool) -> None:
     resumed = OuterSync(ShardView([w2]), cfg, dist.new_group(backend="gloo"), shapes=[(32, 48)])
     resumed.load_state_dict(state)
     resumed.residual.copy_(sync.residual)  # per-replica state, restored by DiLoCoXOptimizer
-    resumed.set_step_time(0.5)
+    resumed.before_boundary(0.5)
     budget = resumed.codec.policy.budget_bytes
     if old_checkpoint:  # measured again at the first boundary (its restored exchange is complete)
         assert resumed.link_bytes_per_s is not None and 0 < resumed.link_bytes_per_s < float("inf")
@@ -423,7 +423,7 @@ def _link_resume_worker(rank: int, world: int, old_checkpoint: bool) -> None:
         return
     # the uninterrupted run's budget, exactly, without measuring again
     assert resumed.link_bytes_per_s == measured
-    sync.set_step_time(0.5)
+    sync.before_boundary(0.5)
     assert budget == sync.codec.policy.budget_bytes == measured * 2 * 0.5
     for s, v in ((sync, w), (resumed, w2)):
         v.sub_(0.01 * (rank + 1))

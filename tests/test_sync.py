@@ -329,7 +329,7 @@ def _warmup_codec_worker(rank, world, overlap):
         pg = sync.theta - x
         pg_sum += pg.double()
         v_abs_sum += (pg + sync.residual).double().abs()
-        sync.set_step_time(0.01, next_round_steps=RoundSchedule(cfg).round_steps(step))
+        sync.before_boundary(0.01, next_round_steps=RoundSchedule(cfg).round_steps(step))
         report = sync.boundary()
         assert not report.skipped
         sent_bytes.append(report.launched.payload_bytes)
@@ -514,7 +514,7 @@ def _link_worker(rank, world, bandwidth):
     sync = OuterSync(ShardView([w]), cfg, outer, shapes=[(32, 48)])
     for _ in range(3):
         w.sub_(0.01 * (rank + 1))
-        sync.set_step_time(0.5)
+        sync.before_boundary(0.5)
         sync.boundary()
     bw = sync.link_bytes_per_s
     if bandwidth is None:  # measured over the outer group at the first boundary, agreed by MIN
@@ -828,7 +828,7 @@ def test_bandwidth_flag_is_the_sites_link_shared_by_the_replicas_ranks():
     budget = OuterSync(ShardView([torch.zeros(32, 48)]), DiLoCoXConfig(
         replicas=1, local_steps=2, overlap="delayed", compression="adaptive", bandwidth_mbps=mbps), None,
         shapes=[(32, 48)], link_sharers=4)
-    budget.set_step_time(0.5)
+    budget.before_boundary(0.5)
     assert budget.codec.policy.budget_bytes == mbps * 1e6 / 8 / 4 * 2 * 0.5  # the share x H x step time
 
 
@@ -849,7 +849,7 @@ def test_checkpoint_keeps_what_auto_tau_is_sized_from():
     assert resumed._choose_overlap_steps() == 10  # fresh: nothing measured
     resumed.load_state_dict(state)
     assert resumed._choose_overlap_steps() == 4 and resumed.timeout_s() == sync.timeout_s()
-    resumed.set_step_time(None)  # no whole iteration timed since the resume: the checkpoint's stays
+    resumed.before_boundary(None)  # no whole iteration timed since the resume: the checkpoint's stays
     assert resumed.step_time_s == 0.1
     resumed.pending = ExchangeHandle.completed(resumed.delta, resumed.store)  # as restored in flight
     resumed.drain()
@@ -867,15 +867,15 @@ def test_partial_warmup_rounds_block(fixed_tau):
                         warmup_local_steps=2, warmup_iters=4, overlap_steps=fixed_tau)
     sync = OuterSync(ShardView([torch.zeros(8)]), cfg, None)
     sync.last_completed = ExchangeStats(bytes_sent=0, exchange_s=0.35)
-    sync.set_step_time(0.1, next_round_steps=2)
+    sync.before_boundary(0.1, next_round_steps=2)
     assert sync._choose_overlap_steps() == 0
-    sync.set_step_time(0.1, next_round_steps=10)
+    sync.before_boundary(0.1, next_round_steps=10)
     assert sync._choose_overlap_steps() == (fixed_tau or 4)
-    sync.set_step_time(0.1)  # default: H
+    sync.before_boundary(0.1)  # default: H
     assert sync.next_round_steps == 10
     same = OuterSync(ShardView([torch.zeros(8)]), dataclasses.replace(cfg, warmup_local_steps=10, warmup_iters=10), None)
     same.last_completed = sync.last_completed
-    same.set_step_time(0.1, next_round_steps=10)
+    same.before_boundary(0.1, next_round_steps=10)
     assert same._choose_overlap_steps() == (fixed_tau or 4)
 
 
@@ -889,15 +889,15 @@ def test_partial_warmup_overlap_is_capped(fixed_tau):
     cfg = DiLoCoXConfig(compression="none", replicas=1, local_steps=10, overlap="partial",
                         warmup_local_steps=5, warmup_iters=10, warmup_overlap_steps=2, overlap_steps=fixed_tau)
     sync = OuterSync(ShardView([torch.zeros(8)]), cfg, None)
-    sync.set_step_time(None, next_round_steps=5)
+    sync.before_boundary(None, next_round_steps=5)
     assert sync._choose_overlap_steps() == min(2, fixed_tau or 2)  # auto: nothing measured yet: H0, capped
     sync.last_completed = ExchangeStats(bytes_sent=0, exchange_s=0.35)
-    sync.set_step_time(0.1, next_round_steps=5)
+    sync.before_boundary(0.1, next_round_steps=5)
     assert sync._choose_overlap_steps() == min(2, fixed_tau or 4)
     sync.last_completed = ExchangeStats(bytes_sent=0, exchange_s=0.05)  # a fast link: auto takes 1
     assert sync._choose_overlap_steps() == min(2, fixed_tau or 1)
     sync.last_completed = ExchangeStats(bytes_sent=0, exchange_s=0.35)
-    sync.set_step_time(0.1, next_round_steps=10)
+    sync.before_boundary(0.1, next_round_steps=10)
     assert sync._choose_overlap_steps() == (fixed_tau or 4)
 
 
@@ -910,7 +910,7 @@ def test_partial_auto_tau_of_one_replica_is_one_step():
     cfg = DiLoCoXConfig(compression="int8", replicas=1, local_steps=H, overlap="partial")
     params = [torch.linspace(-1, 1, 7)]
     sync = OuterSync(ShardView(params), cfg, None)
-    sync.set_step_time(0.001)
+    sync.before_boundary(0.001)
     landings, taus = [], []
     for t in range(3):
         for k in range(1, H + 1):
@@ -921,7 +921,7 @@ def test_partial_auto_tau_of_one_replica_is_one_step():
                 sync.merge()
             elif k == H:
                 sync.boundary()
-                taus.append(sync.apply_at)
+                taus.append(sync.tau)
     sync.drain()
     assert taus == [H, 1, 1] and landings == [(2, 1)], (taus, landings)
     assert sync.last_completed.exchange_s < 0.005
@@ -932,7 +932,7 @@ def _auto_worker(rank: int, world: int) -> None:
     x0 = torch.linspace(-1, 1, 7)
     params = [x0[:3].clone().view(3, 1), x0[3:].clone()]
     sync = OuterSync(ShardView(params), cfg, dist.group.WORLD)
-    sync.set_step_time(1.0 if rank == 0 else 1e-9)  # rank 1 would pick H, rank 0 one step
+    sync.before_boundary(1.0 if rank == 0 else 1e-9)  # rank 1 would pick H, rank 0 one step
     taus = []
     a, b = params
     for t in range(ROUNDS):
@@ -943,13 +943,13 @@ def _auto_worker(rank: int, world: int) -> None:
                 sync.merge()
             elif k == H:
                 sync.boundary()
-                agreed = torch.tensor([sync.apply_at])
+                agreed = torch.tensor([sync.tau])
                 dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-                assert agreed.item() == sync.apply_at  # one tau on every rank
+                assert agreed.item() == sync.tau  # one tau on every rank
     sync.drain()
     # round 1 has nothing measured (tau = H); afterwards rank 1's tiny step time makes it ask for H,
     # rank 0 for 1: the largest wins, so no rank applies before its exchange is hidden
-    assert sync.apply_at == H and taus == [], taus
+    assert sync.tau == H and taus == [], taus
 
 
 def test_partial_auto_overlap_steps_agreed_by_all_ranks():

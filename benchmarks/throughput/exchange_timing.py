@@ -75,9 +75,9 @@ def delayed_launch_case(rank: int, world: int, delay_s: float, step_s: float, lo
             if sync.merge_due(k % local_steps):
                 sync.merge()
             elif k == local_steps:
-                sync.set_step_time((time.perf_counter() - t_round) / steps_timed)
+                sync.before_boundary((time.perf_counter() - t_round) / steps_timed)
                 sync.boundary()
-                taus.append(sync.apply_at)
+                taus.append(sync.tau)
                 steps_timed, t_round = 0, time.perf_counter()
     first = sync.last_completed  # round 1's exchange (tau = H then: applied at the second boundary)
     sync.drain()

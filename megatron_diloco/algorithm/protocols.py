@@ -253,7 +253,7 @@ class BoundaryProtocols:
             sq = _sum_of_squares(norms)
         with record_function("megatron_diloco::launch"):
             decision = self._decide(sq, self._choose_overlap_steps(), theta_fp)
-            self.apply_at = decision.tau
+            self.tau = decision.tau
             if decision.skip:
                 return self._skip(sq, completed)  # e untouched; the payload and e_new are dropped
             if encode:
@@ -262,15 +262,15 @@ class BoundaryProtocols:
                 outbox = Outbox(self.codec, self.view.numel, self.view.device, send=self.delta)
             self.pending = self._start(outbox, input_sq, residual_sq)
             self.x_is_theta = False
-        if self.apply_at == 0:
+        if self.tau == 0:
             completed = self.merge(at_launch=True)
         return RoundReport(self.rounds, completed is not None,
-                           completed if self.apply_at == 0 else self.pending.stats, completed, sq)
+                           completed if self.tau == 0 else self.pending.stats, completed, sq)
 
     def merge_due(self, steps_since_boundary: int) -> bool:
         """Whether the pending exchange is to be applied after this inner step (``partial``: tau
         steps after the boundary that launched it; ``steps_since_boundary`` in 1..H-1)."""
-        return self.pending is not None and self.config.overlap == "partial" and self.apply_at == steps_since_boundary
+        return self.pending is not None and self.config.overlap == "partial" and self.tau == steps_since_boundary
 
     @torch.no_grad()
     def merge(self, at_launch: bool = False) -> ExchangeStats:

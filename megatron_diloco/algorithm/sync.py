@@ -155,8 +155,9 @@ class OuterSync(BoundaryProtocols):
         # (per replica) (N,) fp32
         self.launch_point = (store.empty()
                              if config.overlap == "partial" and config.merge == "exact" else None)
-        #: partial: inner steps after the last boundary at which the pending exchange is applied
-        self.apply_at = config.local_steps if config.overlap_steps is None else config.overlap_steps
+        #: tau (partial): inner steps after the last boundary at which the pending exchange is applied
+        #: (agreed at each boundary, :meth:`_choose_overlap_steps`)
+        self.tau = config.local_steps if config.overlap_steps is None else config.overlap_steps
         #: whether x equals theta on this rank now (False while partial/eager keep own progress)
         self.x_is_theta = True
         #: the last exchange completed on this rank (partial auto tau sizes the next one by it)
@@ -170,9 +171,9 @@ class OuterSync(BoundaryProtocols):
         self.link_bytes_per_s: float | None = (link_share_bytes_per_s(config.bandwidth_mbps, self.link_sharers)
                                                if config.bandwidth_mbps is not None else None)
         self._link_measured = False
-        #: mean inner-step time of the last round (:meth:`set_step_time`; None until known)
+        #: mean inner-step time of the last round (:meth:`before_boundary`; None until known)
         self.step_time_s: float | None = None
-        #: inner steps of the round the next boundary starts (:meth:`set_step_time`; H but during a warm-up)
+        #: inner steps of the round the next boundary starts (:meth:`before_boundary`; H but during a warm-up)
         self.next_round_steps: int = config.local_steps
         #: the longest completed exchange so far, launch to completion (s); enters the derived timeout
         self.longest_exchange_s = 0.0
@@ -269,8 +270,9 @@ class OuterSync(BoundaryProtocols):
         handle.round = self.rounds
         return handle
 
-    def set_step_time(self, step_time_s: float | None, next_round_steps: int | None = None) -> None:
-        """Inner-step time measured by the caller, before each boundary (None: not measured this
+    def before_boundary(self, step_time_s: float | None, next_round_steps: int | None = None) -> None:
+        """What the boundary about to run needs from the caller, and what it may run for it first: the
+        inner-step time measured by the caller (None: not measured this
         round, e.g. a resume just before a boundary; the last one, or the checkpoint's, is kept), and
         the inner steps of the round that boundary starts (``next_round_steps``; default H: it
         differs during a warm-up of shorter rounds, :attr:`DiLoCoXConfig.warmup_local_steps`): sets
@@ -280,7 +282,7 @@ class OuterSync(BoundaryProtocols):
 
         Also the step time of the derived outer timeout (:meth:`timeout_s`), for every codec.
 
-        Without ``--diloco-x-bandwidth-mbps`` the first call measures the link
+        May communicate: without ``--diloco-x-bandwidth-mbps`` (adaptive only) the first call measures the link
         (:func:`megatron_diloco.algorithm.link.measure_link_bandwidth`: collective over the outer group,
         run at the first boundary with no exchange in flight: the first of a run, or the first after
         a resume, whose pending exchange was completed before the checkpoint). The measured value is
@@ -385,7 +387,7 @@ class OuterSync(BoundaryProtocols):
             "theta": self.outer.theta,
             "momentum_buffer": self.outer.momentum_buffer,
             "pending_delta": self.delta if has_pending else None,
-            "apply_at": self.apply_at,  # partial: when the pending exchange is applied
+            "apply_at": self.tau,  # partial: when the pending exchange is applied (the key of older checkpoints)
             # low-rank bases / adaptive plan: identical on every replica
             "codec": self.codec.state_dict() if hasattr(self.codec, "state_dict") else None,
             # the measured outer link (adaptive byte budget; MIN over the group, so identical on every
@@ -437,7 +439,7 @@ class OuterSync(BoundaryProtocols):
         # state holds them, replace these afterwards (DiLoCoXOptimizer._load_replica_meta)
         self.load_timings(state)
         self.outer.load_state_dict(state)
-        self.apply_at = int(state.get("apply_at", self.apply_at))
+        self.tau = int(state.get("apply_at", self.tau))
         if hasattr(self.codec, "load_state_dict"):
             if state.get("codec") is None:
                 raise ValueError(f"checkpoint has no state for --diloco-x-compression "

@@ -351,7 +351,7 @@ class _Installation:
                 "overlap": self.config.overlap,
                 **({"eager_weight": self.config.eager_weight} if self.config.eager_weight is not None else {}),
                 **({"overlap_steps": self.config.overlap_steps if self.config.overlap_steps is not None
-                    else "auto", "last_overlap_steps": opt.sync.apply_at, "merge": self.config.merge}
+                    else "auto", "last_overlap_steps": opt.sync.tau, "merge": self.config.merge}
                    if self.config.overlap == "partial" else {}),
                 "compression": self.config.compression,
                 "iterations": iteration,

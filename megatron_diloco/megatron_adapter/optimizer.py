@@ -263,7 +263,7 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
         cfg = self.diloco_config
         timed, total = self._round_timed_steps, self._round_step_s
         self._round_step_s, self._round_timed_steps = 0.0, 0
-        self.sync.set_step_time(total / timed if timed > 0 else None,
+        self.sync.before_boundary(total / timed if timed > 0 else None,
                                 next_round_steps=cfg.local_steps if final else self.sync.schedule.round_steps(self.step_calls))
         if not self._start_checked:
             self._check_replicas_started_alike()
@@ -285,10 +285,7 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
         self._start_checked = True
         if self.topology.replicas <= 1:
             return
-        fp = host_copy(self.sync.fingerprint([self.sync.theta]), self.topology.outer_group)
-        gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
-        dist.all_gather(gathered, fp, group=self.topology.outer_group)
-        if not all(torch.equal(gathered[0], g) for g in gathered):
+        if not self._same_across_outer_group(self.sync.fingerprint([self.sync.theta])):
             raise RuntimeError(
                 f"DiLoCoX: the replicas did not start from the same weights (rank {dist.get_rank()}, "
                 f"outer group {dist.get_process_group_ranks(self.topology.outer_group)}): every replica "
@@ -347,7 +344,7 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
             dist.all_reduce(sums, group=group)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
         sync = self.sync
-        tau = {"none": 0, "partial": sync.apply_at}.get(self.diloco_config.overlap, sync.next_round_steps)
+        tau = {"none": 0, "partial": sync.tau}.get(self.diloco_config.overlap, sync.next_round_steps)
         return {
             "round": report.round,
             "step": self.step_calls,
@@ -415,16 +412,19 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
                 if self._params_gathered or not d.ddp_config.overlap_param_gather:
                     tensors += [p for chunk in d.model_chunks for p in chunk.parameters()]
             fp = fingerprint(tensors)
-        fp = host_copy(fp, self.topology.outer_group)
-        gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
-        if self.topology.replicas > 1:
-            dist.all_gather(gathered, fp, group=self.topology.outer_group)
-        else:
-            gathered = [fp]
-        same = torch.tensor([int(all(torch.equal(gathered[0], g) for g in gathered))],
-                            device=self.view.device)
+        same = torch.tensor([int(self._same_across_outer_group(fp))], device=self.view.device)
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
         return bool(same.item())
+
+    def _same_across_outer_group(self, fp: torch.Tensor) -> bool:
+        """Whether the fingerprint ``fp`` (int64 ``[2]``) is the same on every rank of this rank's outer
+        group (an all-gather over it; True with one replica). Collective over the outer group."""
+        if self.topology.replicas <= 1:
+            return True
+        fp = host_copy(fp, self.topology.outer_group)
+        gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
+        dist.all_gather(gathered, fp, group=self.topology.outer_group)
+        return all(torch.equal(gathered[0], g) for g in gathered)
 
     def _layout_table(self) -> list[tuple[int, int, int]]:
         """``(replica index, rank in replica, shard numel)`` of every rank of the world. The first call

@@ -117,7 +117,7 @@ class RestartMixin:
         outer group: call it on every rank). Model params are left as they are (they hold x already).
 
         Resets :class:`OuterSync` through its attributes (``theta``, ``outer.momentum_buffer``,
-        ``residual``, ``anchor``, ``pending``, ``apply_at``, ``rounds``, ``skipped_rounds``) and this
+        ``residual``, ``anchor``, ``pending``, ``tau``, ``rounds``, ``skipped_rounds``) and this
         optimizer's round state (a landed exchange not yet reported, ``totals``, the round's timing; the
         start weights are checked again at the first boundary); codec state (low-rank warm-start bases,
         adaptive plan) and the measurements of the link and the step time are kept. The log line is printed on global rank 0 only."""
@@ -136,7 +136,7 @@ class RestartMixin:
         sync.rounds = 0
         sync.skipped_rounds = 0
         # partial: when the (now dropped) exchange was to land; a fresh loop's value
-        sync.apply_at = self.diloco_config.local_steps if self.diloco_config.overlap_steps is None \
+        sync.tau = self.diloco_config.local_steps if self.diloco_config.overlap_steps is None \
             else self.diloco_config.overlap_steps
         self.step_calls = 0
         self._round_step_s, self._round_timed_steps = 0.0, 0
