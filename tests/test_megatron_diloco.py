@@ -278,9 +278,9 @@ def test_checkpoint_resume_is_exact(tmp_path, codec, overlap):
     assert summary(log3)["replicas_identical"] and summary(log3)["rounds"] == 4
     assert summary(log3)["final_loss"] == summary(log)["final_loss"]
     if overlap == "partial":  # each round reports the exchange that landed in it (tau steps after its launch)
-        rounds = re.findall(r"\[DiLoCoX\] round +(\d+) \| step +\d+ \| (\w+) \| sent ([\d.]+) MB", log)
-        assert [(int(r), a) for r, a, _ in rounds] == [(1, "launched"), (2, "applied"), (3, "applied"),
-                                                        (4, "applied")], rounds
+        rounds = re.findall(r"\[DiLoCoX\] round +(\d+) \| step +\d+ \| (\w+)(?: \| sent ([\d.]+) MB)?", log)
+        assert [(int(r), a) for r, a, _ in rounds] == [(1, "no"), (2, "applied"), (3, "applied"),
+                                                        (4, "applied")], rounds  # no: none applied in round 1
         assert all(float(mb) > 0 for _, _, mb in rounds[1:]), rounds
     if codec == "int8":  # 1 byte + 4/256 bytes of scale per element, padded: 3.9x fewer bytes than fp32
         assert 3.8 < summary(log3)["compression_ratio"] < 4.0
