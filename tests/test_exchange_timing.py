@@ -1,7 +1,8 @@
 """An exchange is timed from its launch to its completion on every backend, and auto tau follows.
 
-NCCL completes a collective's future when the collective is *enqueued*, not when it finishes, so the
-completion is polled (``ExchangeHandle.poll``, once per inner step). The fake work below behaves as
+NCCL completes a collective's future when the collective is *enqueued*, not when it finishes, so a
+collective on the device is timed by polling its completion (``ExchangeHandle.poll``, around every inner
+step); one on host tensors (gloo) by its future, which completes with it. The fake work below behaves as
 NCCL's does; the gloo test measures a real late peer; the GPU test runs the same case over NCCL.
 """
 
@@ -46,7 +47,7 @@ def test_exchange_time_is_its_completion_not_its_enqueue():
     ~0 s; the landing after completion exposes nothing."""
     step_s, after_s = 0.02, 0.3
     handle = ExchangeHandle(torch.zeros(4), _EnqueuedFutureWork(after_s), ExchangeStats(),
-                            lambda outer, after: None)
+                            lambda outer, after: None, on_device=True)  # as an NCCL collective on a GPU
     for _ in range(int(after_s / step_s) + 5):  # the inner steps until the landing
         time.sleep(step_s)
         handle.poll()
@@ -58,7 +59,8 @@ def test_exchange_time_is_its_completion_not_its_enqueue():
 def test_waiting_blocks_until_the_collective_completes():
     """A wait before completion returns once the collective completed (the host polls it; NCCL's
     ``Work.wait()`` alone returns at once), and counts that wait as exposed."""
-    handle = ExchangeHandle(torch.zeros(4), _EnqueuedFutureWork(0.2), ExchangeStats(), lambda outer, after: None)
+    handle = ExchangeHandle(torch.zeros(4), _EnqueuedFutureWork(0.2), ExchangeStats(), lambda outer, after: None,
+                            on_device=True)
     handle.wait()
     assert 0.19 <= handle.stats.exchange_s < 0.3 and 0.15 <= handle.stats.exposed_s < 0.3, handle.stats
 
@@ -91,3 +93,23 @@ def test_nccl_exchange_time_follows_a_late_peer(tmp_path):
     got = json.loads(out.read_text())
     assert 2.0 - got["step_s"] <= got["measured_exchange_s"] <= 2.0 + 2 * got["step_s"], got
     assert got["auto_tau_after"] == got["expected_tau"] >= 39, got
+
+
+def test_a_host_collective_is_timed_by_its_future():
+    """gloo (host tensors) completes a collective's future when the collective completes: that time is
+    taken, not the next poll's (a fast exchange is not rounded up to the polling interval)."""
+
+    class _HostWork(_EnqueuedFutureWork):
+        def get_future(self):
+            fut = torch.futures.Future()
+            self.fut = fut
+            return fut
+
+    work = _HostWork(0.0)
+    handle = ExchangeHandle(torch.zeros(4), work, ExchangeStats(), lambda outer, after: None)
+    time.sleep(0.01)
+    work.fut.set_result(None)  # the collective completed (10 ms after the launch)
+    time.sleep(0.2)  # the next poll comes much later
+    handle.poll()
+    handle.wait()
+    assert 0.01 <= handle.stats.exchange_s < 0.1, handle.stats

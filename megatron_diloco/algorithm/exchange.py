@@ -98,7 +98,7 @@ class ExchangeHandle:
 
     def __init__(self, buffer: torch.Tensor, work, stats: ExchangeStats,
                  finish: Callable[[OuterNesterov | None, AfterStep | None], None],
-                 store: "OuterStore | None" = None) -> None:
+                 store: "OuterStore | None" = None, on_device: bool = False) -> None:
         self.buffer = buffer
         self.store = store  # where ``buffer`` and the outer state live (None: on the device, whole)
         self.stats = stats
@@ -118,6 +118,13 @@ class ExchangeHandle:
         self.timeout_s: float | None = None
         #: 1-based round whose pseudo-gradient this exchange carries (set by the launcher; 0: unknown)
         self.round = 0
+        if work is not None and not on_device:
+            # a collective on host tensors (gloo) completes its future when it completes: the exact
+            # time; one on the device (NCCL) completes it at the enqueue, so there only polls tell
+            try:
+                work.get_future().then(self._mark_done)
+            except (RuntimeError, NotImplementedError):  # no future: the polls tell
+                pass
 
     @classmethod
     def completed(cls, buffer: torch.Tensor, store: "OuterStore | None" = None) -> "ExchangeHandle":
@@ -126,6 +133,10 @@ class ExchangeHandle:
         handle._finished = True
         handle.restored = True
         return handle
+
+    def _mark_done(self, _future) -> None:  # the backend's completion thread
+        if self._done_at is None:
+            self._done_at = time.perf_counter()
 
     def poll(self) -> bool:
         """Whether the collective has completed; the first call that sees it completed stamps its
@@ -136,9 +147,11 @@ class ExchangeHandle:
         optimizer step) and throughout a wait, so an exchange is timed to within half a step, on every
         backend alike.
 
-        Why not the work's future: NCCL completes it when the collective is *enqueued* (torch: it
-        "does not wait for the entire operation to complete on GPU"), so a future timed every NCCL
-        exchange as ~0 s and auto tau fell to 1 on GPUs."""
+        A collective on host tensors (gloo) is timed by its future instead, which completes when the
+        collective does (the exact time; the polls then only confirm it). Not one on the device: NCCL
+        completes the future when the collective is *enqueued* (torch: it "does not wait for the entire
+        operation to complete on GPU"), so a future timed every NCCL exchange as ~0 s and auto tau fell
+        to 1 on GPUs."""
         if self._work is None or self._done_at is not None:
             return True
         now = time.perf_counter()
@@ -351,7 +364,7 @@ def _start_all_reduce(send: torch.Tensor, buffer: torch.Tensor, group, size: int
 
         step_chunks(outer, store, [send], step, after)
 
-    return ExchangeHandle(buffer, work, stats, finish, store)
+    return ExchangeHandle(buffer, work, stats, finish, store, on_device=staged.is_cuda)
 
 
 def _start_all_gather(buffer: torch.Tensor, payload: torch.Tensor, codec, group, size: int,
@@ -383,7 +396,7 @@ def _start_all_gather(buffer: torch.Tensor, payload: torch.Tensor, codec, group,
         step_chunks(outer, store, [], lambda lo, hi, lead, o: codec.decode_range(rows, numel, lo, hi, outer=o),
                     after)
 
-    return ExchangeHandle(buffer, work, stats, finish, store)
+    return ExchangeHandle(buffer, work, stats, finish, store, on_device=staged_out.is_cuda)
 
 
 def _start_on_worker(buffer: torch.Tensor, residual: torch.Tensor, codec, group, size: int,
