@@ -57,8 +57,14 @@ def commit_stamp() -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def _stamp(fig, stamp: str) -> None:
+def _save(fig, path, stamp: str, bottom: float = 0.0) -> None:
+    """Lay out (``bottom``: room for a caption), stamp with the commit, write ``path``, close."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout(rect=(0, bottom, 1, 0.97))
     fig.text(0.995, 0.995, f"commit {stamp}", ha="right", va="top", fontsize=7, color="0.4")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # --------------------------------------------------------------------------- convergence
@@ -129,10 +135,7 @@ def plot_gap(conv: dict, path: Path, stamp: str) -> None:
              "not recorded, so no band); overlapped rows read high there\n(an evaluation at a boundary sees unmerged "
              "parameters). Right: final evaluation after the drain, each seed paired with AllReduce's; bar = min..max, "
              "tick = mean.", fontsize=6.5, color="0.3", va="bottom")
-    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
-    _stamp(fig, stamp)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path, stamp, bottom=0.06)
 
 
 def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
@@ -186,10 +189,7 @@ def plot_bytes(conv: dict, path: Path, stamp: str) -> None:
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7.5, loc="lower left")
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
-    _stamp(fig, stamp)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path, stamp)
 
 
 # --------------------------------------------------------------------------- speedup vs link
@@ -297,10 +297,7 @@ def plot_speedup(path: Path, stamp: str) -> None:
              "veth, one link per replica) and gpu.json (in-process link model, one link per GPU; delayed + int8 is "
              "an earlier configuration, not today's default);\ndashed: the planner given each run's measured inner "
              "step (benchmarks/RESULTS.md 3.1-3.3).", fontsize=6.5, color="0.3", va="bottom")
-    fig.tight_layout(rect=(0, 0.08, 1, 0.97))
-    _stamp(fig, stamp)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path, stamp, bottom=0.08)
 
 
 def main(argv: list[str] | None = None) -> int:
