@@ -88,7 +88,7 @@ _HOOK_ID = 7211  # our pre-hook's id on every process group
 
 def _replica_blocks() -> int:
     argv = sys.argv
-    if "--diloco-x-outer-store" in argv:  # this world is one replica (replicas as separate launches)
+    if "--diloco-x-outer-store" in argv or "--diloco-x-lighthouse" in argv:  # this world is one replica (replicas as separate launches)
         return 1
     if "--no-diloco-x" in argv:
         return int(os.environ.get("DILOCO_TEST_REPLICAS", "2"))
@@ -490,4 +490,46 @@ class CheckpointRecorder(Recorder):
 
 
 #: The recorders of ``--record tests.recorders:NAME``.
-RECORDERS: dict[str, type[Recorder]] = {r.name: r for r in (TrainingRecorder, CheckpointRecorder)}
+class FederationRecorder(Recorder):
+    """Separate jobs (``--diloco-x-lighthouse``), per rank, with no collective of its own (a peer may die
+    at any time): ``losses`` (as the training recorder's), ``fed_rounds``: per boundary ``[step_calls,
+    theta fingerprint, members, failed, committed rounds]`` after the boundary (theta as every member
+    must hold it then); ``final_fp``: the fp32 main shards' fingerprint after the end of training."""
+
+    name = "federation"
+    keys = ("losses", "fed_rounds", "final_fp")
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        super().__init__(record)
+        record.update(losses=[], fed_rounds=[])
+
+    def install(self) -> None:
+        from megatron.training import training
+
+        from megatron_diloco.algorithm.shard_view import fingerprint
+        from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
+
+        record = self.record
+
+        @wrap(DiLoCoXOptimizer, "round_metrics")
+        def round_metrics(orig, opt, report):
+            out = orig(opt, report)
+            fed = opt.sync.federated
+            record["fed_rounds"].append([opt.step_calls, [int(x) for x in opt.sync.fingerprint([opt.sync.theta])],
+                                         fed.members, fed.failed, fed.committed])
+            return out
+
+        @wrap(DiLoCoXOptimizer, "finish")
+        def finish(orig, opt):
+            orig(opt)
+            record["final_fp"] = {"main": [int(x) for x in fingerprint(opt.view.shards)], "steps": opt.step_calls}
+
+        @wrap(training, "training_log")
+        def training_log(orig, loss_dict, *a, **k):
+            if loss_dict:
+                iteration = k["iteration"] if "iteration" in k else a[2]
+                record["losses"].append([iteration, {key: float(v) for key, v in loss_dict.items()}])
+            return orig(loss_dict, *a, **k)
+
+
+RECORDERS: dict[str, type[Recorder]] = {r.name: r for r in (TrainingRecorder, CheckpointRecorder, FederationRecorder)}

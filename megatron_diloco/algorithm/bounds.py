@@ -57,6 +57,12 @@ class OuterBounds:
         self.worker = worker
         self._backstop_s: float | None = None  # the groups' own timeout as last set
 
+    def regroup(self, group: dist.ProcessGroup | None, exchange_group: dist.ProcessGroup | None,
+                decision_groups: tuple[dist.ProcessGroup, ...]) -> None:
+        """The groups changed (separate jobs: new members): the next :meth:`arm` sets theirs."""
+        self.group, self.exchange_group, self.decision_groups = group, exchange_group, decision_groups
+        self._backstop_s = None
+
     def groups(self) -> list[dist.ProcessGroup]:
         """The distinct multi-rank groups this rank waits on (outer, its gloo mirror, decision)."""
         out: list[dist.ProcessGroup] = []

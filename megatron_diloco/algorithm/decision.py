@@ -83,6 +83,11 @@ class BoundaryDecision:
         #: nothing to compare
         self._agreement = self._agreement_slot()
 
+    def regroup(self, group: dist.ProcessGroup | None, decision_groups: tuple[dist.ProcessGroup, ...]) -> None:
+        """The groups changed (separate jobs: new members). Local."""
+        self.group, self.decision_groups = group, decision_groups
+        self._agreement = self._agreement_slot()
+
     def _agreement_slot(self) -> tuple[int, int, int] | None:
         """This rank's place in the theta agreement: (its slot among the decision groups' ranks, their
         number W, the id of its outer group), or None where there is nothing to compare (one replica,

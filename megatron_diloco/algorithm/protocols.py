@@ -168,22 +168,35 @@ class BoundaryProtocols:
         return self._start(outbox, input_sq, residual_sq)
 
     @torch.no_grad()
-    def boundary(self) -> RoundReport:
+    def boundary(self, joined: bool = False) -> RoundReport:
         """Run the boundary ending the current round (collective over the outer group and the
-        decision group). Raises :class:`~megatron_diloco.algorithm.bounds.OuterGroupError` when a wait passes :meth:`timeout_s`."""
-        self.rounds += 1
+        decision group). Raises :class:`~megatron_diloco.algorithm.bounds.OuterGroupError` when a wait passes :meth:`timeout_s`.
+
+        Separate jobs (:attr:`federated`): the members meet first (after ``partial``'s pending
+        exchange landed). ``joined``: this job has just met the run at this boundary and received its
+        state (:meth:`FederatedRounds.join`): the rest of the boundary, contributing nothing."""
+        if not joined:
+            self.rounds += 1
         self.bounds.arm(self.timeout_s())
         if self.config.overlap == "partial":
-            return self._partial_boundary()
+            return self._partial_boundary(joined)
+        if self.federated is not None and not joined:
+            self.federated.meet()
         theta_fp = self.decision.theta_accumulator()  # theta as the decision sees it (None: not compared)
         if self.config.overlap == "none":
             with record_function("megatron_diloco::prepare"):
+                if self.federated is not None:
+                    self.federated.before_pseudo_gradient()
                 sq = self._pseudo_gradient_into_x(theta_fp)  # theta: the anchor
-                if self._decide(sq, 0, theta_fp).skip:
+                decision = self._decide(sq, 0, theta_fp)
+                if decision is None:  # separate jobs: not every member decided (a failed round)
+                    return RoundReport(self.rounds, False, ExchangeStats(), None, sq)
+                if decision.skip:
                     return self._skip(sq, completed=None)
                 handle = self._launch()
             with record_function("megatron_diloco::perform"):
-                self._complete(handle, self.outer)
+                if not self._land(handle):
+                    return RoundReport(self.rounds, False, handle.stats, None, sq)
                 self.x_from(self.theta)
             return RoundReport(self.rounds, True, handle.stats, handle.stats, sq)
 
@@ -208,7 +221,7 @@ class BoundaryProtocols:
             self.x_is_theta = self.eager_anchor is None
         return RoundReport(self.rounds, completed is not None, self.pending.stats, completed, sq)
 
-    def _partial_boundary(self) -> RoundReport:
+    def _partial_boundary(self, joined: bool = False) -> RoundReport:
         """``partial`` (module doc): apply an exchange still pending (tau = H, or restored), take
         delta = theta - x and x_L (exact merge) without touching x, agree on skip and tau, launch;
         with tau = 0 apply at once. x_L is taken in the same pass as delta: with the host layout its
@@ -223,6 +236,8 @@ class BoundaryProtocols:
         completed = None
         if self.pending is not None:
             completed = self.merge()
+        if self.federated is not None and not joined:
+            self.federated.meet()
         theta_fp = self.decision.theta_accumulator()  # theta as the decision sees it: fingerprinted in this pass
         with record_function("megatron_diloco::prepare"):
             norms: list[torch.Tensor] = []
@@ -253,10 +268,14 @@ class BoundaryProtocols:
             sq = _sum_of_squares(norms)
         with record_function("megatron_diloco::launch"):
             decision = self._decide(sq, self._choose_overlap_steps(), theta_fp)
+            if decision is None:  # separate jobs: not every member decided (a failed round; e untouched)
+                return RoundReport(self.rounds, completed is not None, ExchangeStats(), completed, sq)
             self.tau = decision.tau
             if decision.skip:
                 return self._skip(sq, completed)  # e untouched; the payload and e_new are dropped
-            if encode:
+            if encode and self.federated is not None:  # e_old kept until the round commits
+                self.federated.rotate_residual()
+            elif encode:
                 self.residual, self.delta = self.delta, self.residual
             elif self._executor is None:  # none: delta holds delta_r, the all-reduce buffer
                 outbox = Outbox(self.codec, self.view.numel, self.view.device, send=self.delta)
@@ -291,13 +310,23 @@ class BoundaryProtocols:
 
         with record_function("megatron_diloco::perform"):
             if at_launch:
-                self._complete(handle, self.outer)
-                self.x_from(self.theta)
+                if self._land(handle):
+                    self.x_from(self.theta)
+                    self.x_is_theta = True
             else:  # the merge in the outer step's own pass (the host layout: theta crosses PCIe once)
                 lp = self.launch_point
-                self._complete(handle, self.outer, AfterStep([] if lp is None else [lp], merge_chunk))
-            self.x_is_theta = at_launch
+                self._land(handle, AfterStep([] if lp is None else [lp], merge_chunk))
+                self.x_is_theta = False
         return handle.stats
+
+    def _land(self, handle: ExchangeHandle, after: AfterStep | None = None) -> bool:
+        """Complete ``handle`` into the outer step (``after`` fused into its pass). Separate jobs: only
+        when every rank of this job completed and committed it (:meth:`FederatedRounds.settle`);
+        returns whether the step was applied."""
+        if self.federated is not None:
+            return self.federated.settle(handle, after)
+        self._complete(handle, self.outer, after)
+        return True
 
     def _skip(self, sq: float, completed: ExchangeStats | None) -> RoundReport:
         """Drop this round's pseudo-gradient everywhere: x <- theta, residual untouched."""
@@ -318,9 +347,12 @@ class BoundaryProtocols:
         if self.pending is None:
             return None
         with record_function("megatron_diloco::drain"):
-            self._complete(self.pending, self.outer)
             stats = self.pending.stats
+            landed = self._land(self.pending)
             self.pending = None
+            if not landed:  # separate jobs: the last exchange failed; this replica keeps its own params
+                logger.warning("DiLoCoX: the last exchange failed; this job ends with its own parameters")
+                return stats
             if self.eager_anchor is not None:  # the look-ahead is now part of theta
                 self.eager_anchor.copy_(self.theta)
             self.x_from(self.theta)

@@ -21,6 +21,7 @@ from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle, Exchan
 from megatron_diloco.algorithm.link import measure_link_bandwidth, wire_bytes
 from megatron_diloco.algorithm.worker import DaemonWorker
 from megatron_diloco.algorithm.bounds import OuterBounds
+from megatron_diloco.algorithm.federated import FederatedRounds
 from megatron_diloco.algorithm.config import CODECS, DiLoCoXConfig, link_share_bytes_per_s
 from megatron_diloco.algorithm.decision import BoundaryDecision
 from megatron_diloco.algorithm.outer import OuterNesterov
@@ -183,6 +184,16 @@ class OuterSync(BoundaryProtocols):
         self.bounds.arm(self.timeout_s())
         #: the boundary's one decision all-reduce (skip, tau, theta's agreement across replicas)
         self.decision = BoundaryDecision(group, self.decision_groups, view.device, self.bounds)
+        #: replicas as separate jobs that meet at each boundary (a FederatedRounds), else None
+        self.federated: FederatedRounds | None = None
+
+    def regroup(self, group: dist.ProcessGroup | None, decision_groups: tuple[dist.ProcessGroup, ...]) -> None:
+        """Separate jobs, new members: exchanges, decision and bounds use these groups from now on."""
+        self.group = self.exchange_group = group
+        self.decision_groups = decision_groups
+        self.bounds.regroup(group, group, decision_groups)
+        self.bounds.arm(self.timeout_s())
+        self.decision.regroup(group, decision_groups)
 
     @property
     def link_mbps(self) -> float | None:
@@ -234,6 +245,8 @@ class OuterSync(BoundaryProtocols):
         """This boundary's :class:`~megatron_diloco.algorithm.decision.Decision` (skip, agreed tau),
         theta compared across replicas (:meth:`BoundaryDecision.decide`; collective over the decision
         groups, bounded)."""
+        if self.federated is not None:  # separate jobs: None when not every member decided
+            return self.federated.decide(sq, tau, theta_fp)
         return self.decision.decide(self.rounds, sq, tau, theta_fp, self.timeout_s)
 
     def _complete(self, handle: ExchangeHandle, outer: OuterNesterov | None = None,
@@ -357,8 +370,8 @@ class OuterSync(BoundaryProtocols):
         spec = CODECS[codec.name]
         if spec.matrix:
             return None
-        # the outer group: one rank per replica
-        return wire_bytes(spec.collective, codec.payload_bytes(self.view.numel), self.config.replicas)
+        members = dist.get_world_size(self.group) if self.group is not None else self.config.replicas
+        return wire_bytes(spec.collective, codec.payload_bytes(self.view.numel), members)
 
     def poll(self) -> None:
         """Note whether the exchange in flight has completed (its completion time: auto tau, the

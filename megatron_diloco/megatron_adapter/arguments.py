@@ -111,7 +111,29 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "only by the outer groups, formed through a TCP store at HOST:PORT hosted by "
                             "replica 0's rank 0. Default: all replicas in this one world.")
     group.add_argument("--diloco-x-replica-index", type=int, default=None,
-                       help="With --diloco-x-outer-store: which replica this launch is, 0..R-1.")
+                       help="With --diloco-x-lighthouse or --diloco-x-outer-store: this job's data slot, "
+                            "0..R-1 (R = --diloco-x-replicas, the most jobs the run has): the job reads "
+                            "the samples replica I of R reads in one world, through restarts and "
+                            "membership changes; unique per job.")
+    group.add_argument("--diloco-x-lighthouse", default=None, metavar="HOST:PORT",
+                       help="Replicas as separate jobs that meet, fail, heal and rejoin: this job (its own "
+                            "torchrun world, TP x PP x DP inside) is one replica of the run coordinated by "
+                            "the torchft lighthouse at HOST:PORT (start it with torchft_lighthouse). Jobs "
+                            "may start at any time; a job that is behind receives the run's outer state "
+                            "from a live peer at the next boundary. Needs --diloco-x-run, "
+                            "--diloco-x-replica-index. Default: all replicas in this one world.")
+    group.add_argument("--diloco-x-run", default=None, metavar="NAME",
+                       help="With --diloco-x-lighthouse: the run's name; jobs of another run (or with other "
+                            "flags) are refused, naming the flag that differs.")
+    group.add_argument("--diloco-x-replica-id", default=None, metavar="NAME",
+                       help="With --diloco-x-lighthouse: this job's name in the run (default: "
+                            "replica<--diloco-x-replica-index>); a restarted job keeps its name.")
+    group.add_argument("--diloco-x-advertise-host", default=None, metavar="HOST",
+                       help="With --diloco-x-lighthouse: the address the other jobs reach this job's ranks "
+                            "at (default: this host's fully qualified name).")
+    group.add_argument("--diloco-x-federation-port", type=int, default=0,
+                       help="With --diloco-x-lighthouse: the port of this job's federation store on its "
+                            "rank 0, which the other jobs connect to (default 0: any free port).")
     group.add_argument("--diloco-x-outer-timeout-minutes", type=float, default=None,
                        help="T: an exchange over the outer groups (and the boundary's skip decision, the "
                             "link measurement) must complete within T minutes of its launch, else the run "
@@ -282,15 +304,38 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
     if dp is None:
         raise ValueError("megatron-diloco: call install(args) after Megatron's argument validation "
                          "(args.data_parallel_size is not set yet)")
-    separate = getattr(args, "diloco_x_outer_store", None) is not None
+    store = getattr(args, "diloco_x_outer_store", None) is not None
+    federated = getattr(args, "diloco_x_lighthouse", None) is not None
+    separate = store or federated
+    how = "--diloco-x-lighthouse" if federated else "--diloco-x-outer-store"
     index = getattr(args, "diloco_x_replica_index", None)
+    if store and federated:
+        raise ValueError("--diloco-x-lighthouse and --diloco-x-outer-store are two ways of joining separate "
+                         "jobs; give one (--diloco-x-lighthouse: jobs that may fail and rejoin)")
     if separate and (index is None or not 0 <= index < R):
-        raise ValueError(f"--diloco-x-outer-store needs --diloco-x-replica-index in [0, {R}) "
-                         f"(--diloco-x-replicas {R}), got {index!r}: give each replica's launch its index")
+        raise ValueError(f"{how} needs --diloco-x-replica-index in [0, {R}) "
+                         f"(--diloco-x-replicas {R}), got {index!r}: give each job its own index")
     if not separate and index is not None:
-        raise ValueError("--diloco-x-replica-index applies with --diloco-x-outer-store only (replicas as "
-                         "separate launches); drop it when all replicas run in one world")
-    if separate and (args.save or args.load):
+        raise ValueError("--diloco-x-replica-index applies to separate jobs only (--diloco-x-lighthouse); "
+                         "drop it when all replicas run in one world")
+    for flag in ("run", "replica_id", "advertise_host"):
+        if not federated and getattr(args, f"diloco_x_{flag}", None) is not None:
+            raise ValueError(f"--diloco-x-{flag.replace('_', '-')} applies with --diloco-x-lighthouse only")
+    if federated:
+        if not getattr(args, "diloco_x_run", None):
+            raise ValueError("--diloco-x-lighthouse needs --diloco-x-run NAME (the same on every job of the "
+                             "run): a job of another run cannot join it by accident")
+        if config.overlap not in ("none", "partial") or (config.overlap == "partial" and config.merge != "exact"):
+            raise ValueError("--diloco-x-lighthouse runs --diloco-x-overlap partial (the default, with "
+                             "--diloco-x-merge exact) or none; got --diloco-x-overlap "
+                             f"{config.overlap} --diloco-x-merge {config.merge}")
+        if CODECS[config.compression].matrix:
+            raise ValueError("--diloco-x-lighthouse takes --diloco-x-compression none or a blockwise codec "
+                             f"({', '.join(BLOCKWISE)}); got {config.compression}")
+        if getattr(args, "rampup_batch_size", None):
+            raise ValueError("--diloco-x-lighthouse cannot be used with --rampup-batch-size (a job that joins "
+                             "takes its data position from the run's iteration)")
+    if store and (args.save or args.load):
         raise ValueError("--save / --load cannot be used with --diloco-x-outer-store yet (the DiLoCoX "
                          "checkpoint layout spans the replicas of one world); run the replicas in one "
                          "world (drop --diloco-x-outer-store) to checkpoint")

@@ -127,6 +127,7 @@ class _Installation:
         self.first_loss = None  # loss of the first iteration this process trained (last PP stage)
         self.last_loss = None
         self.rounds: list[dict] = []
+        self.membership = None  # separate jobs (--diloco-x-lighthouse): this rank's membership of the run
 
     def patch(self) -> None:
         from megatron.training import training
@@ -158,7 +159,16 @@ class _Installation:
             self.finish(iteration=out[0], wall_s=time.perf_counter() - start)
             return out
 
-        if self.args.diloco_x_outer_store is not None:
+        if self.args.diloco_x_lighthouse is not None:  # a job that joins a run under way starts at its position
+            setup = training.setup_model_and_optimizer
+
+            def setup_model_and_optimizer(*a, **k):
+                out = setup(*a, **k)
+                self.join_run(out[2])
+                return out
+
+            training.setup_model_and_optimizer = setup_model_and_optimizer
+        if self.args.diloco_x_outer_store is not None or self.args.diloco_x_lighthouse is not None:
             training.build_pretraining_data_loader = self.replica_data_loader(training.build_pretraining_data_loader)
             training.get_train_valid_test_num_samples = self.replica_num_samples(
                 training.get_train_valid_test_num_samples)
@@ -191,6 +201,14 @@ class _Installation:
         from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
         from megatron_diloco.megatron_adapter.topology import from_outer_store, from_parallel_state
 
+        if self.args.diloco_x_lighthouse is not None:  # this job is one replica of a run of separate jobs
+            from megatron_diloco.megatron_adapter.topology import from_federation
+
+            self.optimizer = opt = DiLoCoXOptimizer(inner, self.config, from_federation(), on_round=self.log_round)
+            self.membership = self.join_federation(opt, self.describe_launch(inner))
+            install_replica_local_collectives(
+                self.args, at_boundary=lambda: opt.sync.schedule.steps_since_boundary(opt.step_calls) == 0)
+            return opt
         if self.args.diloco_x_outer_store is not None:  # this world is one replica
             try:  # the join handshake refuses launches whose flags differ, before anything is trained
                 topology = from_outer_store(self.config.replicas, self.args.diloco_x_replica_index,
@@ -207,6 +225,55 @@ class _Installation:
         install_replica_local_collectives(
             self.args, at_boundary=lambda: opt.sync.schedule.steps_since_boundary(opt.step_calls) == 0)
         return self.optimizer
+
+    def join_federation(self, opt, description: dict):
+        """Separate jobs (``--diloco-x-lighthouse``): this rank's membership of the run (torchft, one
+        manager per rank; collective over the job's world), attached to the optimizer's boundaries."""
+        from megatron_diloco.algorithm.federated import FederatedRounds
+        from megatron_diloco.federation import handshake
+        from megatron_diloco.federation.membership import TorchftMembership, default_advertise_host
+
+        args = self.args
+        description = {**description, handshake.RUN: args.diloco_x_run}
+        fed = opt.sync.federated = FederatedRounds(opt.sync, None, opt.position, opt.set_position)
+        fed.identity = handshake.identity(description)
+        name = args.diloco_x_replica_id or f"replica{args.diloco_x_replica_index}"
+        timeout_s = 60.0 * (self.config.outer_timeout_minutes or self.config.distributed_timeout_minutes)
+        job = opt.topology.decision_group[0] if opt.topology.decision_group else None
+        membership = TorchftMembership(
+            args.diloco_x_lighthouse, name, args.diloco_x_advertise_host or default_advertise_host(),
+            args.diloco_x_federation_port, timeout_s=timeout_s, quorum_timeout_s=24 * 3600.0,
+            min_replicas=1, job_group=job, state_dict=fed.state_dict, load_state_dict=fed.load_state_dict)
+        membership.handshake = lambda group, progress: handshake.agree(
+            group, progress, description, args.diloco_x_replica_index, name)
+        fed.membership = membership
+        return membership
+
+    def join_run(self, scheduler) -> None:
+        """Separate jobs, once Megatron built the model and optimizer and loaded this job's checkpoint (if
+        any): meet the run; when it is ahead, this job takes its outer state, its iteration, data
+        position and LR schedule, and enters training at the run's current boundary."""
+        opt, args = self.optimizer, self.args
+        opt.iteration_offset = args.iteration - opt.step_calls
+        started = time.perf_counter()
+        position = opt.join_federation()
+        if position is None:
+            if dist.get_rank() == 0:
+                print(f"megatron-diloco: joined run {args.diloco_x_run!r} at iteration {args.iteration} "
+                      "(no job ahead of this one)", flush=True)
+            return
+        own = args.iteration
+        args.iteration = int(position["iteration"])
+        args.consumed_train_samples = args.iteration * args.global_batch_size
+        if scheduler is not None:
+            scheduler.num_steps = 0
+            scheduler.step(increment=args.consumed_train_samples)
+        if dist.get_rank() == 0:
+            inner = (f"its inner optimizer state from this job's checkpoint at iteration {own}" if own > 0
+                     else "a fresh inner optimizer state")
+            print(f"megatron-diloco: joined run {args.diloco_x_run!r} under way at iteration {args.iteration}: "
+                  f"received the outer state from a live job in {time.perf_counter() - started:.2f} s; "
+                  f"training with {inner}", flush=True)
 
     def describe_launch(self, inner) -> dict:
         """What must agree with the other launches (:func:`megatron_diloco.megatron_adapter.handshake.describe_launch`):
@@ -323,6 +390,7 @@ class _Installation:
         if iteration < args.train_iters:
             return  # interrupted (exit interval / signal): the checkpoint holds the in-flight exchange
         opt.finish()
+        federation = opt.sync.federated.summary() if opt.sync.federated is not None else None
         identical = opt.replicas_identical()
         device = opt.view.device
         nan = float("nan")
@@ -370,8 +438,11 @@ class _Installation:
                 "replicas_identical": identical,
                 # the final model (fp32 main params) of this rank's replica: compare it between launches
                 "final_params_fingerprint": params_digest([f.tolist() for f in fps[:opt.topology.ranks_per_replica]]),
+                **({"federation": federation} if federation is not None else {}),
             }
             print(format_summary(summary), flush=True)
+        if self.membership is not None:
+            self.membership.shutdown()
 
 
 def _shard_layout(dist_opts: list) -> list[tuple[tuple[int, ...], int, int]]:

@@ -107,6 +107,8 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
         self._last_step_ended: float | None = None
         self._round_step_s, self._round_timed_steps = 0.0, 0
         self.step_calls = 0
+        #: Megatron's iteration when ``step_calls`` was 0 (separate jobs: the position a joiner takes)
+        self.iteration_offset = 0
         self.totals = ExchangeStats()
         self.last_report: RoundReport | None = None
         #: partial: the exchange that landed tau steps after its launch, until the round's boundary
@@ -231,6 +233,25 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
         self._last_step_ended = time.perf_counter()
         return result
 
+    def position(self) -> dict:
+        """Separate jobs: this job's inner steps done and Megatron's iteration (what a joiner takes)."""
+        return {"steps": self.step_calls, "iteration": self.step_calls + self.iteration_offset}
+
+    def set_position(self, position: dict) -> None:
+        """Take the run's :meth:`position` (a job joining at a boundary), and the round it starts."""
+        self.step_calls = int(position["steps"])
+        self.iteration_offset = int(position["iteration"]) - self.step_calls
+        self.sync.before_boundary(None, next_round_steps=self.sync.schedule.round_steps(self.step_calls))
+
+    def join_federation(self) -> dict | None:
+        """Separate jobs, before training (every rank): :meth:`FederatedRounds.join`; the position taken,
+        or None. Collective over the job's world and the members' outer groups."""
+        position = self.sync.federated.join()
+        self._start_checked = True  # the decision compares theta at every boundary
+        if position is not None:
+            self._publish_params()
+        return position
+
     def mark_iteration_start(self) -> None:
         """The training iteration whose ``step()`` comes next starts now (``megatron_diloco.install``
         calls it at the start of Megatron's ``train_step``): its forward, backward and inner step
@@ -283,12 +304,12 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
         bit-identical across the outer group; a bitwise fingerprint (2 x int64) is all-gathered over
         it, once. Raises naming the likely cause otherwise, before anything is exchanged."""
         self._start_checked = True
-        if self.topology.replicas <= 1:
+        if self.sync.group is None or dist.get_world_size(self.sync.group) <= 1:
             return
         if not self._same_across_outer_group(self.sync.fingerprint([self.sync.theta])):
             raise RuntimeError(
                 f"DiLoCoX: the replicas did not start from the same weights (rank {dist.get_rank()}, "
-                f"outer group {dist.get_process_group_ranks(self.topology.outer_group)}): every replica "
+                f"outer group {dist.get_process_group_ranks(self.sync.group)}): every replica "
                 "must initialize with the same --seed and load the same checkpoint (no "
                 "--data-parallel-random-init, no per-cluster --load paths)")
 
@@ -419,11 +440,12 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
     def _same_across_outer_group(self, fp: torch.Tensor) -> bool:
         """Whether the fingerprint ``fp`` (int64 ``[2]``) is the same on every rank of this rank's outer
         group (an all-gather over it; True with one replica). Collective over the outer group."""
-        if self.topology.replicas <= 1:
+        group = self.sync.group  # (separate jobs: the members of the last boundary)
+        if group is None or dist.get_world_size(group) <= 1:
             return True
-        fp = host_copy(fp, self.topology.outer_group)
-        gathered = [torch.empty_like(fp) for _ in range(self.topology.replicas)]
-        dist.all_gather(gathered, fp, group=self.topology.outer_group)
+        fp = host_copy(fp, group)
+        gathered = [torch.empty_like(fp) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, fp, group=group)
         return all(torch.equal(gathered[0], g) for g in gathered)
 
     def _layout_table(self) -> list[tuple[int, int, int]]:

@@ -189,3 +189,15 @@ def from_outer_store(replicas: int, replica_index: int, address: str, timeout_mi
     decision = tuple(g for g in (replica_world, outer) if g is not None)
     return Topology(replicas, replica_index, world, rank, outer, _replica_groups(), host, decision,
                     separate_worlds=True)
+
+
+def from_federation() -> Topology:
+    """The topology of a job that is one replica of a run of separate jobs (``--diloco-x-lighthouse``):
+    to Megatron and the checkpoint, a world of one replica; its outer group is the members present
+    at each boundary, set by the meeting (:mod:`megatron_diloco.federation.membership`). The skip
+    decision reduces over this job's world (gloo), then that outer group. Collective over the job's
+    world (creates the gloo group)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    job = decision_group_of_world() if world > 1 else None
+    return Topology(1, 0, world, rank, None, _replica_groups(), None, tuple(g for g in (job,) if g is not None),
+                    separate_worlds=True)

@@ -1,0 +1,345 @@
+"""Rounds over a changing set of replicas: separate jobs that fail, heal and rejoin.
+
+With replicas launched as separate jobs that meet through a coordinator (``--diloco-x-lighthouse``),
+the outer group of a boundary is whoever is present then. :class:`FederatedRounds` adds to the
+boundary protocols of :class:`~megatron_diloco.algorithm.sync.OuterSync` (``none`` and ``partial``)
+what a changing membership needs; the membership itself (who is present, the outer group over them,
+a job-wide commit, moving state to a job that is behind) is a :class:`Membership`
+(:mod:`megatron_diloco.federation.membership` implements it on torchft).
+
+Every boundary, on every rank of every job, in the same order:
+
+1. **Meet** (:meth:`FederatedRounds.meet`): after the pending exchange landed (``partial`` with
+   tau = H), before the pseudo-gradient is taken. The members present form the outer group of this
+   boundary. Each job announces its **progress** ``(inner steps done, rounds committed)``; a job
+   behind the most advanced receives, per rank from rank k of an up-to-date job, :meth:`state_dict`:
+   theta, the outer momentum, the codec state, the round counters, tau, the timings auto tau and
+   the bounds use, and the position in the run.
+2. **Decide** (the boundary's decision all-reduce), then two small collectives: the number of
+   members contributing a pseudo-gradient (a job that has just joined contributes a zero row with
+   weight 0), and a job-wide AND of "every rank of this job decided": a job launches on all its
+   ranks or on none.
+3. **Land** (:meth:`FederatedRounds.settle`; at the boundary with ``none``, tau steps later with
+   ``partial``): wait for the exchange into the mean, then the job-wide **commit** (every rank of
+   the job completed its exchange); only a committed round is applied. A round that failed (a peer
+   died or froze mid-exchange, past the bound) or that the job did not commit is a **failed round**:
+   theta and m are untouched; x keeps this replica's progress.
+4. A failed round is resolved at the next meeting, the same way on every survivor: if another job
+   committed it (its progress is then ahead, so this job heals from it), that job's theta holds
+   this replica's payload (a job commits only after every member's payload arrived), so this
+   replica takes the new theta and keeps only the progress since that exchange was launched
+   (``x <- theta + (x - x_L)``; the residual is the one left after that payload). If nobody
+   committed it, the residual is restored to the one before that launch and theta stays: the next
+   pseudo-gradient ``theta - x`` covers both rounds, so nothing of the replica's progress is lost.
+
+A job whose position differs from the run's after a heal outside its start (it was stopped, or cut
+off, for more than a round) raises :class:`FellBehindError`: restarting it rejoins it at the next
+boundary (:meth:`FederatedRounds.join`).
+
+Memory: one buffer of 4 B per shard element (the residual before the launch with a lossy codec under
+``partial``; x before the pseudo-gradient with ``none``); nothing more with ``partial`` + ``none``
+codec. The landing waits for the mean and then steps (two passes where one world fuses them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron_diloco.algorithm.bounds import OuterGroupError
+from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle
+from megatron_diloco.algorithm.link import bounded_all_reduce
+
+logger = logging.getLogger(__name__)
+
+#: progress = inner steps x PROGRESS_RADIX + rounds committed (one integer: the coordinator heals a
+#: member whose progress is below the most advanced member's)
+PROGRESS_RADIX = 1 << 32
+
+
+class FellBehindError(SystemExit):
+    """This job is behind the run by more than one round while training (it was stopped or cut off
+    past the bound). It leaves the run cleanly; restarting it rejoins it from a live peer."""
+
+
+class ForeignStateError(ValueError):
+    """A peer offered state of another run or configuration (its identity differs): not taken."""
+
+
+@dataclasses.dataclass
+class Meeting:
+    """One boundary's membership, the same on every rank of every member job."""
+
+    group: dist.ProcessGroup | None
+    """The outer group of this boundary: rank k of every member job (gloo; None or size 1: alone)."""
+    changed: bool
+    """The members differ from the previous meeting's (``group`` is a new group)."""
+    members: int
+    """Jobs present."""
+    seconds: float = 0.0
+    """Wall time of the meeting (the coordinator's quorum, the heal when there is one)."""
+
+
+class Membership(Protocol):
+    """Who is present at a boundary (implemented on torchft: :class:`megatron_diloco.federation.membership.TorchftMembership`)."""
+
+    job_group: dist.ProcessGroup | None
+    """This job's own world (gloo; None: one rank): the job-wide agreements."""
+
+    def meet(self, progress: int) -> Meeting:
+        """Meet the other jobs present (collective over this job's ranks, blocking until the run's
+        members reach their boundary). ``progress``: this job's; a member behind the most advanced
+        receives its state through the state callbacks given at construction."""
+
+    def commit(self, ok: bool) -> bool:
+        """Whether this job commits the round: ``ok`` on every rank of the job (collective over it)."""
+
+
+class FederatedRounds:
+    """The membership side of one rank's boundaries (module doc). Owned by ``OuterSync``.
+
+    Args:
+        sync: the rank's :class:`~megatron_diloco.algorithm.sync.OuterSync` (its outer state, groups).
+        membership: who is present at each boundary.
+        position: this job's position in the run, for the heal (a small JSON-able dict with at least
+            ``"steps"``, the inner steps done); ``set_position``: applies a healed one.
+    """
+
+    def __init__(self, sync, membership: Membership, position: Callable[[], dict],
+                 set_position: Callable[[dict], None]) -> None:
+        self.sync = sync
+        self.membership = membership
+        self.position = position
+        self.set_position = set_position
+        cfg = sync.config
+        if cfg.overlap not in ("none", "partial") or (cfg.overlap == "partial" and cfg.merge != "exact"):
+            raise ValueError("separate jobs (--diloco-x-lighthouse) run --diloco-x-overlap partial (with "
+                             "--diloco-x-merge exact) or none; got --diloco-x-overlap "
+                             f"{cfg.overlap}{' --diloco-x-merge ' + cfg.merge if cfg.overlap == 'partial' else ''}")
+        if sync._executor is not None:
+            raise ValueError(f"separate jobs (--diloco-x-lighthouse) take the blockwise codecs or none; "
+                             f"got --diloco-x-compression {cfg.compression}")
+        #: rounds this job committed (with the rounds healed in): part of its progress
+        self.committed = 0
+        #: the last round failed on this job (not committed); resolved at the next meeting
+        self.failed = False
+        #: this job contributes a pseudo-gradient at this boundary (not on the boundary it joins at)
+        self.contributing = True
+        #: members contributing at this boundary (the mean is over them)
+        self.contributors = 1
+        self.members = 1
+        #: the rollback buffer (module doc), (N,) fp32 with the outer state; None when not needed
+        lossy = sync.residual is not None
+        self.rollback = sync.store.empty() if (cfg.overlap == "none" or lossy) else None
+        self._healed: dict | None = None
+        self._joining = False
+        #: what this job's run and configuration are (a digest); a heal from a peer with another is refused
+        self.identity: str | None = None
+        self.last_meeting: Meeting | None = None
+        #: the meetings, failed rounds and heals so far (summary and metrics)
+        self.stats = {"meetings": 0, "membership_changes": 0, "failed_rounds": 0, "heals": 0,
+                      "meeting_s": 0.0, "last_meeting_s": 0.0}
+
+    # ---------------- progress, heal ----------------
+    def progress(self) -> int:
+        """This job's progress: inner steps x :data:`PROGRESS_RADIX` + rounds committed."""
+        return int(self.position()["steps"]) * PROGRESS_RADIX + self.committed
+
+    def state_dict(self) -> dict:
+        """What a member that is behind receives from this rank (its shard's outer state and the run's
+        position), as this rank holds it at the meeting."""
+        sync = self.sync
+        return {"theta": sync.outer.theta, "momentum_buffer": sync.outer.momentum_buffer,
+                "codec": sync.codec.state_dict() if hasattr(sync.codec, "state_dict") else None,
+                "meta": {"rounds": sync.rounds, "skipped_rounds": sync.skipped_rounds, "tau": sync.tau,
+                         "committed": self.committed, "timings": sync.timings(),
+                         "link_bytes_per_s": sync.link_bytes_per_s if sync._link_measured else None,
+                         "position": self.position(), "identity": self.identity}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take a peer's :meth:`state_dict` (called during :meth:`meet` when this job is behind)."""
+        sync = self.sync
+        if state["meta"].get("identity") != self.identity:
+            raise ForeignStateError("a member of another run, or with other flags, was ahead; its state was not "
+                                    "taken (the handshake names the difference)")
+        theta = state["theta"]
+        if theta.numel() != sync.theta.numel():
+            raise ValueError(f"a peer job sent an outer shard of {theta.numel()} elements for this rank's "
+                             f"{sync.theta.numel()}: every job must use the same TP/PP/DP layout")
+        sync.outer.load_state_dict({"theta": theta, "momentum_buffer": state["momentum_buffer"]})
+        if hasattr(sync.codec, "load_state_dict") and state.get("codec") is not None:
+            sync.codec.load_state_dict(state["codec"])
+        meta = state["meta"]
+        sync.rounds, sync.skipped_rounds, sync.tau = int(meta["rounds"]), int(meta["skipped_rounds"]), int(meta["tau"])
+        sync.load_timings(meta["timings"])
+        if meta.get("link_bytes_per_s") is not None and sync.config.bandwidth_mbps is None:
+            sync._link_measured, sync.link_bytes_per_s = True, float(meta["link_bytes_per_s"])
+        self.committed = int(meta["committed"])
+        self._healed = dict(meta["position"])
+        self.stats["heals"] += 1
+
+    # ---------------- the boundary ----------------
+    def meet(self) -> Meeting:
+        """Step 1 of the module doc: meet, regroup when the members changed, resolve a failed round.
+        Raises :class:`FellBehindError` when a heal moved this job's position while it trained."""
+        sync = self.sync
+        self._healed = None
+        before = self.position()
+        meeting = self.membership.meet(self.progress())
+        self.last_meeting = meeting
+        self.stats["meetings"] += 1
+        self.stats["meeting_s"] += meeting.seconds
+        self.stats["last_meeting_s"] = meeting.seconds
+        self.members = meeting.members
+        if meeting.changed:
+            self.stats["membership_changes"] += 1
+            sync.regroup(meeting.group, self._decision_groups(meeting.group))
+        healed = self._healed
+        if healed is not None and not self._joining and int(healed["steps"]) != int(before["steps"]):
+            raise FellBehindError(
+                f"megatron-diloco: this job is {int(healed['steps']) - int(before['steps'])} inner steps behind "
+                "the run (it was stopped or cut off for more than a round); it leaves the run with its outer "
+                "state intact. Restart it (with --load to keep its inner optimizer state) to rejoin at the "
+                "next boundary.")
+        if self.failed:
+            self._resolve_failed_round(healed is not None)
+        return meeting
+
+    def _decision_groups(self, group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, ...]:
+        return tuple(g for g in (self.membership.job_group, group) if g is not None)
+
+    @torch.no_grad()
+    def _resolve_failed_round(self, healed: bool) -> None:
+        """Step 4 of the module doc."""
+        sync = self.sync
+        self.failed = False
+        if healed:  # another job committed it, with this replica's payload: x <- theta + (x - x_L)
+            anchor = sync.launch_point if sync.config.overlap == "partial" else self.rollback
+            for lo, hi, (th, a) in sync.store.stream(sync.theta, anchor):
+                xs = sync.view.pieces(lo, hi)
+                if xs:
+                    torch._foreach_sub_(xs, sync.view.split_like(a, xs))
+                    torch._foreach_add_(xs, sync.view.split_like(th, xs))
+            logger.warning("DiLoCoX round %d: the last round failed on this job and another job committed it; "
+                           "took its theta (this replica's payload is in it), kept the progress since", sync.rounds)
+        else:
+            if self.rollback is not None and sync.config.overlap == "partial":
+                sync.residual.copy_(self.rollback)  # the residual before that launch
+            logger.warning("DiLoCoX round %d: the last round was committed by no job; theta unchanged, this "
+                           "boundary's pseudo-gradient covers both rounds", sync.rounds)
+        sync.x_is_theta = False
+
+    def before_pseudo_gradient(self) -> None:
+        """``none``: keep x (the rollback of a failed round)."""
+        if self.sync.config.overlap == "none":
+            self.sync.x_into(self.rollback)
+
+    def decide(self, sq: float, tau: int, theta_fp: torch.Tensor | None):
+        """The boundary's decision (:meth:`BoundaryDecision.decide`), or None when not every member
+        decided (a member lost here fails the round; it does not end the run)."""
+        sync = self.sync
+        try:
+            decision = sync.decision.decide(sync.rounds, sq, tau, theta_fp, sync.timeout_s)
+        except OuterGroupError as err:
+            logger.warning("%s", err)
+            decision = None
+        return decision if self.agree(decision is not None) else None
+
+    def agree(self, decided: bool) -> bool:
+        """Step 2 of the module doc: the contributing members (SUM over the outer group) and whether
+        every rank of this job decided (MIN over its world). False: nobody of this job launches."""
+        sync = self.sync
+        ok = decided
+        if ok and sync.group is not None and dist.get_world_size(sync.group) > 1:
+            count = torch.tensor([1.0 if self.contributing else 0.0], dtype=torch.float64)
+            try:
+                bounded_all_reduce(count, dist.ReduceOp.SUM, sync.group, sync.timeout_s())
+                self.contributors = int(count.item())
+            except (RuntimeError, TimeoutError) as err:
+                logger.warning("DiLoCoX round %d: the outer group broke at the decision (%s)", sync.rounds, err)
+                ok = False
+        else:
+            self.contributors = 1 if self.contributing else 0
+        job = self.membership.job_group
+        if job is not None and dist.get_world_size(job) > 1:
+            flag = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
+            bounded_all_reduce(flag, dist.ReduceOp.MIN, job, sync.timeout_s())
+            ok = bool(flag.item())
+        if not ok:
+            self.fail("the decision did not reach every member")
+            self.membership.commit(False)
+        return ok
+
+    def fail(self, why: str) -> None:
+        """Mark this round failed on this rank (resolved at the next meeting)."""
+        sync = self.sync
+        self.failed = True
+        self.stats["failed_rounds"] += 1
+        if sync.config.overlap == "none" and self.rollback is not None:
+            sync.x_from(self.rollback)  # x as before the pseudo-gradient
+            sync.x_is_theta = False
+        logger.warning("DiLoCoX round %d failed on this job: %s; theta and m unchanged, resolved at the next "
+                       "boundary", sync.rounds, why)
+
+    def rotate_residual(self) -> None:
+        """``partial`` with a lossy codec, at the launch: e <- e_new (in ``delta``), keep e_old in the
+        rollback buffer, ``delta`` takes the rollback's storage (scratch until the mean arrives)."""
+        sync = self.sync
+        sync.residual, sync.delta, self.rollback = sync.delta, self.rollback, sync.residual
+
+    @torch.no_grad()
+    def settle(self, handle: ExchangeHandle, after: AfterStep | None) -> bool:
+        """Step 3 of the module doc: wait for the mean, commit, apply (the outer step, ``after`` fused
+        into its pass) only when committed. Returns whether it was applied."""
+        sync = self.sync
+        ok = True
+        try:
+            sync._complete(handle)  # the mean into delta (bounded)
+        except OuterGroupError as err:
+            ok = False
+            why = str(err).split(". Nothing of this round")[0]
+        if ok and 0 < self.contributors < self.members:  # rows of weight 0 (a joiner's zeros)
+            scale = self.members / self.contributors
+            for _, _, (d,) in sync.store.stream(sync.delta, write=[sync.delta]):
+                d.mul_(scale)
+        committed = self.membership.commit(ok)
+        if not committed:
+            self.fail(why if not ok else "another rank of this job did not complete its exchange")
+            return False
+        self.committed += 1
+        sync._complete(handle, sync.outer, after)  # the step from the mean in delta
+        return True
+
+    # ---------------- joining ----------------
+    def join(self) -> dict | None:
+        """At the start of a job (every rank, before training): meet the run. When the run is ahead
+        (it has started, or this job resumed from an older checkpoint), this job has received the
+        run's outer state and position: x <- theta, and the rest of the run's current boundary runs
+        here with this job contributing nothing (:meth:`OuterSync.boundary` ``joined=True``).
+        Returns the position received, or None (this job is at the run's position: nothing to do)."""
+        self._joining = True
+        try:
+            self.meet()
+        finally:
+            self._joining = False
+        healed, self._healed = self._healed, None
+        self.failed = False
+        if healed is None:
+            return None
+        self.set_position(healed)
+        sync = self.sync
+        sync.x_from(sync.theta)
+        sync.x_is_theta = True
+        self.contributing = False
+        try:
+            sync.boundary(joined=True)
+        finally:
+            self.contributing = True
+        return healed
+
+    def summary(self) -> dict[str, Any]:
+        return {**self.stats, "committed_rounds": self.committed, "members": self.members}

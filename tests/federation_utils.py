@@ -1,0 +1,128 @@
+"""Separate jobs on this machine for the federation tests and benchmark: a real ``torchft_lighthouse``
+process and one ``torchrun`` job per replica (CPU, gloo), each in its own process session so that a
+test can kill -9, stop or continue a whole job, and always tears every process down."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.dist_utils import free_port
+from tests.megatron_utils import REPO, RUNNER, TINY, _ENV, harness_args
+
+LIGHTHOUSE = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
+ROUND_LINE = re.compile(r"\[DiLoCoX\] round\s+(\d+) \|")
+
+
+class Lighthouse:
+    """``torchft_lighthouse`` on 127.0.0.1 (a context manager). ``join_timeout_ms`` must exceed a round
+    (docs/federation.md); ``heartbeat_timeout_ms``: how long a silent job stays a member."""
+
+    def __init__(self, log: Path, min_replicas: int = 1, join_timeout_ms: int = 60000,
+                 heartbeat_timeout_ms: int = 3000) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [LIGHTHOUSE, "--bind", f"127.0.0.1:{self.port}", "--min_replicas", str(min_replicas),
+             "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms)],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def __enter__(self) -> "Lighthouse":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _kill_session(self.proc)
+        self.log.close()
+
+
+class Job:
+    """One replica job: ``torchrun --nproc-per-node nproc`` of the harness with ``flags`` (TINY and the
+    federation flags added), output in ``out/``, the combined log in ``out/log.txt``."""
+
+    def __init__(self, out: Path, name: str, index: int, lighthouse: str, flags: list[str], nproc: int = 2,
+                 recorders: tuple[str, ...] = ("tests.recorders:federation",), run: str = "test-run",
+                 env: dict[str, str] | None = None) -> None:
+        self.out, self.name, self.index = out, name, index
+        out.mkdir(parents=True, exist_ok=True)
+        self.logfile = out / "log.txt"
+        self.args = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                     f"--master-port={free_port()}", str(RUNNER), *harness_args(out, recorders), *TINY, *flags,
+                     "--diloco-x-lighthouse", lighthouse, "--diloco-x-run", run, "--diloco-x-replica-id", name,
+                     "--diloco-x-replica-index", str(index), "--diloco-x-advertise-host", "127.0.0.1"]
+        self.env = dict(os.environ, **_ENV, **(env or {}))
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        """(Re)start the job (appends to its log)."""
+        self._log = open(self.logfile, "a")
+        self.proc = subprocess.Popen(self.args, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def log(self) -> str:
+        return self.logfile.read_text(errors="replace")
+
+    def rounds(self) -> int:
+        """Boundaries this job's rank 0 logged so far (all its starts)."""
+        return len(ROUND_LINE.findall(self.log()))
+
+    def signal(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """kill -9 every process of the job (its torchrun and ranks)."""
+        _kill_session(self.proc)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"job {self.name} did not end within {timeout} s:\n{self.log()[-5000:]}") from None
+
+    def records(self) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted(self.out.glob("rank*.json"))]
+
+    def summary(self) -> dict:
+        found = re.findall(r"DILOCOX SUMMARY (\{.*\})", self.log())
+        assert found, self.log()[-5000:]
+        return json.loads(found[-1])
+
+    def close(self) -> None:
+        if self.proc is not None:
+            _kill_session(self.proc)
+        self._log.close()
+
+
+def wait_until(predicate, timeout: float, what: str, jobs: list[Job] = ()) -> None:
+    """Poll ``predicate`` every 0.2 s until true; fail naming ``what`` (with the jobs' log tails)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        for job in jobs:
+            if job.proc.poll() not in (None, 0):
+                raise AssertionError(f"job {job.name} exited with {job.proc.returncode} while waiting for {what}:\n"
+                                     f"{job.log()[-5000:]}")
+        time.sleep(0.2)
+    tails = "\n".join(f"--- {j.name}\n{j.log()[-3000:]}" for j in jobs)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tails}")
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
