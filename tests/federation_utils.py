@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from tests.dist_utils import free_port
 from tests.megatron_utils import REPO, RUNNER, TINY, _ENV, harness_args
 
@@ -50,19 +52,25 @@ class Job:
     def __init__(self, out: Path, name: str, index: int, lighthouse: str, flags: list[str], nproc: int = 2,
                  recorders: tuple[str, ...] = ("tests.recorders:federation",), run: str = "test-run",
                  env: dict[str, str] | None = None) -> None:
-        self.out, self.name, self.index = out, name, index
-        out.mkdir(parents=True, exist_ok=True)
-        self.logfile = out / "log.txt"
-        self.args = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                     f"--master-port={free_port()}", str(RUNNER), *harness_args(out, recorders), *TINY, *flags,
-                     "--diloco-x-lighthouse", lighthouse, "--diloco-x-run", run, "--diloco-x-replica-id", name,
-                     "--diloco-x-replica-index", str(index), "--diloco-x-advertise-host", "127.0.0.1"]
+        self.name, self.index, self.nproc, self.recorders = name, index, nproc, recorders
+        self.flags = [*TINY, *flags, "--diloco-x-lighthouse", lighthouse, "--diloco-x-run", run,
+                      "--diloco-x-replica-id", name, "--diloco-x-replica-index", str(index),
+                      "--diloco-x-advertise-host", "127.0.0.1"]
         self.env = dict(os.environ, **_ENV, **(env or {}))
         self.proc: subprocess.Popen | None = None
-        self.start()
+        self._log = None
+        self.start(out)
 
-    def start(self) -> None:
-        """(Re)start the job (appends to its log)."""
+    def start(self, out: Path, extra: list[str] = ()) -> None:
+        """(Re)start the job, its records and log in ``out`` (``extra``: flags added)."""
+        if self._log is not None:
+            self._log.close()
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.logfile = out / "log.txt"
+        self.args = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.nproc}",
+                     f"--master-port={free_port()}", str(RUNNER), *harness_args(out, self.recorders), *self.flags,
+                     *extra]
         self._log = open(self.logfile, "a")
         self.proc = subprocess.Popen(self.args, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -75,7 +83,8 @@ class Job:
         return len(ROUND_LINE.findall(self.log()))
 
     def signal(self, sig: int) -> None:
-        os.killpg(self.proc.pid, sig)
+        """``sig`` to every process of the job: torchrun and its ranks (which run in sessions of their own)."""
+        _signal_tree(self.proc, sig)
 
     def kill(self) -> None:
         """kill -9 every process of the job (its torchrun and ranks)."""
@@ -98,7 +107,8 @@ class Job:
     def close(self) -> None:
         if self.proc is not None:
             _kill_session(self.proc)
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
 
 
 def wait_until(predicate, timeout: float, what: str, jobs: list[Job] = ()) -> None:
@@ -116,13 +126,28 @@ def wait_until(predicate, timeout: float, what: str, jobs: list[Job] = ()) -> No
     raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tails}")
 
 
+def _signal_tree(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to ``proc``, its process group and every descendant (torchrun starts its ranks in new
+    sessions: a signal to torchrun's group alone leaves them running)."""
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _kill_session(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+    """kill -9 ``proc`` and all its descendants, and reap it."""
+    _signal_tree(proc, signal.SIGKILL)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass

@@ -494,7 +494,10 @@ class FederationRecorder(Recorder):
     """Separate jobs (``--diloco-x-lighthouse``), per rank, with no collective of its own (a peer may die
     at any time): ``losses`` (as the training recorder's), ``fed_rounds``: per boundary ``[step_calls,
     theta fingerprint, members, failed, committed rounds]`` after the boundary (theta as every member
-    must hold it then); ``final_fp``: the fp32 main shards' fingerprint after the end of training."""
+    must hold it then); ``final_fp``: the fp32 main shards' fingerprint after the end of training.
+    ``DILOCO_TEST_STEP_SLEEP_S=S``: every iteration S seconds longer (time to kill, stop and restart
+    jobs mid-run without more compute); ``DILOCO_TEST_DIE_BEFORE_LAUNCH=N``: the job kills itself (kill
+    -9, torchrun and its ranks) after round N's decision, before its exchange is launched."""
 
     name = "federation"
     keys = ("losses", "fed_rounds", "final_fp")
@@ -530,6 +533,28 @@ class FederationRecorder(Recorder):
                 iteration = k["iteration"] if "iteration" in k else a[2]
                 record["losses"].append([iteration, {key: float(v) for key, v in loss_dict.items()}])
             return orig(loss_dict, *a, **k)
+
+        die = int(os.environ.get("DILOCO_TEST_DIE_BEFORE_LAUNCH", "0"))
+        if die:  # the whole job dies after round N's decision, before it sends its payload
+            from megatron_diloco.algorithm import sync as sync_mod
+
+            @wrap(sync_mod.OuterSync, "_start")
+            def start(orig, sync, *a, **k):
+                if sync.rounds == die:
+                    print(f"[test] this job dies before launching round {die}", flush=True)
+                    import psutil
+
+                    agent = psutil.Process(os.getppid())  # torchrun: it and every rank it started
+                    for p in [*agent.children(recursive=True), agent]:
+                        p.kill()
+                return orig(sync, *a, **k)
+
+        pause = float(os.environ.get("DILOCO_TEST_STEP_SLEEP_S", "0"))
+        if pause > 0:  # longer iterations without more compute (the jobs share two cores)
+            @wrap(training, "train_step")
+            def train_step(orig, *a, **k):
+                time.sleep(pause)
+                return orig(*a, **k)
 
 
 RECORDERS: dict[str, type[Recorder]] = {r.name: r for r in (TrainingRecorder, CheckpointRecorder, FederationRecorder)}

@@ -1,0 +1,168 @@
+"""Replicas as separate jobs that meet through a real ``torchft_lighthouse`` (``--diloco-x-lighthouse``):
+every job its own ``torchrun`` of 2 ranks (DP 2) on this machine, Megatron's defaults and the package's
+(the default overlap, codec and warm-up, auto tau), every process killed at the end.
+
+What is checked: a job killed mid-run (kill -9), frozen (SIGSTOP) or lost with an exchange in flight
+leaves the others training with the mean over the jobs present, bit-identical to each other at every
+boundary; a job restarted from nothing, or started late, joins the run at a boundary from a live peer and
+is bit-identical to it from then on, ending at the same iteration; a job whose flags differ is refused
+naming the flag; jobs resume from their own checkpoints."""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+
+import pytest
+
+from tests.federation_utils import Job, Lighthouse, wait_until
+
+pytestmark = pytest.mark.megatron
+
+#: per step 0.15 s more (no compute): time to kill, stop and restart jobs mid-run on two cores
+ENV = {"DILOCO_TEST_STEP_SLEEP_S": "0.15"}
+BASE = ["--diloco-x-local-steps", "6", "--global-batch-size", "4", "--diloco-x-outer-timeout-minutes", "0.25"]
+
+
+def _rounds(job: Job) -> dict[int, list]:
+    """step -> [theta fingerprint per rank, members] of every boundary the job's ranks recorded."""
+    recs = job.records()
+    assert len(recs) == 2, job.log()[-3000:]
+    out: dict[int, list] = {}
+    for rank, rec in enumerate(recs):
+        for step, fp, members, _failed, _committed in rec["fed_rounds"]:
+            out.setdefault(step, [[None, None], members])[0][rank] = fp
+    return out
+
+
+def _assert_identical_at_every_boundary(jobs: list[Job]) -> None:
+    """theta on every rank equal across the jobs at every boundary they both recorded (after the
+    meeting: a job that failed the last round has taken the committed theta by then)."""
+    tables = [_rounds(j) for j in jobs]
+    common = set(tables[0]).intersection(*tables[1:])
+    assert common, "no boundary in common"
+    for step in sorted(common):
+        fps = [t[step][0] for t in tables]
+        assert all(f == fps[0] for f in fps), (step, [j.name for j in jobs], fps)
+
+
+def _final(job: Job) -> tuple:
+    recs = job.records()
+    return tuple((r["final_fp"]["steps"], tuple(r["final_fp"]["main"])) for r in recs)
+
+
+def _losses_fall(job: Job) -> None:
+    values = [v["lm loss"] for rec in job.records() for _, v in rec["losses"] if "lm loss" in v]
+    assert values and all(math.isfinite(v) for v in values), values
+    assert sum(values[-5:]) / 5 < sum(values[:5]) / 5, values
+
+
+def test_killed_job_others_go_on_then_it_rejoins(tmp_path):
+    """3 jobs; kill -9 one mid-run: the other two go on with the mean over the two of them, identical
+    at every boundary, loss falling, no NaN; restart it from nothing: it joins the run at a boundary,
+    takes theta, m and the position from a peer, is identical to them from then on, and all three end
+    at the same iteration with the same model."""
+    flags = [*BASE, "--diloco-x-replicas", "3", "--train-iters", "150"]
+    with Lighthouse(tmp_path / "lighthouse.txt") as lh:
+        jobs = [Job(tmp_path / n, n, i, lh.address, flags, env=ENV) for i, n in enumerate("ABC")]
+        a, b, c = jobs
+        try:
+            wait_until(lambda: all(j.rounds() >= 8 for j in jobs), 240, "8 rounds on every job", jobs)
+            time.sleep(0.4)  # mid-round
+            c.kill()
+            seen = a.rounds()
+            wait_until(lambda: a.rounds() >= seen + 2, 120, "2 rounds of the survivors", [a, b])
+            c.start(tmp_path / "C-restarted")
+            for job in jobs:
+                assert job.wait(400) == 0, job.log()[-5000:]
+        finally:
+            for job in jobs:
+                job.close()
+    assert "joined run 'test-run' under way at iteration" in c.log(), c.log()[-3000:]
+    _assert_identical_at_every_boundary([a, b])
+    _assert_identical_at_every_boundary([a, c])
+    members = [m for _, (_, m) in sorted(_rounds(a).items())]
+    assert 2 in members and members[-1] == 3, members  # the survivors' rounds, then the rejoin
+    assert _final(a) == _final(b) == _final(c) and _final(a)[0][0] == 150
+    for job in (a, b):
+        _losses_fall(job)
+    fed = a.summary()["federation"]
+    assert fed["membership_changes"] >= 2 and fed["members"] == 3, fed
+    assert c.summary()["federation"]["heals"] == 1
+
+
+def test_frozen_job_is_left_behind_and_leaves_cleanly(tmp_path):
+    """SIGSTOP one of 2 jobs past the bound: the other goes on alone; SIGCONT: the frozen job finds it
+    is behind the run and exits with a message saying how to rejoin, without touching the other."""
+    flags = [*BASE, "--train-iters", "150"]
+    with Lighthouse(tmp_path / "lighthouse.txt", heartbeat_timeout_ms=2000) as lh:
+        jobs = [Job(tmp_path / n, n, i, lh.address, flags, env=ENV) for i, n in enumerate("AB")]
+        a, b = jobs
+        try:
+            wait_until(lambda: all(j.rounds() >= 8 for j in jobs), 240, "8 rounds on every job", jobs)
+            b.signal(signal.SIGSTOP)
+            seen = a.rounds()
+            wait_until(lambda: a.rounds() >= seen + 4, 120, "4 rounds of the other job", [a])
+            b.signal(signal.SIGCONT)
+            code = b.wait(120)
+            assert a.wait(400) == 0, a.log()[-5000:]
+        finally:
+            for job in jobs:
+                job.close()
+    assert code != 0 and "behind the run" in b.log(), b.log()[-4000:]
+    members = [m for _, (_, m) in sorted(_rounds(a).items())]
+    assert members.count(1) >= 4, members
+    _losses_fall(a)
+
+
+@pytest.mark.parametrize("flags", [[], ["--diloco-x-overlap", "none", "--diloco-x-compression", "none"]],
+                         ids=["partial-int4", "none-fp32"])
+def test_job_lost_with_an_exchange_in_flight(tmp_path, flags):
+    """3 jobs; one dies right after the boundary's decision, before it sends its payload, so the
+    survivors' exchange of that round is in flight when it goes: they fail that round alike (nobody
+    commits it: theta and m unchanged, the residual as before the launch, the local progress kept) and
+    go on identical, the next pseudo-gradient covering both rounds."""
+    flags = [*BASE, *flags, "--diloco-x-replicas", "3", "--train-iters", "90"]
+    with Lighthouse(tmp_path / "lighthouse.txt") as lh:
+        jobs = [Job(tmp_path / n, n, i, lh.address, flags, env=ENV) for i, n in enumerate("AB")]
+        jobs.append(Job(tmp_path / "C", "C", 2, lh.address, flags, env={**ENV, "DILOCO_TEST_DIE_BEFORE_LAUNCH": "14"}))
+        a, b, c = jobs
+        try:
+            assert c.wait(300) != 0
+            for job in (a, b):
+                assert job.wait(400) == 0, job.log()[-5000:]
+        finally:
+            for job in jobs:
+                job.close()
+    assert "dies before launching round 14" in c.log(), c.log()[-3000:]
+    _assert_identical_at_every_boundary([a, b])
+    assert _final(a) == _final(b)
+    for job in (a, b):
+        fed = job.summary()["federation"]
+        assert fed["failed_rounds"] >= 1 and fed["members"] == 2, fed
+        _losses_fall(job)
+
+
+def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
+    """A job started while the run is under way joins at the next boundary and ends with the others;
+    a job with another outer learning rate is refused naming the flag, and the run goes on."""
+    flags = [*BASE, "--train-iters", "120"]
+    with Lighthouse(tmp_path / "lighthouse.txt") as lh:
+        a = Job(tmp_path / "A", "A", 0, lh.address, flags, env=ENV)
+        jobs = [a]
+        try:
+            wait_until(lambda: a.rounds() >= 12, 240, "12 rounds of the first job", jobs)
+            jobs.append(Job(tmp_path / "B", "B", 1, lh.address, flags, env=ENV))
+            jobs.append(Job(tmp_path / "X", "X", 1, lh.address, [*flags, "--diloco-x-outer-lr", "0.5"], env=ENV))
+            b, x = jobs[1:]
+            assert x.wait(300) != 0
+            for job in (a, b):
+                assert job.wait(400) == 0, job.log()[-5000:]
+        finally:
+            for job in jobs:
+                job.close()
+    assert "--diloco-x-outer-lr is 0.5 here, 1.0 in job 'A'" in x.log(), x.log()[-3000:]
+    assert "joined run 'test-run' under way at iteration" in b.log(), b.log()[-3000:]
+    _assert_identical_at_every_boundary([a, b])
+    assert _final(a) == _final(b) and _final(a)[0][0] == 120
