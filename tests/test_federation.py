@@ -166,3 +166,40 @@ def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
     assert "joined run 'test-run' under way at iteration" in b.log(), b.log()[-3000:]
     _assert_identical_at_every_boundary([a, b])
     assert _final(a) == _final(b) and _final(a)[0][0] == 120
+
+
+def test_jobs_resume_from_their_own_checkpoints(tmp_path):
+    """Each job saves its own checkpoint (no shared filesystem). The run stopped at iteration 24 and
+    restarted: job A resumes from its own latest checkpoint, job B from an older one of its own
+    (iteration 12: it lost its last). B is behind: it takes the outer state and the position from A
+    at the first meeting (its inner optimizer state from its own checkpoint), and the two train on
+    identical from there to the end."""
+    base = [*BASE, "--train-iters", "48", "--save-interval", "12", "--no-load-rng"]
+    ckpt = {n: tmp_path / f"ckpt{n}" for n in "AB"}
+    with Lighthouse(tmp_path / "lighthouse.txt") as lh:
+        jobs = [Job(tmp_path / f"{n}1", n, i, lh.address, [*base, "--save", str(ckpt[n]), "--exit-interval", "24"])
+                for i, n in enumerate("AB")]
+        try:
+            for job in jobs:
+                assert job.wait(300) == 0, job.log()[-5000:]
+        finally:
+            for job in jobs:
+                job.close()
+        assert (ckpt["B"] / "iter_0000012").is_dir(), sorted(p.name for p in ckpt["B"].iterdir())
+        (ckpt["B"] / "latest_checkpointed_iteration.txt").write_text("12")
+        jobs = [Job(tmp_path / f"{n}2", n, i, lh.address, [*base, "--save", str(ckpt[n]), "--load", str(ckpt[n])])
+                for i, n in enumerate("AB")]
+        a, b = jobs
+        try:
+            for job in jobs:
+                assert job.wait(300) == 0, job.log()[-5000:]
+        finally:
+            for job in jobs:
+                job.close()
+    assert "joined run 'test-run' at iteration 24 (no job ahead of this one)" in a.log(), a.log()[-3000:]
+    assert ("joined run 'test-run' under way at iteration 24" in b.log()
+            and "inner optimizer state from this job's checkpoint at iteration 12" in b.log()), b.log()[-3000:]
+    _assert_identical_at_every_boundary([a, b])
+    assert min(_rounds(a)) > 24  # the second run's boundaries only
+    assert _final(a) == _final(b) and _final(a)[0][0] == 48
+    assert a.summary()["federation"]["heals"] == 0 and b.summary()["federation"]["heals"] == 1

@@ -136,6 +136,7 @@ class FederatedRounds:
         lossy = sync.residual is not None
         self.rollback = sync.store.empty() if (cfg.overlap == "none" or lossy) else None
         self._healed: dict | None = None
+        self._healed_pending: torch.Tensor | None = None
         self._joining = False
         #: what this job's run and configuration are (a digest); a heal from a peer with another is refused
         self.identity: str | None = None
@@ -158,7 +159,11 @@ class FederatedRounds:
                 "meta": {"rounds": sync.rounds, "skipped_rounds": sync.skipped_rounds, "tau": sync.tau,
                          "committed": self.committed, "timings": sync.timings(),
                          "link_bytes_per_s": sync.link_bytes_per_s if sync._link_measured else None,
-                         "position": self.position(), "identity": self.identity}}
+                         "position": self.position(), "identity": self.identity,
+                         # False at a job's start: no boundary follows this meeting on that job
+                         "in_boundary": not self._joining},
+                # at a job's start, the exchange its checkpoint restored (its mean), applied tau steps in
+                "pending": sync.delta if self._joining and sync.pending is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         """Take a peer's :meth:`state_dict` (called during :meth:`meet` when this job is behind)."""
@@ -179,7 +184,8 @@ class FederatedRounds:
         if meta.get("link_bytes_per_s") is not None and sync.config.bandwidth_mbps is None:
             sync._link_measured, sync.link_bytes_per_s = True, float(meta["link_bytes_per_s"])
         self.committed = int(meta["committed"])
-        self._healed = dict(meta["position"])
+        self._healed = {**meta["position"], "in_boundary": bool(meta.get("in_boundary", True))}
+        self._healed_pending = state.get("pending")
         self.stats["heals"] += 1
 
     # ---------------- the boundary ----------------
@@ -302,7 +308,7 @@ class FederatedRounds:
         except OuterGroupError as err:
             ok = False
             why = str(err).split(". Nothing of this round")[0]
-        if ok and 0 < self.contributors < self.members:  # rows of weight 0 (a joiner's zeros)
+        if ok and not handle.restored and 0 < self.contributors < self.members:  # a joiner's zero row, weight 0
             scale = self.members / self.contributors
             for _, _, (d,) in sync.store.stream(sync.delta, write=[sync.delta]):
                 d.mul_(scale)
@@ -334,6 +340,15 @@ class FederatedRounds:
         sync = self.sync
         sync.x_from(sync.theta)
         sync.x_is_theta = True
+        sync.pending = None
+        if not healed["in_boundary"]:  # the run's jobs are starting too (resumed): start with them
+            if self._healed_pending is not None:  # the exchange their checkpoints hold lands tau steps in
+                sync.delta.copy_(self._healed_pending)
+                sync.pending = ExchangeHandle.completed(sync.delta, sync.store)
+                if sync.launch_point is not None:
+                    sync.launch_point.copy_(sync.theta)
+                sync.x_is_theta = False
+            return healed
         self.contributing = False
         try:
             sync.boundary(joined=True)
