@@ -130,7 +130,7 @@ METHODS: dict[str, dict] = {
     "diloco_int4_hwarm900": dict(overlap="none", codec="int4",
                                  flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900"], **_O),
     # 900 steps of H0 = 10: 160 rounds, ~109x fewer bytes; the package's auto warm-up at H = 30 over
-    # 3000 steps (H // 3 for min(30 H, 3000 / 3) steps), its rounds blocking (tau_w 0)
+    # 3000 steps (min(H // 3, 10) for min(30 H, 3000 / 2) steps), its rounds blocking (tau_w 0)
     "partial_auto_int4_hwarm900": dict(overlap="partial", codec="int4", tau="auto",
                                        flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900"],
                                        **_O),
