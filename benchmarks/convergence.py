@@ -70,6 +70,10 @@ METHODS: dict[str, dict] = {
     # as the package resolves it (auto warm-up, tau, tau_w, warm-up codec); only the link is given,
     # the 1 Gbit auto tau is sized for
     "default": {"default": True},
+    # the package default with its warm-up named (issue 30: the warm-up rule across H): rounds of H0 = 10
+    # for the first 900 / 1500 steps whatever H is (tau_w and the warm-up codec stay auto: 1, int2)
+    **{f"default_w{w}": {"default": True, "flags": ["--diloco-x-warmup-local-steps", "10",
+                                                     "--diloco-x-warmup-iters", str(w)]} for w in (900, 1500)},
     # one replica alone (its own batch, no partner): the floor any R-replica method must beat
     "single": {"alone": True},
     "diloco": dict(overlap="none", codec="none", **_O),
@@ -126,7 +130,7 @@ METHODS: dict[str, dict] = {
     "diloco_int4_hwarm900": dict(overlap="none", codec="int4",
                                  flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900"], **_O),
     # 900 steps of H0 = 10: 160 rounds, ~109x fewer bytes; the package's auto warm-up at H = 30 over
-    # 3000 steps (H // 3 for min(30 H, 3000 / 3) steps), its rounds blocking (tau_w 0)
+    # 3000 steps (min(H // 3, 10) for min(30 H, 3000 / 2) steps), its rounds blocking (tau_w 0)
     "partial_auto_int4_hwarm900": dict(overlap="partial", codec="int4", tau="auto",
                                        flags=["--diloco-x-warmup-local-steps", "10", "--diloco-x-warmup-iters", "900"],
                                        **_O),
@@ -179,7 +183,8 @@ def method_flags(name: str) -> list[str]:
     if not communicates(m):
         return ["--no-diloco-x", *m.get("flags", [])]
     if m.get("default"):  # H comes with the common flags (--local-steps)
-        return ["--diloco-x", "--diloco-x-replicas", str(REPLICAS), "--diloco-x-bandwidth-mbps", str(LINK_MBPS)]
+        return ["--diloco-x", "--diloco-x-replicas", str(REPLICAS), "--diloco-x-bandwidth-mbps", str(LINK_MBPS),
+                *m.get("flags", [])]
     flags = ["--diloco-x", "--diloco-x-replicas", str(REPLICAS), "--diloco-x-overlap", m["overlap"],
              "--diloco-x-compression", m["codec"], "--diloco-x-outer-lr", str(m["eta"]),
              "--diloco-x-outer-momentum", str(m["mu"])]
@@ -444,13 +449,13 @@ def main() -> None:
                    help="comma-separated names of METHODS (default: the headline rows of benchmarks/RESULTS.md "
                         "§2.1; with --cpu-smoke, whose H is 4, allreduce,partial_auto_int4,diloco_int4)")
     p.add_argument("--seeds", default="1")
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--local-steps", type=int, default=H)
-    p.add_argument("--eval-interval", type=int, default=300)
+    p.add_argument("--steps", type=int, default=None, help="default 3000 (--cpu-smoke: 8)")
+    p.add_argument("--local-steps", type=int, default=None, help=f"H, default {H} (--cpu-smoke: 4)")
+    p.add_argument("--eval-interval", type=int, default=None, help="default 300 (--cpu-smoke: 4)")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--eval-iters", type=int, default=None, help="validation micro-batches per evaluation")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per replica per step")
-    p.add_argument("--corpus-mb", type=int, default=40)
+    p.add_argument("--corpus-mb", type=int, default=None, help="default 40 (--cpu-smoke: 8)")
     p.add_argument("--parallel", type=int, default=8)
     p.add_argument("--jobs-per-gpu", type=int, default=3, help="runs sharing one GPU at a time")
     p.add_argument("--budget-s", type=float, default=None)
@@ -464,8 +469,9 @@ def main() -> None:
     p.add_argument("--one-world", action="store_true",
                    help="each run one torchrun world of R ranks on R GPUs (NCCL; the multi-GPU user's path)")
     a = p.parse_args()
-    if a.cpu_smoke:
-        a.steps, a.local_steps, a.eval_interval, a.corpus_mb = 8, 4, 4, 8
+    for key, full, smoke in (("steps", 3000, 8), ("local_steps", H, 4), ("eval_interval", 300, 4), ("corpus_mb", 40, 8)):
+        if getattr(a, key) is None:  # given: kept, also with --cpu-smoke
+            setattr(a, key, smoke if a.cpu_smoke else full)
     if a.methods is None:  # the warm-up rows' H0 10 does not fit the smoke's H 4
         a.methods = ("allreduce,partial_auto_int4,diloco_int4" if a.cpu_smoke else
                      ",".join(HEADLINE_METHODS))

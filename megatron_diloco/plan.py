@@ -205,10 +205,10 @@ class PlanConfig:
     outer_chunk_mb: float = 16.0
     """``outer_state cpu``: MiB per staged chunk (``--diloco-x-outer-chunk-mb``)."""
     warmup_local_steps: int | None = None
-    """H0 of the warm-up (``--diloco-x-warmup-local-steps``). None: auto, H // 3."""
+    """H0 of the warm-up (``--diloco-x-warmup-local-steps``). None: auto, min(H // 3, 10)."""
     warmup_iters: int | None = None
     """W, inner steps of the warm-up (``--diloco-x-warmup-iters``; 0: none). None: auto, 30 H, at most
-    a third of ``train_iters``."""
+    half of ``train_iters``."""
     warmup_overlap_steps: int | None = None
     """``partial``: the most steps a warm-up round's exchange overlaps (``--diloco-x-warmup-overlap-steps``;
     0: they block). None: auto, H0 // 10."""

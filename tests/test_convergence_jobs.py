@@ -198,3 +198,31 @@ def test_the_default_method_is_the_package_default(local_steps):
         (old,) = convergence.MEASURED_AS_DEFAULT
         measured = config(convergence.method_flags(old))
         assert dataclasses.replace(measured, warmup_auto=True) == got
+
+
+def test_convergence_h_default_is_the_package_rule():
+    """``results/convergence_h.json`` (the warm-up rule measured across H, issue 30): at every H it
+    reports, the harness's default method (``--diloco-x`` alone) resolves today to the warm-up, overlap
+    and codecs the row measured as the default ran with (its own summary). A change of the auto warm-up
+    rule that would no longer run what was measured at H = 30, 100 or 300 fails here."""
+    import json
+
+    from megatron_diloco.megatron_adapter.arguments import add_diloco_x_args, config_from_args
+
+    result = json.loads((Path(convergence.__file__).parent / "results" / "convergence_h.json").read_text())
+    assert {"30", "100", "300"} <= set(result["runs"])
+    for h, rows in result["runs"].items():
+        ran = rows["default"]["run_resolved"]
+        args, _ = add_diloco_x_args(argparse.ArgumentParser()).parse_known_args(
+            ["--diloco-x-local-steps", h, *convergence.method_flags(convergence.DEFAULT_METHOD)])
+        args.train_iters = result["regime"]["steps"]
+        cfg = config_from_args(args)
+        got = {"local_steps": cfg.local_steps, "warmup_local_steps": cfg.warmup_local_steps,
+               "warmup_iters": cfg.warmup_iters, "warmup_overlap_steps": cfg.warmup_overlap_steps,
+               "warmup_compression": cfg.warmup_compression, "overlap": cfg.overlap, "merge": cfg.merge,
+               "compression": cfg.compression, "link_mbps": cfg.bandwidth_mbps}
+        assert got == {k: ran[k] for k in got}, h
+        assert rows["default"]["resolved_flags"]["warmup_iters"] == cfg.warmup_iters, h
+        # the rule beats the one it replaced at every H where both ran
+        if "previous_default" in rows:
+            assert rows["default"]["gap_vs_allreduce"] < rows["previous_default"]["gap_vs_allreduce"], h

@@ -94,48 +94,49 @@ def test_replicas_identical_and_no_cross_replica_traffic(tmp_path, overlap, prec
 
 
 def test_default_warmup_overlaps_a_tenth_of_its_rounds(tmp_path):
-    """Megatron's and the package's defaults but H = 30 over 60 iterations: the auto warm-up is
-    rounds of H0 = 10 for 20 steps (a third of the run), and its auto overlap H0 // 10 = 1: the
-    exchange launched at 10 (as int2, the auto warm-up codec) lands at 11, the one at 20 (into a
-    round of H, as int4) at the auto tau; the run ends 10 steps into a round of 30, so the end of
-    training takes a last, shorter round at 60 (int4). The shared outer state (theta, m)
+    """Megatron's and the package's defaults but H = 30 over 70 iterations: the auto warm-up is
+    rounds of H0 = 10 for 30 steps (half the run, rounded down to a multiple of H0), and its auto
+    overlap H0 // 10 = 1: the exchanges launched at 10 and 20 (as int2, the auto warm-up codec) land
+    at 11 and 21, the one at 30 (into a round of H, as int4) at the auto tau; the run ends 10 steps
+    into a round of 30, so the end of training takes a last, shorter round at 70 (int4). The shared outer state (theta, m)
     bit-identical at every boundary, the params at the end, no cross-replica op between boundaries."""
-    recs, log = run_megatron(tmp_path, ["--train-iters", "60", "--diloco-x-local-steps", "30", *MEGATRON_DEFAULTS],
+    recs, log = run_megatron(tmp_path, ["--train-iters", "70", "--diloco-x-local-steps", "30", *MEGATRON_DEFAULTS],
                              warmup=True)
     s = summary(log)
-    assert (s["warmup_local_steps"], s["warmup_iters"], s["warmup_overlap_steps"]) == (10, 20, 1)
+    assert (s["warmup_local_steps"], s["warmup_iters"], s["warmup_overlap_steps"]) == (10, 30, 1)
     assert (s["compression"], s["warmup_compression"]) == ("int4", "int2")  # as configured
-    assert s["rounds"] == 4 and s["replicas_identical"]
+    assert s["rounds"] == 5 and s["replicas_identical"]
     assert_final_params_identical(recs)
     from megatron_diloco.algorithm.compression.reference import payload_layout
 
     for rank, rec in enumerate(recs):
-        # as used: the exchange launched at 10 (into a warm-up round) carried int2 payloads, the one
-        # launched at 20 (into a round of H) int4: each rank's wire bytes, R - 1 = 1 payload of its shard,
-        # reported by the round it landed in (20 and 50; the one launched at 50 in the last round, 60)
+        # as used: the exchanges launched at 10 and 20 (into warm-up rounds) carried int2 payloads, the
+        # one launched at 30 (into a round of H) int4: each rank's wire bytes, R - 1 = 1 payload of its
+        # shard, reported by the round it landed in (20, 30 and 60; the one launched at 60 in the last
+        # round, 70)
         n = rec["outer"]["theta_numel"]
         sent = {m["step"]: m["bytes_sent"] for m in rec["rounds"]}
         int2, int4 = payload_layout(n, "int2").total_bytes, payload_layout(n, "int4").total_bytes
-        assert sent == {10: 0, 20: int2, 50: int4, 60: int4}, (rank, n, sent)
-        assert [b for b, _ in rec["boundary_identical"]] == [10, 20, 50, 60], rank
+        assert sent == {10: 0, 20: int2, 30: int2, 60: int4, 70: int4}, (rank, n, sent)
+        assert [b for b, _ in rec["boundary_identical"]] == [10, 20, 30, 60, 70], rank
         assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
         outer = sorted(b for b, _, o in rec["step_ops"] if o)
-        assert outer[:3] == [10, 11, 20] and 50 in outer, (rank, outer)  # after 20: landings at the auto tau
+        assert outer[:5] == [10, 11, 20, 21, 30] and 60 in outer, (rank, outer)  # after 30: landings at the auto tau
         assert all(n == 0 for _, n, o in rec["step_ops"] if not o), rank
 
 
 def test_auto_warmup_capped_under_train_samples(tmp_path):
     """``--train-samples`` instead of ``--train-iters`` (Megatron sets the iterations only after
-    ``install()``, when it builds the LR scheduler): the auto warm-up is still at most a third of the
-    run. 96 samples of global batch 8 = 12 iterations, H 4: rounds of H0 = 1 for 4 steps, then of 4
+    ``install()``, when it builds the LR scheduler): the auto warm-up is still at most half the
+    run. 96 samples of global batch 8 = 12 iterations, H 4: rounds of H0 = 1 for 6 steps, then of 4
     (uncapped it would be 30 H = 120 steps: rounds of 1 for the whole run)."""
     recs, log = run_megatron(tmp_path, ["--train-samples", "96", "--lr-warmup-iters", "0", "--lr-warmup-samples", "16",
                                         "--diloco-x-local-steps", "4", *MEGATRON_DEFAULTS], warmup=True)
     s = summary(log)
-    assert (s["iterations"], s["warmup_local_steps"], s["warmup_iters"]) == (12, 1, 4)
-    assert s["rounds"] == 6 and s["replicas_identical"]
+    assert (s["iterations"], s["warmup_local_steps"], s["warmup_iters"]) == (12, 1, 6)
+    assert s["rounds"] == 8 and s["replicas_identical"]
     for rank, rec in enumerate(recs):
-        assert [b for b, _ in rec["boundary_identical"]] == [1, 2, 3, 4, 8, 12], rank
+        assert [b for b, _ in rec["boundary_identical"]] == [1, 2, 3, 4, 5, 6, 10, 12], rank
 
 
 def test_step_time_counts_inner_steps_only(tmp_path):
@@ -166,7 +167,7 @@ def test_warmup_rounds_then_h(tmp_path):
     ``--diloco-x-warmup-overlap-steps 1`` the warm-up's round lands one step late too (3), and a
     checkpoint saved with that exchange in flight (an int2 payload: the auto warm-up codec) resumes
     bit for bit; ``--diloco-x-warmup-compression int4`` sends it as int4. With no warm-up flag, the
-    auto warm-up: rounds of H // 3 = 1 for a third of the run (4 steps), blocking, then of H; resumed
+    auto warm-up: rounds of H // 3 = 1 for half the run (6 steps), blocking, then of H; resumed
     with a longer --train-iters, it keeps the checkpoint's warm-up."""
     base = ["--train-iters", "12", "--diloco-x-local-steps", "4", "--diloco-x-overlap-steps", "1",
             "--save-interval", "1000", "--no-load-rng", *MEGATRON_DEFAULTS]
@@ -218,15 +219,17 @@ def test_warmup_rounds_then_h(tmp_path):
     same, _ = run_megatron(tmp_path, base + ["--diloco-x-warmup-local-steps", "4", "--diloco-x-warmup-iters", "4"])
     plain, _ = run_megatron(tmp_path, base)  # --diloco-x-warmup-iters 0 (tests.megatron_utils.NO_WARMUP)
     assert losses(same) == losses(plain)
-    # no warm-up flag at all: the auto warm-up, H // 3 = 1 for a third of the 12 iterations (4)
+    # no warm-up flag at all: the auto warm-up, H // 3 = 1 for half the 12 iterations (6); the
+    # rounds of H from 6 land one step late (7, 11); the last one is shorter (10..12), its boundary
+    # taken by the end of training, after the last step
     auto, log = run_megatron(tmp_path, base, warmup=True)
     for rank, rec in enumerate(auto):
-        assert [s for s, _ in rec["boundary_identical"]] == [1, 2, 3, 4, 8, 12], rank
+        assert [s for s, _ in rec["boundary_identical"]] == [1, 2, 3, 4, 5, 6, 10, 12], rank
         assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
-        assert {s for s, _, outer in rec["step_ops"] if outer} == {1, 2, 3, 4, 5, 8, 9, 12}, rank
-    assert (summary(log)["warmup_local_steps"], summary(log)["warmup_iters"]) == (1, 4)
-    # a resume that extends --train-iters keeps the auto warm-up it was trained with (4 steps), not
-    # the longer one its own --train-iters would give (24 / 3 = 8: boundaries 4, 5, 6, 7, 8, 12, ...)
+        assert {s for s, _, outer in rec["step_ops"] if outer} == {1, 2, 3, 4, 5, 6, 7, 10, 11}, rank
+    assert (summary(log)["warmup_local_steps"], summary(log)["warmup_iters"]) == (1, 6)
+    # a resume that extends --train-iters keeps the auto warm-up it was trained with (6 steps), not
+    # the longer one its own --train-iters would give (24 / 2 = 12: boundaries 4, 5, ..., 12, 16, ...)
     auto_ckpt = str(tmp_path / "auto_ckpt")
     run_megatron(tmp_path, base + ["--save", auto_ckpt, "--exit-interval", "3"], warmup=True)
     longer = list(base)
@@ -234,9 +237,9 @@ def test_warmup_rounds_then_h(tmp_path):
     resumed, log = run_megatron(tmp_path, longer + ["--load", auto_ckpt, "--use-checkpoint-opt_param-scheduler"],
                                 warmup=True)
     for rank, rec in enumerate(resumed):
-        assert [s for s, _ in rec["boundary_identical"]] == [4, 8, 12, 16, 20, 24], rank
+        assert [s for s, _ in rec["boundary_identical"]] == [4, 5, 6, 10, 14, 18, 22, 24], rank
     assert "keeps the checkpoint's schedule" in log
-    assert (summary(log)["warmup_local_steps"], summary(log)["warmup_iters"]) == (1, 4)
+    assert (summary(log)["warmup_local_steps"], summary(log)["warmup_iters"]) == (1, 6)
 
 
 @pytest.mark.parametrize("codec,overlap", [("none", "delayed"), ("int8", "delayed"), ("lowrank-int8", "delayed"),
@@ -385,12 +388,12 @@ def test_interleaved_pipeline_resumes_exactly(tmp_path):
     shared outer state (theta, m) is bit-identical after every boundary and their params at the end,
     nothing crosses them between boundaries, and a torch_dist
     resume mid-round reproduces the uninterrupted run bit for bit. The auto warm-up stays on (H0 = 1 for
-    the first 4 steps, then rounds of 4)."""
+    the first 6 steps, then rounds of 4, the last one shorter)."""
     base = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
             "--train-iters", "12", "--diloco-x-local-steps", "4", "--save-interval", "1000", "--no-load-rng"]
     full, log = run_megatron(tmp_path, base, warmup=True)
     for rank, rec in enumerate(full):
-        assert rec["boundary_identical"] == [[s, True] for s in (1, 2, 3, 4, 8, 12)], (rank, rec["boundary_identical"])
+        assert rec["boundary_identical"] == [[s, True] for s in (1, 2, 3, 4, 5, 6, 10, 12)], (rank, rec["boundary_identical"])
         assert traffic_between_boundaries(rec) == [], rank
         o = rec["outer"]
         # one DP rank per replica stage: the shard is every parameter of the rank's two chunks
@@ -399,14 +402,14 @@ def test_interleaved_pipeline_resumes_exactly(tmp_path):
     assert full[0]["outer"] == full[2]["outer"] and full[1]["outer"] == full[3]["outer"]
     assert_final_params_identical(full)
     s = summary(log)
-    assert s["replicas_identical"] and s["rounds"] == 6 and s["final_loss"] < s["first_loss"]
+    assert s["replicas_identical"] and s["rounds"] == 8 and s["final_loss"] < s["first_loss"]
     ckpt = str(tmp_path / "ckpt")
-    run_megatron(tmp_path, base + ["--save", ckpt, "--exit-interval", "6"], warmup=True)
+    run_megatron(tmp_path, base + ["--save", ckpt, "--exit-interval", "8"], warmup=True)  # mid-round (6..10)
     leg2, log2 = run_megatron(tmp_path, base + ["--save", ckpt, "--load", ckpt], warmup=True)
     want, got = losses(full), losses(leg2)
     assert sorted(got) == [1, 3]  # the last pipeline stage of each replica
     for r in want:
-        assert {it: want[r][it] for it in got[r]} == got[r] and sorted(got[r]) == list(range(7, 13)), r
+        assert {it: want[r][it] for it in got[r]} == got[r] and sorted(got[r]) == list(range(9, 13)), r
     assert summary(log2)["final_loss"] == s["final_loss"] and summary(log2)["replicas_identical"]
 
 

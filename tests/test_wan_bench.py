@@ -207,7 +207,7 @@ def test_ring_bytes_and_run_plan():
     assert wan_bench.iterations_for("allreduce", 10, 16, 5, {1000: 32, 10: 8}) == (10, 2)
     assert wan_bench.iterations_for("allreduce-distopt", 12, 16, 5, {1000: 32, 10: 8}) == (10, 2)
     assert wan_bench.iterations_for("dilocox", 10, 16, 5, {10: 8}) == (80, 16)
-    # the default's auto warm-up: rounds of 16 // 3 = 5 for 25 of the 80 steps; the window from the end of the first
+    # the default's auto warm-up: rounds of 16 // 3 = 5 for 40 of the 80 steps; the window from the end of the first
     assert wan_bench.iterations_for("dilocox-warmup", 10, 16, 5, {10: 8}) == (80, 5)
     assert wan_bench.iterations_for("dilocox-warmup", 10, 2, 5, {10: 8}) == (10, 2)  # H < 3: no warm-up
     with pytest.raises(ValueError):

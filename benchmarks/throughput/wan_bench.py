@@ -21,8 +21,8 @@ data and global batch (``examples/pretrain_gpt_diloco.py``, one rank per replica
   auto tau (the exchange launched at a boundary lands the fewest inner steps later that hide its
   measured duration), exact merge, eta 1, mu 0, int4 pseudo-gradients; its steady rounds of H
   (``--diloco-x-warmup-iters 0``);
-* ``dilocox-warmup``: the same with the default's auto warm-up (rounds of H // 3 for the first 30 H
-  steps, at most a third of the run: here a third; blocking at H0 < 10, their exchanges int2), the
+* ``dilocox-warmup``: the same with the default's auto warm-up (rounds of min(H // 3, 10) for the
+  first 30 H steps, at most half the run: here half; blocking at H0 < 10, their exchanges int2), the
   window from the end of its first round: what the warm-up's blocked exchanges cost a run this short;
 * ``dilocox-adaptive`` (optional): as ``dilocox`` with the adaptive low-rank codec, budget = link.
 

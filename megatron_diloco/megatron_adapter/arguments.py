@@ -31,7 +31,7 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="H0: rounds of H0 inner steps (1..H) during the first --diloco-x-warmup-iters "
                             "steps, then rounds of H; with --diloco-x-overlap partial these shorter rounds "
                             "overlap at most --diloco-x-warmup-overlap-steps. Default auto: "
-                            f"H // {WARMUP_H_DIVISOR} (the auto warm-up applies to --diloco-x-overlap partial "
+                            f"H // {WARMUP_H_DIVISOR}, at most {WARMUP_H0_MAX} (the auto warm-up applies to --diloco-x-overlap partial "
                             "and none only, where it was measured; with delayed / eager auto means no warm-up).")
     group.add_argument("--diloco-x-warmup-iters", type=_int_or_auto, default=None, metavar="W|auto",
                        help="Inner steps of the warm-up (a multiple of H0); 0: no warm-up. Default auto: "
@@ -40,8 +40,9 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "multiple of H0 (none when that is 0 or H < 3), with --diloco-x-overlap partial or "
                             "none only (measured there; delayed / eager: none, give the flags to have one). "
                             "Measured: 900 steps of H0 10 "
-                            "before H 30 took the default from +4.1%% to +1.9%% above AllReduce "
-                            "(benchmarks/RESULTS.md 2.1).")
+                            "before H 30 took the default from +4.1%% to +1.9%% above AllReduce; at H 100 / 300, "
+                            "1500 steps of H0 10 ended +2.0%% / +2.5%% where H0 H // 3 for 1000 steps ended "
+                            "+5.4%% / +7.8%% (benchmarks/RESULTS.md 2.1, 2.3).")
     group.add_argument("--diloco-x-warmup-overlap-steps", type=_int_or_auto, default=None, metavar="TAU_W|auto",
                        help="--diloco-x-overlap partial: the most inner steps an exchange launched into "
                             "a warm-up round may overlap (0..H0; 0 blocks); its tau is the smaller of this "
@@ -147,9 +148,10 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 #: the auto warm-up (``--diloco-x-warmup-local-steps`` / ``--diloco-x-warmup-iters``): rounds of
-#: H // WARMUP_H_DIVISOR for the first WARMUP_H_MULTIPLE x H inner steps, at most
-#: 1 / WARMUP_MAX_SHARE of the run (benchmarks/RESULTS.md §2.1: H 30, H0 10, 900 of 3000 steps)
-WARMUP_H_DIVISOR, WARMUP_H_MULTIPLE, WARMUP_MAX_SHARE = 3, 30, 3
+#: min(H // WARMUP_H_DIVISOR, WARMUP_H0_MAX) for the first WARMUP_H_MULTIPLE x H inner steps, at most
+#: 1 / WARMUP_MAX_SHARE of the run (benchmarks/RESULTS.md §2.1: H 30, H0 10, 900 of 3000 steps; §2.3:
+#: H 100 and 300, H0 10 for 1500 of 3000 steps, against H // 3 for 1000 and H0 10 for 900)
+WARMUP_H_DIVISOR, WARMUP_H0_MAX, WARMUP_H_MULTIPLE, WARMUP_MAX_SHARE = 3, 10, 30, 2
 
 
 #: the auto warm-up overlap (``--diloco-x-warmup-overlap-steps``): at most H0 // WARMUP_OVERLAP_DIVISOR
@@ -196,7 +198,7 @@ def resolve_warmup(warmup_local_steps: int | None, warmup_iters: int | None, loc
     (:data:`WARMUP_AUTO_OVERLAPS`); under ``delayed`` / ``eager`` it resolves to none."""
     if warmup_iters == 0 or (warmup_iters is None and overlap not in WARMUP_AUTO_OVERLAPS):
         return None, 0
-    h0 = local_steps // WARMUP_H_DIVISOR if warmup_local_steps is None else warmup_local_steps
+    h0 = min(local_steps // WARMUP_H_DIVISOR, WARMUP_H0_MAX) if warmup_local_steps is None else warmup_local_steps
     if warmup_iters is not None:
         return h0, warmup_iters
     if not isinstance(h0, int) or h0 < 1:  # auto with H < 3, or a bad H0 (validated as given)
@@ -258,7 +260,7 @@ def resolve_run_length(config: DiLoCoXConfig, args: argparse.Namespace) -> bool:
     return whether it changed. Under ``--train-samples`` Megatron sets ``args.train_iters`` (from the
     samples and the global batch, its batch-size schedule included: ``update_train_iters``) only
     when it builds the LR scheduler, after :func:`config_from_args` resolved the warm-up without it:
-    the cap (a third of the run) is applied here. ``config`` is updated in place (H0, W, tau_w, the
+    the cap (half the run) is applied here. ``config`` is updated in place (H0, W, tau_w, the
     warm-up codec; validated), so every holder of it sees the same schedule."""
     if not config.warmup_auto:
         return False

@@ -1,0 +1,23 @@
+#!/bin/bash
+# issue 30 warm-up sweep on a GPU machine: run_device.sh "H:GPUS:METHODS:SEEDS" ...
+# each spec one convergence.py invocation on CUDA_VISIBLE_DEVICES=GPUS, all at once; results under $OUT
+cd "$(dirname "$0")/../.."
+PY=${PY:-python3}
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+[ -n "$SKIP_PIP" ] || $PY -m pip install --no-deps -q .whl/megatron_core-*.whl 2>&1 | tail -2
+nvidia-smi --query-gpu=index,name,memory.total --format=csv 2>/dev/null
+$PY -c "import torch, megatron.core; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
+$PY -c "import sys; sys.path.insert(0, 'examples'); import stdlib_corpus; print(stdlib_corpus.build_environment(${CORPUS_MB:-100}))"
+i=0
+mkdir -p /tmp/runs30
+for spec in "$@"; do
+  IFS=: read -r h gpus methods seeds <<< "$spec"
+  i=$((i + 1))
+  CUDA_VISIBLE_DEVICES=$gpus $PY benchmarks/convergence.py --out /tmp/runs30/r${i}_h$h --micro-batch 16 \
+    --corpus-mb ${CORPUS_MB:-100} --eval-iters 32 --jobs-per-gpu 1 --parallel 4 --seeds $seeds --local-steps $h \
+    --methods $methods $EXTRA > /tmp/runs30/r${i}_h$h.log 2>&1 &
+done
+wait
+for d in /tmp/runs30/r*/; do d=${d%/}; cp $d/convergence.json $OUT/$(basename $d).json; done
+tar czf $OUT/logs.tgz -C /tmp/runs30 .
+grep -h "final \|end  " /tmp/runs30/r*.log
