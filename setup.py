@@ -19,6 +19,8 @@ setup(
         # containers ship it). NVIDIA Apex has no PyPI release (the PyPI package "apex" is another
         # project): build it from github.com/NVIDIA/apex or use a container that has it.
         "te": ["transformer-engine[pytorch]"],
+        # separate jobs per cluster (--diloco-x-lighthouse): torchft's lighthouse, quorum and groups
+        "federation": ["torchft>=0.2.0,<0.3"],
         "test": ["pytest"],
         "bench": ["matplotlib>=3.8"],  # the benchmarks' plots (pinned: requirements-bench.txt)
     },

@@ -493,14 +493,16 @@ class CheckpointRecorder(Recorder):
 class FederationRecorder(Recorder):
     """Separate jobs (``--diloco-x-lighthouse``), per rank, with no collective of its own (a peer may die
     at any time): ``losses`` (as the training recorder's), ``fed_rounds``: per boundary ``[step_calls,
-    theta fingerprint, members, failed, committed rounds]`` after the boundary (theta as every member
-    must hold it then); ``final_fp``: the fp32 main shards' fingerprint after the end of training.
+    theta fingerprint, members, failed, committed rounds, wall time, the meeting's seconds, the
+    replica's exchange seconds of the round]`` after the boundary (theta as every member
+    must hold it then); ``final_fp``: the fp32 main shards' fingerprint after the end of training;
+    ``heals``: per heal received, its transfer's seconds and the bytes of the tensors in it.
     ``DILOCO_TEST_STEP_SLEEP_S=S``: every iteration S seconds longer (time to kill, stop and restart
     jobs mid-run without more compute); ``DILOCO_TEST_DIE_BEFORE_LAUNCH=N``: the job kills itself (kill
     -9, torchrun and its ranks) after round N's decision, before its exchange is launched."""
 
     name = "federation"
-    keys = ("losses", "fed_rounds", "final_fp")
+    keys = ("losses", "fed_rounds", "final_fp", "heals")
 
     def __init__(self, record: dict[str, Any]) -> None:
         super().__init__(record)
@@ -518,9 +520,27 @@ class FederationRecorder(Recorder):
         def round_metrics(orig, opt, report):
             out = orig(opt, report)
             fed = opt.sync.federated
+            if fed is None:  # one world (the benchmark's comparison runs)
+                return out
             record["fed_rounds"].append([opt.step_calls, [int(x) for x in opt.sync.fingerprint([opt.sync.theta])],
-                                         fed.members, fed.failed, fed.committed])
+                                         fed.members, fed.failed, fed.committed, time.time(),
+                                         fed.stats["last_meeting_s"], out.get("replica_exchange_s")])
             return out
+
+        os.environ.setdefault("RUST_LOG", "warn")  # as the package sets it (before torchft's first import)
+        from torchft.checkpointing.http_transport import HTTPTransport
+
+        @wrap(HTTPTransport, "recv_checkpoint")
+        def recv_checkpoint(orig, transport, *a, **k):  # a heal's transfer: its seconds and bytes
+            started = time.perf_counter()
+            state = orig(transport, *a, **k)
+            user = state.get("user", {}) if isinstance(state, dict) else {}
+            tensors = [t for part in user.values() if isinstance(part, dict)
+                       for t in (part.get("theta"), part.get("momentum_buffer"), part.get("pending"))
+                       if t is not None]
+            record.setdefault("heals", []).append({"s": time.perf_counter() - started, "at": time.time(),
+                                                   "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors)})
+            return state
 
         @wrap(DiLoCoXOptimizer, "finish")
         def finish(orig, opt):

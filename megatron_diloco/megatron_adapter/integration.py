@@ -291,7 +291,7 @@ class _Installation:
 
     def run_length_known(self) -> None:
         """Megatron built the LR scheduler, so ``args.train_iters`` is set (under ``--train-samples`` it
-        is only now): apply the auto warm-up's cap (a third of the run) to the schedule
+        is only now): apply the auto warm-up's cap (half the run) to the schedule
         (:func:`megatron_diloco.megatron_adapter.arguments.resolve_run_length`), before the first step and before a
         checkpoint load (which may keep the checkpoint's schedule instead). Every rank resolves the
         same flags, so the replicas agree."""

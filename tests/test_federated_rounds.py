@@ -1,0 +1,117 @@
+"""A failed round resolves exactly (``megatron_diloco.algorithm.federated``), on two gloo ranks, each one
+job, with a scripted membership in place of torchft: every job present at every boundary; a job that
+is behind at a meeting receives the most advanced job's state (as torchft's heal delivers it); the
+commit of a round can be refused for one job (as when another rank of that job failed its exchange).
+
+The local steps do not depend on x and every value is a dyadic rational (exact in fp32), with the
+fp32 exchange, eta 1 and mu 0: then the outer step and the merges are exact, and the rule of the
+module doc can be checked bit for bit against the run in which no round failed:
+
+* a round that one job did not commit while the other did: at the next meeting the job that failed
+  takes the committed theta and keeps its progress since that launch; every later value equals the
+  undisturbed run's;
+* a round that no job committed: theta stays; the next pseudo-gradient covers both rounds; every value
+  after the next landing equals the undisturbed run's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_diloco.algorithm.config import DiLoCoXConfig
+from megatron_diloco.algorithm.federated import FederatedRounds, Meeting
+from megatron_diloco.algorithm.schedule import RoundSchedule
+from megatron_diloco.algorithm.shard_view import ShardView
+from megatron_diloco.algorithm.sync import OuterSync
+from tests.dist_utils import run_world
+
+N, H, STEPS = 64, 4, 24
+
+
+class ScriptedMembership:
+    """Every job (rank of the world) present; heals the jobs behind from the most advanced one;
+    ``refuse``: the (job, commit number) pairs whose commit is refused."""
+
+    job_group = None
+
+    def __init__(self, refuse: set[tuple[int, int]]) -> None:
+        self.refuse = refuse
+        self.fed: FederatedRounds | None = None
+        self.commits = 0
+        self.first = True
+
+    def meet(self, progress: int) -> Meeting:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        everyone = [None] * world
+        dist.all_gather_object(everyone, progress)
+        top = max(everyone)
+        src = everyone.index(top)
+        if any(p < top for p in everyone):
+            box = [self.fed.state_dict() if rank == src else None]
+            dist.broadcast_object_list(box, src=src)
+            if everyone[rank] < top:
+                self.fed.load_state_dict(box[0])
+        changed, self.first = self.first, False
+        return Meeting(dist.group.WORLD, changed, world)
+
+    def commit(self, ok: bool) -> bool:
+        self.commits += 1
+        return ok and (dist.get_rank(), self.commits) not in self.refuse
+
+
+def _run(rank: int, refuse: set, overlap: str) -> list[tuple[int, list[float], list[float]]]:
+    cfg = DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=1.0, outer_momentum=0.0, overlap=overlap,
+                        compression="none", **({"overlap_steps": 1} if overlap == "partial" else {}))
+    x = torch.zeros(N)
+    sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
+    steps = {"steps": 0}
+    membership = ScriptedMembership(refuse)
+    sync.federated = fed = FederatedRounds(sync, membership, lambda: dict(steps), lambda p: steps.update(p))
+    membership.fed = fed
+    schedule = RoundSchedule(cfg)
+    seen = []
+    for step in range(1, STEPS + 1):
+        # a local step that does not depend on x, dyadic (exact in fp32), different per job
+        x.sub_(torch.arange(N, dtype=torch.float32).mul_(2.0 ** -8 * (rank + 1)).add_(2.0 ** -6 * step))
+        steps["steps"] = step
+        since = schedule.steps_since_boundary(step)
+        if since:
+            if sync.merge_due(since):
+                sync.merge()
+            continue
+        sync.before_boundary(0.01)
+        sync.boundary()
+        seen.append((step, sync.theta.tolist(), x.tolist()))
+    sync.drain()
+    seen.append((STEPS + 1, sync.theta.tolist(), x.tolist()))
+    return seen, fed.summary()
+
+
+def _worker(rank: int, world: int, overlap: str, case: str, out) -> None:
+    reference, _ = _run(rank, set(), overlap)
+    if case == "one_job_commits":
+        refuse = {(1, 2)}  # job 1's second commit (the exchange launched at step 8) refused, job 0's granted
+    else:
+        refuse = {(0, 2), (1, 2)}  # nobody commits that round
+    failed, summary = _run(rank, refuse, overlap)
+    assert summary["failed_rounds"] == (1 if case == "nobody_commits" or rank == 1 else 0), summary
+    if case == "one_job_commits" and rank == 1:
+        assert summary["heals"] == 1, summary
+    ref = {step: (theta, x) for step, theta, x in reference}
+    got = {step: (theta, x) for step, theta, x in failed}
+    # the resolution lands at the boundary after the failed round (step 12): from there on, exact
+    for step in sorted(ref):
+        if step >= 12 + (H if case == "nobody_commits" else 0):
+            assert got[step][0] == ref[step][0], (case, rank, step, "theta")
+            assert got[step][1] == ref[step][1], (case, rank, step, "x")
+    thetas = [None, None]
+    dist.all_gather_object(thetas, got[STEPS + 1][0])
+    assert thetas[0] == thetas[1]
+
+
+@pytest.mark.parametrize("case", ["one_job_commits", "nobody_commits"])
+@pytest.mark.parametrize("overlap", ["partial", "none"])
+def test_failed_round_resolves_to_the_undisturbed_run(overlap, case):
+    run_world(_worker, 2, overlap, case, None)
