@@ -53,11 +53,18 @@ JOB_FLAGS = ["--global-batch-size", "8", "--diloco-x-replicas", "2", "--log-inte
              "--diloco-x-outer-timeout-minutes", "0.5"]
 
 
+#: --gpus: each job one GPU (one rank, PP 1); else two CPU ranks (PP 2) per job
+GPUS = 0
+
+
 def _jobs(tmp: Path, lh: Lighthouse, iters: int, extra: dict[str, list[str]] | None = None,
           env: dict[str, dict] | None = None) -> dict[str, Job]:
     extra, env = extra or {}, env or {}
-    return {n: Job(tmp / n, n, i, lh.address, [*JOB_FLAGS, "--train-iters", str(iters), *extra.get(n, [])],
-                   model=[], run="fault-tolerance", env=env.get(n)) for i, n in enumerate("AB")}
+    layout = ["--pipeline-model-parallel-size", "1"] if GPUS else []
+    return {n: Job(tmp / n, n, i, lh.address, [*JOB_FLAGS, *layout, "--train-iters", str(iters), *extra.get(n, [])],
+                   model=[], run="fault-tolerance", nproc=1 if GPUS else 2,
+                   env={**({"CUDA_VISIBLE_DEVICES": str(i)} if GPUS else {}), **(env.get(n) or {})})
+            for i, n in enumerate("AB")}
 
 
 def _close(jobs) -> None:
@@ -160,7 +167,7 @@ def exchange_in_flight(tmp: Path, iters: int) -> dict:
     round_ = iters // 16 // 3
     with Lighthouse(tmp / "lighthouse.txt") as lh:
         jobs = _jobs(tmp, lh, iters, env={"B": {"DILOCO_TEST_DIE_BEFORE_LAUNCH": str(round_)}})
-        a, b = jobs["A"], jobs["B"]
+        a = jobs["A"]
         try:
             codes = {n: j.wait(1800) for n, j in jobs.items()}
         finally:
@@ -244,15 +251,24 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=REPO / ".cache" / "fault_tolerance")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "fault_tolerance.json")
     p.add_argument("--only", default="", help="comma-separated scenarios (default: all)")
+    p.add_argument("--gpus", type=int, default=0, help="2: each job on its own GPU (one rank each)")
     a = p.parse_args()
+    global GPUS
+    GPUS = a.gpus
     shutil.rmtree(a.work, ignore_errors=True)
     only = set(filter(None, a.only.split(",")))
     result: dict = json.loads(a.out.read_text()) if a.out.exists() and only else {}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
-    result.update({"machine": "CPU, 2 cores, gloo over loopback (every job on this machine)", "commit": commit,
-                   "model": "the demo (examples/pretrain_gpt_diloco.py defaults), each job one replica, PP 2",
-                   "iters": a.iters})
+    commit = os.environ.get("DILOCO_COMMIT", commit)
+    machine = "CPU, 2 cores, gloo over loopback (every job on this machine)"
+    if a.gpus:
+        import torch
+
+        machine = f"{a.gpus} x {torch.cuda.get_device_name(0)}, one job per GPU, gloo over loopback"
+    result.update({"machine": machine, "commit": commit, "iters": a.iters,
+                   "model": "the demo (examples/pretrain_gpt_diloco.py defaults), each job one replica, "
+                            + ("one rank (PP 1) on its own GPU" if a.gpus else "PP 2")})
     scenarios = result.setdefault("scenarios", {})
 
     def want(name):
