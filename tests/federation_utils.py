@@ -31,6 +31,7 @@ class Lighthouse:
                  heartbeat_timeout_ms: int = 3000) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        log.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
             [LIGHTHOUSE, "--bind", f"127.0.0.1:{self.port}", "--min_replicas", str(min_replicas),
@@ -46,17 +47,18 @@ class Lighthouse:
 
 
 class Job:
-    """One replica job: ``torchrun --nproc-per-node nproc`` of the harness with ``flags`` (TINY and the
-    federation flags added), output in ``out/``, the combined log in ``out/log.txt``."""
+    """One replica job: ``torchrun --nproc-per-node nproc`` of the harness (the demo example) with
+    ``model`` (default TINY; [] keeps the demo's model), ``flags`` and the federation flags, output in
+    ``out/``, the combined log in ``out/log.txt``."""
 
     def __init__(self, out: Path, name: str, index: int, lighthouse: str, flags: list[str], nproc: int = 2,
                  recorders: tuple[str, ...] = ("tests.recorders:federation",), run: str = "test-run",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, model: list[str] = TINY) -> None:
         self.name, self.index, self.nproc, self.recorders = name, index, nproc, recorders
-        self.flags = [*TINY, *flags, "--diloco-x-lighthouse", lighthouse, "--diloco-x-run", run,
+        self.flags = [*model, *flags, "--diloco-x-lighthouse", lighthouse, "--diloco-x-run", run,
                       "--diloco-x-replica-id", name, "--diloco-x-replica-index", str(index),
                       "--diloco-x-advertise-host", "127.0.0.1"]
-        self.env = dict(os.environ, **_ENV, **(env or {}))
+        self.env = {**os.environ, **_ENV, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self._log = None
         self.start(out)
