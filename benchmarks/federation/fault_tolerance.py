@@ -96,8 +96,8 @@ def _recover_s(survivor: Job, failed_at: float) -> float:
 
 
 def _identical(a: Job, b: Job) -> bool:
-    ta = {r[0]: r[1] for rank in range(2) for r in _fed_rounds(a, rank) if rank == 0}
-    tb = {r[0]: r[1] for rank in range(2) for r in _fed_rounds(b, rank) if rank == 0}
+    ta = {r[0]: r[1] for r in _fed_rounds(a)}  # rank 0's theta; the final check covers every rank
+    tb = {r[0]: r[1] for r in _fed_rounds(b)}
     common = set(ta) & set(tb)
     same_rounds = bool(common) and all(ta[s] == tb[s] for s in common)
     same_final = [r["final_fp"] for r in a.records()] == [r["final_fp"] for r in b.records()]
