@@ -300,10 +300,42 @@ def plot_speedup(path: Path, stamp: str) -> None:
     _save(fig, path, stamp, bottom=0.08)
 
 
+# --------------------------------------------------------------------------- separate jobs under failures
+def _smooth(points: list, window: int) -> tuple[list[float], list[float]]:
+    """Moving mean of ``(iteration, loss)`` points over ``window`` iterations (the per-step training loss
+    of a small batch is noisy)."""
+    its, vals = [p[0] for p in points], [p[1] for p in points]
+    out = [sum(vals[max(0, i - window + 1):i + 1]) / len(vals[max(0, i - window + 1):i + 1]) for i in range(len(vals))]
+    return its, out
+
+
+def plot_faults(ft: dict, gpu: dict | None, path: Path, stamp: str) -> None:
+    """The loss of job A in a run where job B was killed and restarted against the undisturbed run of the
+    same seed (CPU and, when measured, 2 GPUs)."""
+    plt = _plt()
+    panels = [("CPU, 2 cores", ft)] + ([(gpu["machine"].split(",")[0], gpu)] if gpu else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8))
+    axes = axes if len(panels) > 1 else [axes]
+    for ax, (title, res) in zip(axes, panels):
+        window = max(5, res["iters"] // 40)
+        ax.plot(*_smooth(res["undisturbed"]["losses"], window), label="undisturbed", color="0.2")
+        sc = res["scenarios"]
+        ax.plot(*_smooth(sc["kill_restart"]["losses"], window), label="job B killed, restarted fresh", color="C3")
+        if "kill_restart_from_checkpoint" in sc:
+            ax.plot(*_smooth(sc["kill_restart_from_checkpoint"]["losses"], window),
+                    label="job B killed, restarted from its checkpoint", color="C0")
+        ax.set_title(f"{title}: {res['iters']} iterations, job A's training loss")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(f"loss (mean of {window} iterations)")
+        ax.legend(fontsize=8)
+    _save(fig, path, stamp)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=BENCH / "plots", help="folder for the PNGs (default benchmarks/plots)")
-    p.add_argument("--only", default="gap,bytes,speedup", help="comma-separated subset of gap, bytes, speedup")
+    p.add_argument("--only", default="gap,bytes,speedup,faults",
+                   help="comma-separated subset of gap, bytes, speedup, faults")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     stamp = commit_stamp()
@@ -319,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     if "speedup" in only:
         plot_speedup(a.out / "speedup_vs_link.png", stamp)
         made.append("speedup_vs_link.png")
+    if "faults" in only and (RESULTS / "fault_tolerance.json").exists():
+        ft = json.loads((RESULTS / "fault_tolerance.json").read_text())
+        plot_faults(ft, ft.get("gpu"), a.out / "fault_tolerance.png", stamp)
+        made.append("fault_tolerance.png")
     print(f"plots ({stamp}): " + ", ".join(str(a.out / m) for m in made))
     return 0
 

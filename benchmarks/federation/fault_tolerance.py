@@ -16,13 +16,17 @@ Runs, one after the other (4 ranks at a time, as ``make demo``):
   of the tensors in it); ``identical_after_rejoin``: theta bit-identical on every rank at every
   boundary after the rejoin, and the same final model; the survivor's final loss beside the
   undisturbed run's (same seed and data).
+* ``kill_restart_from_checkpoint``: the same, B restarted from its own last checkpoint (``--save-interval``
+  16): its Adam state is its own, against the fresh one above.
 * ``frozen``: job B stopped (SIGSTOP) a third in for 20 s, then continued: it is behind and leaves;
   ``recover_s`` as above.
 * ``exchange_in_flight``: job B dies right after a boundary's decision, before sending its payload:
   the survivor's exchange of that round fails (no job commits it).
 * ``goodput``: a failure every ``--fail-every-s`` seconds. Federated: job B killed and restarted from
   its own last checkpoint each time (A goes on). One world: both replicas in one torchrun world
-  (4 ranks), killed whole and restarted from the last checkpoint each time (``--save-interval`` 32).
+  (4 ranks), killed whole and restarted from the last checkpoint each time (``--save-interval`` 16 in
+  both); a one-world run that saves nothing in 3 attempts in a row is stopped (it would never end) and
+  credited with its last checkpoint.
   goodput = replica-steps that end up in the final model x the undisturbed step time / (replicas x
   wall time to the end); in the federated run, a replica-step of B counts when the round it belongs to
   was committed with B present (A's records), every step of A counts.
@@ -48,6 +52,8 @@ from tests.federation_utils import Job, Lighthouse, _kill_session, wait_until  #
 from tests.megatron_utils import _ENV, RUNNER, harness_args  # noqa: E402
 
 ITERS = 160
+#: the goodput runs' checkpoint interval (iterations), the same for both
+SAVE_INTERVAL = 16
 #: each job is one of the demo's two replicas: its share of the demo's 16 sequences per step
 JOB_FLAGS = ["--global-batch-size", "8", "--diloco-x-replicas", "2", "--log-interval", "1",
              "--diloco-x-outer-timeout-minutes", "0.5"]
@@ -126,16 +132,19 @@ def undisturbed(tmp: Path, iters: int) -> dict:
             "rounds": rounds, "identical": _identical(jobs["A"], jobs["B"])}
 
 
-def kill_restart(tmp: Path, iters: int) -> dict:
+def kill_restart(tmp: Path, iters: int, from_checkpoint: bool = False) -> dict:
+    ckpt = tmp / "ckptB"
+    extra = {"B": ["--save", str(ckpt), "--save-interval", "16", "--no-load-rng"]} if from_checkpoint else None
     with Lighthouse(tmp / "lighthouse.txt") as lh:
-        jobs = _jobs(tmp, lh, iters)
+        jobs = _jobs(tmp, lh, iters, extra=extra)
         a, b = jobs["A"], jobs["B"]
         try:
-            wait_until(lambda: a.rounds() >= iters // 16 // 3, 900, "a third of the run", [a, b])
+            wait_until(lambda: a.rounds() >= iters // 16 // 3 and (not from_checkpoint or (
+                ckpt / "latest_checkpointed_iteration.txt").exists()), 900, "a third of the run", [a, b])
             time.sleep(0.5)
             b.kill()
             killed = time.time()
-            b.start(tmp / "B-restarted")
+            b.start(tmp / "B-restarted", extra=["--load", str(ckpt)] if from_checkpoint else [])
             codes = {n: j.wait(1800) for n, j in jobs.items()}
         finally:
             _close(jobs.values())
@@ -183,7 +192,7 @@ def exchange_in_flight(tmp: Path, iters: int) -> dict:
 
 def goodput_federated(tmp: Path, iters: int, every_s: float, step_s: float) -> dict:
     ckpt = tmp / "ckptB"
-    flags = {"B": ["--save", str(ckpt), "--save-interval", "32", "--no-load-rng"]}
+    flags = {"B": ["--save", str(ckpt), "--save-interval", str(SAVE_INTERVAL), "--no-load-rng"]}
     with Lighthouse(tmp / "lighthouse.txt") as lh:
         jobs = _jobs(tmp, lh, iters, extra=flags)
         a, b = jobs["A"], jobs["B"]
@@ -218,13 +227,15 @@ def goodput_one_world(tmp: Path, iters: int, every_s: float, step_s: float) -> d
     started = time.time()
     failures = 0
     attempt = 0
-    while True:
+    stuck = 0  # attempts in a row that saved nothing: the run would never end at this failure rate
+    while stuck < 3:
         out = tmp / f"attempt{attempt}"
         out.mkdir(parents=True)
         load = ["--load", str(ckpt)] if (ckpt / "latest_checkpointed_iteration.txt").exists() else []
+        saved = _saved(ckpt)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone", str(RUNNER),
                *harness_args(out, ("tests.recorders:federation",)), "--train-iters", str(iters), "--log-interval", "1",
-               "--save", str(ckpt), "--save-interval", "32", "--no-load-rng", *load]
+               "--save", str(ckpt), "--save-interval", str(SAVE_INTERVAL), "--no-load-rng", *load]
         with open(out / "log.txt", "w") as log:
             proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, **_ENV), stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
@@ -235,19 +246,30 @@ def goodput_one_world(tmp: Path, iters: int, every_s: float, step_s: float) -> d
                 _kill_session(proc)
                 failures += 1
                 attempt += 1
+                stuck = stuck + 1 if _saved(ckpt) == saved else 0
                 continue
         if proc.returncode != 0:
             raise RuntimeError(f"one-world attempt {attempt} failed: {(out / 'log.txt').read_text()[-3000:]}")
         break
     wall = time.time() - started
-    return {"failures": failures, "wall_s": wall, "useful_replica_steps": 2 * iters,
+    if stuck >= 3:  # no checkpoint in 3 attempts: it would never finish; the work kept is the last save
+        done = _saved(ckpt)
+        return {"failures": failures, "wall_s": wall, "finished": False, "useful_replica_steps": 2 * done,
+                "goodput": 2 * done * step_s / (2 * wall)}
+    return {"failures": failures, "wall_s": wall, "finished": True, "useful_replica_steps": 2 * iters,
             "goodput": 2 * iters * step_s / (2 * wall)}
+
+
+def _saved(ckpt: Path) -> int:
+    """The iteration of the last complete checkpoint in ``ckpt`` (0: none)."""
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    return int(tracker.read_text()) if tracker.exists() else 0
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=ITERS)
-    p.add_argument("--fail-every-s", type=float, default=45.0)
+    p.add_argument("--fail-every-s", type=float, default=60.0)
     p.add_argument("--work", type=Path, default=REPO / ".cache" / "fault_tolerance")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "fault_tolerance.json")
     p.add_argument("--only", default="", help="comma-separated scenarios (default: all)")
@@ -281,12 +303,18 @@ def main() -> None:
         result["exchange_ms_per_boundary"] = base["exchange_ms_per_boundary"]
         print("undisturbed", {k: v for k, v in base.items() if k != "losses"}, flush=True)
     base = result["undisturbed"]
-    for name, fn in (("kill_restart", kill_restart), ("frozen", frozen), ("exchange_in_flight", exchange_in_flight)):
+    scenario_fns = (("kill_restart", kill_restart), ("frozen", frozen), ("exchange_in_flight", exchange_in_flight),
+                    ("kill_restart_from_checkpoint", lambda tmp, iters: kill_restart(tmp, iters, True)))
+    for name, fn in scenario_fns:
         if want(name):
             scenarios[name] = fn(a.work / name, a.iters)
             print(name, {k: v for k, v in scenarios[name].items() if k != "losses"}, flush=True)
+            a.out.write_text(json.dumps(result, indent=1) + "\n")  # (a later failure keeps what ran)
     if "kill_restart" in scenarios:
         result["final_loss"] = {"undisturbed": base["final_loss"], "one_failure": scenarios["kill_restart"]["final_loss"]}
+        if "kill_restart_from_checkpoint" in scenarios:
+            result["final_loss"]["one_failure_restarted_from_checkpoint"] = (
+                scenarios["kill_restart_from_checkpoint"]["final_loss"])
     if want("goodput"):
         fed = goodput_federated(a.work / "goodput_fed", a.iters, a.fail_every_s, base["step_s"])
         one = goodput_one_world(a.work / "goodput_one", a.iters, a.fail_every_s, base["step_s"])
