@@ -70,7 +70,7 @@ METHODS: dict[str, dict] = {
     # as the package resolves it (auto warm-up, tau, tau_w, warm-up codec); only the link is given,
     # the 1 Gbit auto tau is sized for
     "default": {"default": True},
-    # the package default with its warm-up named (issue 30: the warm-up rule across H): rounds of H0 = 10
+    # the package default with its warm-up named (the warm-up rule across H): rounds of H0 = 10
     # for the first 900 / 1500 steps whatever H is (tau_w and the warm-up codec stay auto: 1, int2)
     **{f"default_w{w}": {"default": True, "flags": ["--diloco-x-warmup-local-steps", "10",
                                                      "--diloco-x-warmup-iters", str(w)]} for w in (900, 1500)},

@@ -201,7 +201,7 @@ def test_the_default_method_is_the_package_default(local_steps):
 
 
 def test_convergence_h_default_is_the_package_rule():
-    """``results/convergence_h.json`` (the warm-up rule measured across H, issue 30): at every H it
+    """``results/convergence_h.json`` (the warm-up rule measured across H): at every H it
     reports, the harness's default method (``--diloco-x`` alone) resolves today to the warm-up, overlap
     and codecs the row measured as the default ran with (its own summary). A change of the auto warm-up
     rule that would no longer run what was measured at H = 30, 100 or 300 fails here."""

@@ -1,7 +1,7 @@
-"""benchmarks/results/convergence_h.json from the issue-30 runs (``run_device.sh``'s output folder: the
+"""benchmarks/results/convergence_h.json from the warm-up-across-H runs (``run_device.sh``'s output folder: the
 r*_h*.json files and logs.tgz unpacked beside them).
 
-    PYTHONPATH=. python benchmarks/issue30/make_convergence_h.py RUNS
+    PYTHONPATH=. python benchmarks/warmup_h/make_convergence_h.py RUNS
 """
 import argparse, json, glob
 from megatron_diloco.summary import parse_summaries
@@ -55,10 +55,10 @@ out = {
   "regime": {**regime_src["regime"], "steps": 3000, "eval_iters": 32, "micro_batch_per_replica": 16,
              "card": "NVIDIA H200 (a 4 x H200 host, one run per GPU, both replicas of a run on its GPU)",
              "commit": "bbc6d91 (main 6fd7a45 + convergence.py's default_w900 / default_w1500 methods); package rule under test unchanged from 6fd7a45",
-             "command": "benchmarks/issue30/run_device.sh: convergence.py --micro-batch 16 --corpus-mb 100 --eval-iters 32 --jobs-per-gpu 1 --seeds 1 --local-steps H --methods ...",
+             "command": "benchmarks/warmup_h/run_device.sh: convergence.py --micro-batch 16 --corpus-mb 100 --eval-iters 32 --jobs-per-gpu 1 --seeds 1 --local-steps H --methods ...",
              "corpus_note": "built on the GPU image of 2026-11-28 (7045 documents, 104.9M tokens) where RESULTS §2.1 had 7041 documents, 104.8M tokens: another validation split, so absolute losses are not comparable to §2.1 / convergence.json (AllReduce 0.6896 here, 0.7656 there) and its AllReduce numbers were not reused; every gap below is against this file's AllReduce run",
              "link_mbps_modelled": 1000, "seeds_note": "one seed (1) per row: device budget"},
-  "rule": {"package_default": "H0 = min(H // 3, 10) for min(30 H, train-iters / 2) steps, rounded down to a multiple of H0 (arguments.resolve_warmup, branch issue30-warmup); tau_w = H0 // 10, int2 warm-up exchanges under int4",
+  "rule": {"package_default": "H0 = min(H // 3, 10) for min(30 H, train-iters / 2) steps, rounded down to a multiple of H0 (arguments.resolve_warmup, 32e680f); tau_w = H0 // 10, int2 warm-up exchanges under int4",
            "previous": "H0 = H // 3 for min(30 H, train-iters / 3) steps (6fd7a45)",
            "default_resolved_flags_checked_by": "tests/test_convergence_jobs.py::test_convergence_h_default_is_the_package_rule"},
   "runs": {},
@@ -74,7 +74,7 @@ for H, default_name, extra in ((30, "default", {}), (100, "default_w1500", {"pre
     runs_h = entry
     out["runs"][str(H)] = runs_h
 out["runs"]["30"]["default"]["note"] = "the package default at H 30 is the same under both rules (H0 10 for 900 steps)"
-out["earlier_corpus"] = {"note": "issue 30's table: 2 x H200, commit 03ac5c0, the corpus of convergence.json (7041 documents); not comparable in absolute loss with the runs above",
+out["earlier_corpus"] = {"note": "the earlier table: 2 x H200, commit 03ac5c0, the corpus of convergence.json (7041 documents); not comparable in absolute loss with the runs above",
                          "100": {"allreduce": [0.7656, 0.7563], "previous_default (H0 33 for 990 steps, tau_w 3)": [0.8054, 0.7995],
                                  "h0_10_w900 (tau_w 1)": [0.7862], "gap_previous_default": [0.0520, 0.0572], "gap_h0_10_w900": [0.0269]}}
 out["not_measured"] = ["blocking DiLoCo at each H with the new warm-up (the issue's 'blocking' row)", "second seeds",

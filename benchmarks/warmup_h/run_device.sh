@@ -1,5 +1,5 @@
 #!/bin/bash
-# issue 30 warm-up sweep on a GPU machine: run_device.sh "H:GPUS:METHODS:SEEDS" ...
+# The warm-up across H on a GPU machine: run_device.sh "H:GPUS:METHODS:SEEDS" ...
 # each spec one convergence.py invocation on CUDA_VISIBLE_DEVICES=GPUS, all at once; results under $OUT
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
