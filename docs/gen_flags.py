@@ -80,6 +80,8 @@ def render() -> str:
     parser, actions = diloco_x_actions()
     rows = ["| flag | default | values | description |", "|---|---|---|---|"]
     for a in actions:
+        if a.help == argparse.SUPPRESS:  # unlisted (as in --help)
+            continue
         flag = ", ".join(f"`{s}`" for s in a.option_strings)
         text = _help(parser, a).replace("|", "\\|")
         rows.append(f"| {flag} | {_default(a)} | {_values(a)} | {text} |")

@@ -301,3 +301,26 @@ def test_settings_that_do_nothing_are_named(kwargs, phrase):
 
 def test_defaults_have_no_ineffective_settings():
     assert DiLoCoXConfig().ineffective_settings() == []
+
+
+@pytest.mark.parametrize("kw, cfg, flag", [
+    (dict(diloco_x_replica_index=0), {}, "--diloco-x-run"),  # no run name: a stray job could join
+    (dict(diloco_x_run="r"), {}, "--diloco-x-replica-index"),  # no data slot
+    (dict(diloco_x_run="r", diloco_x_replica_index=2), {}, "--diloco-x-replica-index"),  # slot out of range
+    (dict(diloco_x_run="r", diloco_x_replica_index=0), dict(overlap="delayed"), "--diloco-x-overlap"),
+    (dict(diloco_x_run="r", diloco_x_replica_index=0), dict(compression="lowrank"), "--diloco-x-compression"),
+    (dict(diloco_x_run="r", diloco_x_replica_index=0, rampup_batch_size=[4, 4, 100]), {}, "--rampup-batch-size"),
+    (dict(diloco_x_run="r", diloco_x_replica_index=0, diloco_x_outer_store="h:1"), {}, "--diloco-x-outer-store"),
+])
+def test_separate_jobs_flags_are_checked_before_training(kw, cfg, flag):
+    """``--diloco-x-lighthouse`` without what a job of a run needs, or with what it cannot run, is
+    refused naming the flag, before anything is built."""
+    args = megatron_args(diloco_x_lighthouse="127.0.0.1:29510", **kw)
+    with pytest.raises(ValueError, match=flag):
+        validate_megatron_args(args, DiLoCoXConfig(replicas=2, **cfg))
+
+
+def test_separate_jobs_flags_apply_with_the_lighthouse_only():
+    args = megatron_args(diloco_x_run="r")
+    with pytest.raises(ValueError, match="--diloco-x-run applies with --diloco-x-lighthouse only"):
+        validate_megatron_args(args, DiLoCoXConfig(replicas=2))

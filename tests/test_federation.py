@@ -31,7 +31,7 @@ def _rounds(job: Job) -> dict[int, list]:
     assert len(recs) == 2, job.log()[-3000:]
     out: dict[int, list] = {}
     for rank, rec in enumerate(recs):
-        for step, fp, members, _failed, _committed in rec["fed_rounds"]:
+        for step, fp, members, *_ in rec["fed_rounds"]:
             out.setdefault(step, [[None, None], members])[0][rank] = fp
     return out
 

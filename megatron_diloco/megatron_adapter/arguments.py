@@ -106,13 +106,12 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             f"supports the codecs none, {', '.join(BLOCKWISE)}.")
     group.add_argument("--diloco-x-outer-chunk-mb", type=float, default=defaults["outer_chunk_mb"].default,
                        help="--diloco-x-outer-state cpu: MiB of fp32 per staged chunk (default 16).")
-    group.add_argument("--diloco-x-outer-store", default=None, metavar="HOST:PORT",
-                       help="Replicas as separate jobs: this launch (its own torchrun world) is one "
-                            "replica, --diloco-x-replica-index of --diloco-x-replicas, joined to the others "
-                            "only by the outer groups, formed through a TCP store at HOST:PORT hosted by "
-                            "replica 0's rank 0. Default: all replicas in this one world.")
+    # Replicas as separate launches with a fixed membership, joined through a TCP store hosted by
+    # replica 0's rank 0 (no checkpoints, no failures survived): kept, unlisted, for the benchmarks that
+    # put single-GPU replicas on one GPU; users run separate jobs with --diloco-x-lighthouse.
+    group.add_argument("--diloco-x-outer-store", default=None, metavar="HOST:PORT", help=argparse.SUPPRESS)
     group.add_argument("--diloco-x-replica-index", type=int, default=None,
-                       help="With --diloco-x-lighthouse or --diloco-x-outer-store: this job's data slot, "
+                       help="With --diloco-x-lighthouse: this job's data slot, "
                             "0..R-1 (R = --diloco-x-replicas, the most jobs the run has): the job reads "
                             "the samples replica I of R reads in one world, through restarts and "
                             "membership changes; unique per job.")
