@@ -308,12 +308,18 @@ class TrainingRecorder(Recorder):
             orig(opt, state_dict)
             record["loaded_fp"] = [opt.step_calls, [int(fingerprint([t])[0]) for t in opt.view.shards]]
 
-        @wrap(training, "training_log")
-        def training_log(orig, loss_dict, *a, **k):
-            if loss_dict:
-                iteration = k["iteration"] if "iteration" in k else a[2]
-                record["losses"].append([iteration, {key: float(v) for key, v in loss_dict.items()}])
-            return orig(loss_dict, *a, **k)
+        _record_losses(training, record)
+
+
+def _record_losses(training, record: dict[str, Any]) -> None:
+    """``record["losses"]``: every iteration's loss at full precision, as Megatron's ``training_log`` gets it."""
+
+    @wrap(training, "training_log")
+    def training_log(orig, loss_dict, *a, **k):
+        if loss_dict:
+            iteration = k["iteration"] if "iteration" in k else a[2]
+            record["losses"].append([iteration, {key: float(v) for key, v in loss_dict.items()}])
+        return orig(loss_dict, *a, **k)
 
 
 class _OpCounter(TorchDispatchMode):
@@ -547,12 +553,7 @@ class FederationRecorder(Recorder):
             orig(opt)
             record["final_fp"] = {"main": [int(x) for x in fingerprint(opt.view.shards)], "steps": opt.step_calls}
 
-        @wrap(training, "training_log")
-        def training_log(orig, loss_dict, *a, **k):
-            if loss_dict:
-                iteration = k["iteration"] if "iteration" in k else a[2]
-                record["losses"].append([iteration, {key: float(v) for key, v in loss_dict.items()}])
-            return orig(loss_dict, *a, **k)
+        _record_losses(training, record)
 
         die = int(os.environ.get("DILOCO_TEST_DIE_BEFORE_LAUNCH", "0"))
         if die:  # the whole job dies after round N's decision, before it sends its payload

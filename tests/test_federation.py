@@ -10,6 +10,7 @@ naming the flag; jobs resume from their own checkpoints."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -52,6 +53,30 @@ def _final(job: Job) -> tuple:
     return tuple((r["final_fp"]["steps"], tuple(r["final_fp"]["main"])) for r in recs)
 
 
+@contextlib.contextmanager
+def _closing(jobs: list[Job]):
+    """Kill every job if the block raises (a test that fails midway leaves no process behind)."""
+    try:
+        yield
+    except BaseException:
+        for job in jobs:
+            job.close()
+        raise
+
+
+def _end(jobs: list[Job], failing: tuple[Job, ...] = ()) -> None:
+    """Wait for ``failing`` to exit with an error and every other job to finish; always kill them all."""
+    try:
+        for job in failing:
+            assert job.wait(300) != 0, job.log()[-3000:]
+        for job in jobs:
+            if job not in failing:
+                assert job.wait(400) == 0, job.log()[-5000:]
+    finally:
+        for job in jobs:
+            job.close()
+
+
 def _losses_fall(job: Job) -> None:
     values = [v["lm loss"] for rec in job.records() for _, v in rec["losses"] if "lm loss" in v]
     assert values and all(math.isfinite(v) for v in values), values
@@ -63,28 +88,24 @@ def test_killed_job_others_go_on_then_it_rejoins(tmp_path):
     at every boundary, loss falling, no NaN; restart it from nothing: it joins the run at a boundary,
     takes theta, m and the position from a peer, is identical to them from then on, and all three end
     at the same iteration with the same model."""
-    flags = [*BASE, "--diloco-x-replicas", "3", "--train-iters", "150"]
+    flags = [*BASE, "--diloco-x-replicas", "3", "--train-iters", "210"]
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:
         jobs = [Job(tmp_path / n, n, i, lh.address, flags, env=ENV) for i, n in enumerate("ABC")]
         a, b, c = jobs
-        try:
+        with _closing(jobs):
             wait_until(lambda: all(j.rounds() >= 8 for j in jobs), 240, "8 rounds on every job", jobs)
             time.sleep(0.4)  # mid-round
             c.kill()
             seen = a.rounds()
             wait_until(lambda: a.rounds() >= seen + 2, 120, "2 rounds of the survivors", [a, b])
             c.start(tmp_path / "C-restarted")
-            for job in jobs:
-                assert job.wait(400) == 0, job.log()[-5000:]
-        finally:
-            for job in jobs:
-                job.close()
+        _end(jobs)
     assert "joined run 'test-run' under way at iteration" in c.log(), c.log()[-3000:]
     _assert_identical_at_every_boundary([a, b])
     _assert_identical_at_every_boundary([a, c])
     members = [m for _, (_, m) in sorted(_rounds(a).items())]
     assert 2 in members and members[-1] == 3, members  # the survivors' rounds, then the rejoin
-    assert _final(a) == _final(b) == _final(c) and _final(a)[0][0] == 150
+    assert _final(a) == _final(b) == _final(c) and _final(a)[0][0] == 210
     for job in (a, b):
         _losses_fall(job)
     fed = a.summary()["federation"]
@@ -99,18 +120,14 @@ def test_frozen_job_is_left_behind_and_leaves_cleanly(tmp_path):
     with Lighthouse(tmp_path / "lighthouse.txt", heartbeat_timeout_ms=2000) as lh:
         jobs = [Job(tmp_path / n, n, i, lh.address, flags, env=ENV) for i, n in enumerate("AB")]
         a, b = jobs
-        try:
+        with _closing(jobs):
             wait_until(lambda: all(j.rounds() >= 8 for j in jobs), 240, "8 rounds on every job", jobs)
             b.signal(signal.SIGSTOP)
             seen = a.rounds()
             wait_until(lambda: a.rounds() >= seen + 4, 120, "4 rounds of the other job", [a])
             b.signal(signal.SIGCONT)
-            code = b.wait(120)
-            assert a.wait(400) == 0, a.log()[-5000:]
-        finally:
-            for job in jobs:
-                job.close()
-    assert code != 0 and "behind the run" in b.log(), b.log()[-4000:]
+        _end(jobs, failing=(b,))
+    assert "behind the run" in b.log(), b.log()[-4000:]
     members = [m for _, (_, m) in sorted(_rounds(a).items())]
     assert members.count(1) >= 4, members
     _losses_fall(a)
@@ -128,13 +145,7 @@ def test_job_lost_with_an_exchange_in_flight(tmp_path, flags):
         jobs = [Job(tmp_path / n, n, i, lh.address, flags, env=ENV) for i, n in enumerate("AB")]
         jobs.append(Job(tmp_path / "C", "C", 2, lh.address, flags, env={**ENV, "DILOCO_TEST_DIE_BEFORE_LAUNCH": "14"}))
         a, b, c = jobs
-        try:
-            assert c.wait(300) != 0
-            for job in (a, b):
-                assert job.wait(400) == 0, job.log()[-5000:]
-        finally:
-            for job in jobs:
-                job.close()
+        _end(jobs, failing=(c,))
     assert "dies before launching round 14" in c.log(), c.log()[-3000:]
     _assert_identical_at_every_boundary([a, b])
     assert _final(a) == _final(b)
@@ -147,25 +158,20 @@ def test_job_lost_with_an_exchange_in_flight(tmp_path, flags):
 def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
     """A job started while the run is under way joins at the next boundary and ends with the others;
     a job with another outer learning rate is refused naming the flag, and the run goes on."""
-    flags = [*BASE, "--train-iters", "120"]
+    flags = [*BASE, "--train-iters", "180"]
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:
         a = Job(tmp_path / "A", "A", 0, lh.address, flags, env=ENV)
         jobs = [a]
-        try:
+        with _closing(jobs):
             wait_until(lambda: a.rounds() >= 12, 240, "12 rounds of the first job", jobs)
             jobs.append(Job(tmp_path / "B", "B", 1, lh.address, flags, env=ENV))
             jobs.append(Job(tmp_path / "X", "X", 1, lh.address, [*flags, "--diloco-x-outer-lr", "0.5"], env=ENV))
             b, x = jobs[1:]
-            assert x.wait(300) != 0
-            for job in (a, b):
-                assert job.wait(400) == 0, job.log()[-5000:]
-        finally:
-            for job in jobs:
-                job.close()
+        _end(jobs, failing=(x,))
     assert "--diloco-x-outer-lr is 0.5 here, 1.0 in job 'A'" in x.log(), x.log()[-3000:]
     assert "joined run 'test-run' under way at iteration" in b.log(), b.log()[-3000:]
     _assert_identical_at_every_boundary([a, b])
-    assert _final(a) == _final(b) and _final(a)[0][0] == 120
+    assert _final(a) == _final(b) and _final(a)[0][0] == 180
 
 
 def test_jobs_resume_from_their_own_checkpoints(tmp_path):
@@ -179,23 +185,13 @@ def test_jobs_resume_from_their_own_checkpoints(tmp_path):
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:
         jobs = [Job(tmp_path / f"{n}1", n, i, lh.address, [*base, "--save", str(ckpt[n]), "--exit-interval", "24"])
                 for i, n in enumerate("AB")]
-        try:
-            for job in jobs:
-                assert job.wait(300) == 0, job.log()[-5000:]
-        finally:
-            for job in jobs:
-                job.close()
+        _end(jobs)
         assert (ckpt["B"] / "iter_0000012").is_dir(), sorted(p.name for p in ckpt["B"].iterdir())
         (ckpt["B"] / "latest_checkpointed_iteration.txt").write_text("12")
         jobs = [Job(tmp_path / f"{n}2", n, i, lh.address, [*base, "--save", str(ckpt[n]), "--load", str(ckpt[n])])
                 for i, n in enumerate("AB")]
         a, b = jobs
-        try:
-            for job in jobs:
-                assert job.wait(300) == 0, job.log()[-5000:]
-        finally:
-            for job in jobs:
-                job.close()
+        _end(jobs)
     assert "joined run 'test-run' at iteration 24 (no job ahead of this one)" in a.log(), a.log()[-3000:]
     assert ("joined run 'test-run' under way at iteration 24" in b.log()
             and "inner optimizer state from this job's checkpoint at iteration 12" in b.log()), b.log()[-3000:]
