@@ -63,7 +63,8 @@ class TorchftMembership:
     Args:
         lighthouse: ``HOST:PORT`` of ``torchft_lighthouse``.
         replica_id: this job's name (``--diloco-x-replica-id``), unique in the run.
-        advertise_host: the address other jobs reach this job's rank 0 at (its federation store).
+        advertise_host: the address other jobs reach this job's rank 0 at (its federation store and
+            manager); None: rank 0's fully qualified name, shared with the job's ranks.
         store_port: the federation store's port (0: any free one).
         timeout_s: bound on a collective or a heal (``--diloco-x-outer-timeout-minutes``).
         quorum_timeout_s: how long a meeting may wait for the run's other jobs (they reach the
@@ -73,7 +74,7 @@ class TorchftMembership:
         state_dict / load_state_dict: what a behind job receives, and how it takes it.
     """
 
-    def __init__(self, lighthouse: str, replica_id: str, advertise_host: str, store_port: int,
+    def __init__(self, lighthouse: str, replica_id: str, advertise_host: str | None, store_port: int,
                  timeout_s: float, quorum_timeout_s: float, min_replicas: int,
                  job_group: dist.ProcessGroup | None, state_dict: Callable[[], dict],
                  load_state_dict: Callable[[dict], None]) -> None:
@@ -87,13 +88,14 @@ class TorchftMembership:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.replica_id = replica_id
         self._store = None
-        port = [store_port]
+        where = [advertise_host, store_port]
         if self.rank == 0:  # the federation store: torchft's manager keys and the outer groups' rendezvous
             self._store = dist.TCPStore("0.0.0.0", store_port, is_master=True, wait_for_workers=False,
                                         timeout=datetime.timedelta(seconds=timeout_s))
-            port = [self._store.port]
-        if self.world > 1:
-            dist.broadcast_object_list(port, src=0, group=job_group)
+            where = [advertise_host or default_advertise_host(), self._store.port]
+        if self.world > 1:  # rank 0's address and port, as every rank of the job must use them
+            dist.broadcast_object_list(where, src=0, group=job_group)
+        advertise_host, port = where[0], [where[1]]
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(

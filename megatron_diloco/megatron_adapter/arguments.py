@@ -129,8 +129,11 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="With --diloco-x-lighthouse: this job's name in the run (default: "
                             "replica<--diloco-x-replica-index>); a restarted job keeps its name.")
     group.add_argument("--diloco-x-advertise-host", default=None, metavar="HOST",
-                       help="With --diloco-x-lighthouse: the address the other jobs reach this job's ranks "
-                            "at (default: this host's fully qualified name).")
+                       help="With --diloco-x-lighthouse: the address the other jobs reach this job's rank 0 "
+                            "at (its federation store and torchft manager; the same value on every rank of "
+                            "the job; default: this host's fully qualified name). The other ranks' gloo and "
+                            "heal connections use their own host names (GLOO_SOCKET_IFNAME selects the "
+                            "interface).")
     group.add_argument("--diloco-x-federation-port", type=int, default=0,
                        help="With --diloco-x-lighthouse: the port of this job's federation store on its "
                             "rank 0, which the other jobs connect to (default 0: any free port).")

@@ -231,7 +231,7 @@ class _Installation:
         manager per rank; collective over the job's world), attached to the optimizer's boundaries."""
         from megatron_diloco.algorithm.federated import FederatedRounds
         from megatron_diloco.federation import handshake
-        from megatron_diloco.federation.membership import TorchftMembership, default_advertise_host
+        from megatron_diloco.federation.membership import TorchftMembership
 
         args = self.args
         description = {**description, handshake.RUN: args.diloco_x_run}
@@ -241,7 +241,7 @@ class _Installation:
         timeout_s = 60.0 * (self.config.outer_timeout_minutes or self.config.distributed_timeout_minutes)
         job = opt.topology.decision_group[0] if opt.topology.decision_group else None
         membership = TorchftMembership(
-            args.diloco_x_lighthouse, name, args.diloco_x_advertise_host or default_advertise_host(),
+            args.diloco_x_lighthouse, name, args.diloco_x_advertise_host,
             args.diloco_x_federation_port, timeout_s=timeout_s, quorum_timeout_s=24 * 3600.0,
             min_replicas=1, job_group=job, state_dict=fed.state_dict, load_state_dict=fed.load_state_dict)
         membership.handshake = lambda group, progress: handshake.agree(
