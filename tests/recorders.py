@@ -505,7 +505,8 @@ class FederationRecorder(Recorder):
     ``heals``: per heal received, its transfer's seconds and the bytes of the tensors in it.
     ``DILOCO_TEST_STEP_SLEEP_S=S``: every iteration S seconds longer (time to kill, stop and restart
     jobs mid-run without more compute); ``DILOCO_TEST_DIE_BEFORE_LAUNCH=N``: the job kills itself (kill
-    -9, torchrun and its ranks) after round N's decision, before its exchange is launched."""
+    -9, torchrun and its ranks) after the decision of its first round >= N with another job present,
+    before its exchange is launched."""
 
     name = "federation"
     keys = ("losses", "fed_rounds", "final_fp", "heals")
@@ -561,8 +562,8 @@ class FederationRecorder(Recorder):
 
             @wrap(sync_mod.OuterSync, "_start")
             def start(orig, sync, *a, **k):
-                if sync.rounds == die:
-                    print(f"[test] this job dies before launching round {die}", flush=True)
+                if sync.rounds >= die and sync.federated is not None and sync.federated.members > 1:
+                    print(f"[test] this job dies before launching round {sync.rounds}", flush=True)
                     import psutil
 
                     agent = psutil.Process(os.getppid())  # torchrun: it and every rank it started

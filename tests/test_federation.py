@@ -136,7 +136,8 @@ def test_frozen_job_is_left_behind_and_leaves_cleanly(tmp_path):
 @pytest.mark.parametrize("flags", [[], ["--diloco-x-overlap", "none", "--diloco-x-compression", "none"]],
                          ids=["partial-int4", "none-fp32"])
 def test_job_lost_with_an_exchange_in_flight(tmp_path, flags):
-    """One of 2 jobs dies right after the boundary's decision, before it sends its payload, so the other's
+    """One of 2 jobs dies right after a boundary's decision (round 14 or the first after it with both jobs
+    present), before it sends its payload, so the other's
     exchange of that round is in flight when it goes: that round fails (nobody commits it: theta and m
     unchanged, the residual as before the launch, the local progress kept) and the survivor goes on alone,
     the next pseudo-gradient covering both rounds, with theta as the two jobs held it before."""
@@ -145,7 +146,7 @@ def test_job_lost_with_an_exchange_in_flight(tmp_path, flags):
         a = Job(tmp_path / "A", "A", 0, lh.address, flags)
         b = Job(tmp_path / "B", "B", 1, lh.address, flags, env={"DILOCO_TEST_DIE_BEFORE_LAUNCH": "14"})
         _end([a, b], failing=(b,))
-    assert "dies before launching round 14" in b.log(), b.log()[-3000:]
+    assert "this job dies before launching round" in b.log(), b.log()[-3000:]
     rounds = _rounds(a)
     died_at = max(step for step, (_, members) in rounds.items() if members == 2)
     assert max(rounds) == 90 and rounds[max(rounds)][1] == 1 and died_at < 90
