@@ -158,7 +158,7 @@ def test_job_lost_with_an_exchange_in_flight(tmp_path, flags):
 def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
     """A job started while the run is under way joins at the next boundary and ends with the others;
     a job with another outer learning rate is refused naming the flag, and the run goes on."""
-    flags = [*BASE, "--train-iters", "180"]
+    flags = [*BASE, "--train-iters", "240"]  # B starts (~10-15 s) while A still has ~200 steps to go
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:
         a = Job(tmp_path / "A", "A", 0, lh.address, flags, env=ENV)
         jobs = [a]
@@ -171,15 +171,15 @@ def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
     assert "--diloco-x-outer-lr is 0.5 here, 1.0 in job 'A'" in x.log(), x.log()[-3000:]
     assert "joined run 'test-run' under way at iteration" in b.log(), b.log()[-3000:]
     _assert_identical_at_every_boundary([a, b])
-    assert _final(a) == _final(b) and _final(a)[0][0] == 180
+    assert _final(a) == _final(b) and _final(a)[0][0] == 240
 
 
 def test_jobs_resume_from_their_own_checkpoints(tmp_path):
     """Each job saves its own checkpoint (no shared filesystem). The run stopped at iteration 24 and
     restarted: job A resumes from its own latest checkpoint, job B from an older one of its own
-    (iteration 12: it lost its last). B is behind: it takes the outer state and the position from A
-    at their first meeting (A's start, or A's next boundary when A was up first; its inner optimizer
-    state from its own checkpoint), and the two train on identical from there to the end."""
+    (iteration 12: it lost its last), started once A trains. B is behind: it takes the outer state and
+    the position from A at A's next boundary (its inner optimizer state from its own checkpoint), and the
+    two train on identical from there to the end."""
     base = [*BASE, "--train-iters", "48", "--save-interval", "12", "--no-load-rng"]
     ckpt = {n: tmp_path / f"ckpt{n}" for n in "AB"}
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:
@@ -188,12 +188,16 @@ def test_jobs_resume_from_their_own_checkpoints(tmp_path):
         _end(jobs)
         assert (ckpt["B"] / "iter_0000012").is_dir(), sorted(p.name for p in ckpt["B"].iterdir())
         (ckpt["B"] / "latest_checkpointed_iteration.txt").write_text("12")
-        jobs = [Job(tmp_path / f"{n}2", n, i, lh.address, [*base, "--save", str(ckpt[n]), "--load", str(ckpt[n])])
-                for i, n in enumerate("AB")]
-        a, b = jobs
+        # A (the most advanced) first: a job that is behind and meets nobody at its start trains alone, and
+        # leaves when the others arrive (docs/federation.md)
+        a = Job(tmp_path / "A2", "A", 0, lh.address, [*base, "--save", str(ckpt["A"]), "--load", str(ckpt["A"])])
+        jobs = [a]
+        with _closing(jobs):
+            wait_until(lambda: "joined run 'test-run' at iteration 24" in a.log(), 240, "A's start", jobs)
+            b = Job(tmp_path / "B2", "B", 1, lh.address, [*base, "--save", str(ckpt["B"]), "--load", str(ckpt["B"])])
+            jobs.append(b)
         _end(jobs)
     assert "joined run 'test-run' at iteration 24 (no job ahead of this one)" in a.log(), a.log()[-3000:]
-    # B meets A at A's start (iteration 24) or, when A was up first, at A's next boundary
     assert ("joined run 'test-run' under way at iteration" in b.log()
             and "inner optimizer state from this job's checkpoint at iteration 12" in b.log()), b.log()[-3000:]
     _assert_identical_at_every_boundary([a, b])
