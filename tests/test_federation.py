@@ -180,21 +180,24 @@ def test_jobs_resume_from_their_own_checkpoints(tmp_path):
     (iteration 12: it lost its last), started once A trains. B is behind: it takes the outer state and
     the position from A at A's next boundary (its inner optimizer state from its own checkpoint), and the
     two train on identical from there to the end."""
-    base = [*BASE, "--train-iters", "48", "--save-interval", "12", "--no-load-rng"]
+    base = [*BASE, "--train-iters", "200", "--no-load-rng"]
     ckpt = {n: tmp_path / f"ckpt{n}" for n in "AB"}
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:
-        jobs = [Job(tmp_path / f"{n}1", n, i, lh.address, [*base, "--save", str(ckpt[n]), "--exit-interval", "24"])
+        jobs = [Job(tmp_path / f"{n}1", n, i, lh.address, [*base, "--save", str(ckpt[n]), "--save-interval", "12",
+                                                     "--exit-interval", "24"])
                 for i, n in enumerate("AB")]
         _end(jobs)
         assert (ckpt["B"] / "iter_0000012").is_dir(), sorted(p.name for p in ckpt["B"].iterdir())
         (ckpt["B"] / "latest_checkpointed_iteration.txt").write_text("12")
         # A (the most advanced) first: a job that is behind and meets nobody at its start trains alone, and
         # leaves when the others arrive (docs/federation.md)
-        a = Job(tmp_path / "A2", "A", 0, lh.address, [*base, "--save", str(ckpt["A"]), "--load", str(ckpt["A"])])
+        a = Job(tmp_path / "A2", "A", 0, lh.address, [*base, "--load", str(ckpt["A"])],
+                env=ENV)  # (0.1 s per step: A is still training when B is up)
         jobs = [a]
         with _closing(jobs):
             wait_until(lambda: "joined run 'test-run' at iteration 24" in a.log(), 240, "A's start", jobs)
-            b = Job(tmp_path / "B2", "B", 1, lh.address, [*base, "--save", str(ckpt["B"]), "--load", str(ckpt["B"])])
+            b = Job(tmp_path / "B2", "B", 1, lh.address, [*base, "--load", str(ckpt["B"])],
+                    env=ENV)
             jobs.append(b)
         _end(jobs)
     assert "joined run 'test-run' at iteration 24 (no job ahead of this one)" in a.log(), a.log()[-3000:]
@@ -202,5 +205,5 @@ def test_jobs_resume_from_their_own_checkpoints(tmp_path):
             and "inner optimizer state from this job's checkpoint at iteration 12" in b.log()), b.log()[-3000:]
     _assert_identical_at_every_boundary([a, b])
     assert min(_rounds(a)) > 24  # the second run's boundaries only
-    assert _final(a) == _final(b) and _final(a)[0][0] == 48
+    assert _final(a) == _final(b) and _final(a)[0][0] == 200
     assert a.summary()["federation"]["heals"] == 0 and b.summary()["federation"]["heals"] == 1
