@@ -22,28 +22,17 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch.distributed as dist
 
 from megatron_diloco.algorithm.federated import ForeignStateError, Meeting
+from megatron_diloco.megatron_adapter.topology import register_group
 
 logger = logging.getLogger(__name__)
 
 #: the name under which torch's group tables list a federation group (one per quorum)
 GROUP_NAME = "diloco_x_federation_{quorum}_{rank}"
-
-
-def register_group(group: dist.ProcessGroup, name: str, labels: list[int]) -> dist.ProcessGroup:
-    """Enter a gloo ``group`` built outside ``torch.distributed``'s world into its group tables, so that
-    ``dist.*`` collectives, ``dist.get_world_size``, ``dist.get_process_group_ranks`` and
-    ``dist.set_timeout`` accept it. Its "ranks" are ``labels`` (only errors print them)."""
-    tables = dist.distributed_c10d._world
-    group._set_group_name(name)
-    tables.pg_map[group] = ("gloo", None)
-    tables.pg_names[group] = name
-    tables.pg_group_ranks[group] = {label: i for i, label in enumerate(labels)}
-    return group
 
 
 def unregister_group(group: dist.ProcessGroup | None) -> None:
@@ -152,9 +141,6 @@ class TorchftMembership:
         if not ok:
             self.manager.report_error(RuntimeError("the exchange failed on this rank"))
         return bool(self.manager.should_commit())
-
-    def members(self) -> list[Any]:
-        return [] if self.group is None else list(range(self.group.size()))
 
     def shutdown(self) -> None:
         """Leave the run (end of training): stop heartbeating."""
