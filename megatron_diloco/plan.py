@@ -53,8 +53,7 @@ Speedup = (AllReduce seconds per token) / (DiLoCoX seconds per token), both over
 fp32) + distributed-optimizer fp32 main params and Adam moments (12 / dp); outer (DiLoCoX) = theta
 (4) + momentum (4, if mu > 0) + exchange buffer (4) + error-feedback residual (4, lossy codecs) +
 eager anchor (4, ``eager``) or partial's launch point x_L (4, ``partial``, exact merge), all / dp; plus the transient payload + gather buffer of a quantized
-exchange ((1 + R) x the shard's payload). With ``--outer-state cpu`` (``--diloco-x-outer-state
-cpu``) theta, momentum, residual, anchor and (quantized codecs) the exchange buffer move to host
+exchange ((1 + R) x the shard's payload). With ``--diloco-x-outer-state host`` theta, momentum, residual, anchor and (quantized codecs) the exchange buffer move to host
 memory (``host_memory_gib``, per GPU), and so does ``none``'s fp32 all-reduce buffer (its all-reduce
 runs on host memory over gloo); the GPU keeps the quantized exchange's payload and the fixed staging
 buffers (3 slots x 5 tensors x ``outer_chunk_mb``). The
@@ -74,7 +73,7 @@ import sys
 from typing import Any
 
 from megatron_diloco.megatron_adapter.arguments import resolve_warmup, resolve_warmup_compression, resolve_warmup_overlap
-from megatron_diloco.algorithm.config import BLOCKWISE, CODECS, DiLoCoXConfig, link_share_bytes_per_s
+from megatron_diloco.algorithm.config import BLOCKWISE, CODECS, OUTER_STATE_ALIASES, DiLoCoXConfig, link_share_bytes_per_s
 from megatron_diloco.algorithm.schedule import RoundSchedule, steps_to_hide
 
 #: Payload fraction of a TCP/IPv4 stream on Ethernet at MTU 1500 (1448 payload bytes per 1514 on the wire).
@@ -200,10 +199,10 @@ class PlanConfig:
     blocking."""
     outer_momentum: float = 0.0
     """mu: > 0 allocates the outer momentum buffer."""
-    outer_state: str = "gpu"
-    """Where the outer state lives (``--diloco-x-outer-state``): ``gpu`` or ``cpu`` (host memory)."""
+    outer_state: str = "device"
+    """Where the outer state lives (``--diloco-x-outer-state``): ``device`` (the GPU) or ``host`` (host memory)."""
     outer_chunk_mb: float = 16.0
-    """``outer_state cpu``: MiB per staged chunk (``--diloco-x-outer-chunk-mb``)."""
+    """``outer_state host``: MiB per staged chunk (``--diloco-x-outer-chunk-mb``)."""
     warmup_local_steps: int | None = None
     """H0 of the warm-up (``--diloco-x-warmup-local-steps``). None: auto, min(H // 3, 10)."""
     warmup_iters: int | None = None
@@ -242,7 +241,7 @@ class PlanConfig:
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> None:
-        _choice("outer_state", self.outer_state, ("gpu", "cpu"))
+        _choice("outer_state", self.outer_state, ("device", "host"))
         if not self.outer_chunk_mb > 0:
             raise ValueError(f"--outer-chunk-mb must be > 0, got {self.outer_chunk_mb!r}")
         """Raise ``ValueError`` naming the ``--flag`` of any invalid value."""
@@ -350,7 +349,7 @@ class Plan:
     memory_gib: dict[str, float]
     """DiLoCoX per-GPU memory by component (GiB); ``inner``, ``outer`` and ``total`` sum them."""
     host_memory_gib: float
-    """Host memory per GPU for the outer state (``outer_state cpu``; 0 with ``gpu``), GiB."""
+    """Host memory per GPU for the outer state (``outer_state host``; 0 with ``device``), GiB."""
     baseline_memory_gib: float
     """Per-GPU memory of the AllReduce job (optimizer sharded over R dp, no outer state), GiB."""
     activations_estimated: bool
@@ -469,7 +468,7 @@ def plan(cfg: PlanConfig) -> Plan:
         "outer_launch_point": 4 * shard if cfg.overlap == "partial" else 0.0,  # x_L (exact merge)
     }
     host = 0.0
-    if cfg.outer_state == "cpu":  # all on the host (none's all-reduce too); fixed staging buffers on the GPU
+    if cfg.outer_state == "host":  # all on the host (none's all-reduce too); fixed staging buffers on the GPU
         host = sum(outer.values())
         outer = {k: 0.0 for k in outer}
         outer["outer_staging"] = min(3 * 5 * cfg.outer_chunk_mb * 2**20, 3 * 5 * 4 * shard)  # outer_store.SLOTS
@@ -638,7 +637,7 @@ def format_table(p: Plan) -> str:
                                   + (f"{m['activations']:.2f}" if p.activations_estimated else "not estimated")
                                   + fits + f"; outer state on the {c.outer_state}"
                                   + (f" ({p.host_memory_gib:.2f} GiB host memory per GPU)"
-                                     if c.outer_state == "cpu" else "")),
+                                     if c.outer_state == "host" else "")),
         ("memory / GPU, AllReduce job", f"{p.baseline_memory_gib:.2f} GiB"),
         ("inner step", _fmt_s(p.compute_step_s) + ("  (measured)" if c.step_time_s is not None else
                                                    f"  ({p.config.gpu_tflops:g} TFLOP/s per GPU)")),
@@ -731,7 +730,7 @@ def from_training_command(argv: list[str]) -> dict[str, Any]:
         "recompute": a.recompute_granularity or "none", "param_bytes": 2 if (a.bf16 or a.fp16) else 4,
         "replicas": a.diloco_x_replicas, "local_steps": a.diloco_x_local_steps, "codec": a.diloco_x_compression,
         "overlap": a.diloco_x_overlap, "outer_momentum": a.diloco_x_outer_momentum,
-        "outer_state": a.diloco_x_outer_state, "outer_chunk_mb": a.diloco_x_outer_chunk_mb,
+        "outer_state": OUTER_STATE_ALIASES.get(a.diloco_x_outer_state, a.diloco_x_outer_state), "outer_chunk_mb": a.diloco_x_outer_chunk_mb,
         "rank": a.diloco_x_rank, "energy": a.diloco_x_energy,
         "warmup_local_steps": auto(a.diloco_x_warmup_local_steps), "warmup_iters": auto(a.diloco_x_warmup_iters),
         "warmup_overlap_steps": auto(a.diloco_x_warmup_overlap_steps),
@@ -764,7 +763,7 @@ def training_flags(cfg: PlanConfig, p: "Plan") -> str:
              f"--diloco-x-bandwidth-mbps {p.bandwidth_flag_mbps:g}"]
     if cfg.outer_momentum:
         flags.append(f"--diloco-x-outer-momentum {cfg.outer_momentum:g}")
-    if cfg.outer_state != "gpu":
+    if cfg.outer_state != "device":
         flags.append(f"--diloco-x-outer-state {cfg.outer_state}")
     for name, flag in (("warmup_local_steps", "--diloco-x-warmup-local-steps"),
                        ("warmup_iters", "--diloco-x-warmup-iters"),
@@ -779,7 +778,7 @@ def outer_state_options(cfg: PlanConfig) -> list[dict[str, Any]]:
     """Per-GPU memory of ``cfg`` with the outer state on the GPU and on the host, and whether each fits
     ``gpu_memory_gib`` (None when it is not given): ``[{"outer_state", "gpu_gib", "host_gib", "fits"}]``."""
     out = []
-    for where in ("gpu", "cpu"):
+    for where in ("device", "host"):
         p = plan(dataclasses.replace(cfg, outer_state=where))
         total = p.memory_gib["total"]
         out.append({"outer_state": where, "gpu_gib": total, "host_gib": p.host_memory_gib,
@@ -796,7 +795,7 @@ def format_outer_state_options(cfg: PlanConfig, options: list[dict[str, Any]]) -
         fit = ("" if o["fits"] is None else
                f"  {'fits' if o['fits'] else 'does NOT fit'} {cfg.gpu_memory_gib:g} GiB{counted}")
         host = (f" + {o['host_gib']:.2f} GiB host ({o['host_gib_per_node']:.0f} GiB per {cfg.gpus_per_node}-GPU node)"
-                if o["outer_state"] == "cpu" else "")
+                if o["outer_state"] == "host" else "")
         lines.append(f"  --diloco-x-outer-state {o['outer_state']}: {o['gpu_gib']:.2f} GiB GPU{host}{fit}")
     if cfg.gpu_memory_gib is not None:
         fitting = [o["outer_state"] for o in options if o["fits"]]

@@ -43,7 +43,7 @@ def _trajectory(rank: int, device: str, cfg: DiLoCoXConfig, resume: DiLoCoXConfi
         at += n
     view = ShardView(shards)
     sync = OuterSync(view, cfg, dist.group.WORLD)
-    if cfg.outer_state == "cpu":
+    if cfg.outer_state == "host":
         assert sync.theta.device.type == "cpu" and sync.store.held(sync.theta)
         assert len(sync.store.ranges()) == -(-total // CHUNK_ALIGN) > 2  # several chunks, a tail
     out, step = [], 0
@@ -72,7 +72,7 @@ def _trajectory(rank: int, device: str, cfg: DiLoCoXConfig, resume: DiLoCoXConfi
     # the replicas' check streams host-held state through the device: the fingerprint of the whole
     state = sync.outer.tensors()
     assert torch.equal(sync.fingerprint(state).cpu(), fingerprint([t.cpu() for t in state]))
-    if sync.config.outer_state == "cpu":  # three slots x at most 5 tensors x one chunk
+    if sync.config.outer_state == "host":  # three slots x at most 5 tensors x one chunk
         assert 0 < sync.store.staging_bytes() <= SLOTS * 5 * chunk_elements(CHUNK_MB) * 4
     return out
 
@@ -87,18 +87,18 @@ def compare_layouts(rank: int, world: int, codec: str, device: str) -> None:
     """On each rank: every overlap mode with the outer state on the device and in host memory
     (bit for bit), mixed layouts across replicas, checkpoints moved between the layouts."""
     for overlap in OVERLAPS:
-        gpu = _trajectory(rank, device, _config(world, codec, "gpu", **overlap))
-        cpu = _trajectory(rank, device, _config(world, codec, "cpu", **overlap))
+        gpu = _trajectory(rank, device, _config(world, codec, "device", **overlap))
+        cpu = _trajectory(rank, device, _config(world, codec, "host", **overlap))
         _same(gpu, cpu, f"{codec} {overlap}")
     # the chunked encode puts the same bytes on the link: replicas may choose their layouts apiece
-    mixed = _trajectory(rank, device, _config(world, codec, "gpu" if rank == 0 else "cpu", overlap="delayed"))
-    _same(_trajectory(rank, device, _config(world, codec, "gpu", overlap="delayed")), mixed, f"{codec} mixed")
+    mixed = _trajectory(rank, device, _config(world, codec, "device" if rank == 0 else "host", overlap="delayed"))
+    _same(_trajectory(rank, device, _config(world, codec, "device", overlap="delayed")), mixed, f"{codec} mixed")
     # checkpoints move between the layouts: a resume into either layout continues alike
     for overlap in (dict(overlap="delayed"), dict(overlap="eager"), dict(overlap="partial", overlap_steps=2)):
         runs = {(a, b): _trajectory(rank, device, _config(world, codec, a, **overlap),
                                     resume=_config(world, codec, b, **overlap))
-                for a in ("gpu", "cpu") for b in ("gpu", "cpu")}
+                for a in ("device", "host") for b in ("device", "host")}
         for key, run in runs.items():
-            _same(runs[("gpu", "gpu")], run, f"{codec} {overlap} checkpoint {key}")
+            _same(runs[("device", "device")], run, f"{codec} {overlap} checkpoint {key}")
 
 

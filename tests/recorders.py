@@ -13,7 +13,7 @@
   * ``replica_gathers``: ``{iteration: n}``, all-gathers issued on groups inside one replica (the
     intra-replica DP group's parameter gathers), counted by the same pre-hooks;
   * ``outer``: sizes of the outer state after the first step, and whether the exchange buffer
-    (delta) is held in host memory;
+    (exchange_buffer) is held in host memory;
   * ``step_ops``: per optimizer step, ``[step_calls, n, outer_work]``: ``n`` the tensor operations
     (aten ops, counted by a dispatch mode on the training thread) that ``DiLoCoXOptimizer.step``
     dispatched outside the inner optimizer's own step, and whether the step ran outer work (a
@@ -281,7 +281,7 @@ class TrainingRecorder(Recorder):
                     "momentum_numel": (opt.sync.outer.momentum_buffer.numel()
                                        if opt.sync.outer.momentum_buffer is not None else 0),
                     "main_shard_numel": sum(t.numel() for t in opt.view.shards),
-                    "delta_held": opt.sync.store.held(opt.sync.delta),  # the exchange buffer in host memory
+                    "delta_held": opt.sync.store.held(opt.sync.exchange_buffer),  # the exchange buffer in host memory
                     # the exchange runs on the outer group's gloo mirror, not on the outer group itself
                     "exchange_on_mirror": opt.sync.exchange_group is not opt.sync.group,
                     # the replica's ranks that share the site's link (--diloco-x-bandwidth-mbps / S each)
@@ -443,7 +443,7 @@ class CheckpointRecorder(Recorder):
                 live = {t.data_ptr() for d in opt.dist_opts for g in d.optimizer.param_groups for p in g["params"]
                         for t in [p, *[v for v in d.optimizer.state.get(p, {}).values()
                                        if isinstance(v, torch.Tensor)]]}
-                live |= {t.data_ptr() for t in (opt.sync.theta, opt.sync.outer.momentum_buffer, opt.sync.delta,
+                live |= {t.data_ptr() for t in (opt.sync.theta, opt.sync.outer.momentum_buffer, opt.sync.exchange_buffer,
                                                opt.sync.residual, opt.sync.eager_anchor) if t is not None}
                 ours = [v for key, v in sd.items() if str(key).startswith("diloco_x")]
                 tensors = [v for v in nested_values(ours) if isinstance(v, ShardedTensor)]

@@ -216,9 +216,9 @@ def test_async_save_with_the_host_outer_state_is_refused_naming_both_flags():
     later: the host-held outer state would be saved as a mix of rounds. Refused before training,
     naming both flags; the device layout keeps --async-save."""
     args = megatron_args(async_save=True)
-    with pytest.raises(ValueError, match="--async-save.*--diloco-x-outer-state cpu"):
-        validate_megatron_args(args, DiLoCoXConfig(replicas=2, outer_state="cpu"))
-    validate_megatron_args(args, DiLoCoXConfig(replicas=2, outer_state="gpu"))
+    with pytest.raises(ValueError, match="--async-save.*--diloco-x-outer-state host"):
+        validate_megatron_args(args, DiLoCoXConfig(replicas=2, outer_state="host"))
+    validate_megatron_args(args, DiLoCoXConfig(replicas=2, outer_state = "device"))
     assert args.async_save
 
 
@@ -284,7 +284,7 @@ def test_a_resume_keeps_an_auto_warmup_and_warns_on_changed_flags(caplog):
     (dict(rank=8), "--diloco-x-rank applies to --diloco-x-compression lowrank"),
     (dict(energy=0.5, compression="int4"), "--diloco-x-energy applies to --diloco-x-compression adaptive"),
     (dict(nesterov=False), "--diloco-x-no-nesterov changes nothing"),
-    (dict(outer_chunk_mb=4.0), "--diloco-x-outer-chunk-mb applies to --diloco-x-outer-state cpu"),
+    (dict(outer_chunk_mb=4.0), "--diloco-x-outer-chunk-mb applies to --diloco-x-outer-state host"),
     (dict(bandwidth_mbps=1000.0, overlap="delayed"), "--diloco-x-bandwidth-mbps sizes auto tau"),
 ])
 def test_settings_that_do_nothing_are_named(kwargs, phrase):
@@ -293,7 +293,7 @@ def test_settings_that_do_nothing_are_named(kwargs, phrase):
     assert any(phrase in w for w in DiLoCoXConfig(replicas=2, **kwargs).ineffective_settings())
     acting = {"merge": dict(overlap="partial", merge="mix"), "mix_alpha": dict(merge="mix", mix_alpha=0.3),
               "rank": dict(compression="lowrank", rank=8), "energy": dict(compression="adaptive", energy=0.5),
-              "nesterov": dict(nesterov=False, outer_momentum=0.9), "outer_chunk_mb": dict(outer_state="cpu", outer_chunk_mb=4.0),
+              "nesterov": dict(nesterov=False, outer_momentum=0.9), "outer_chunk_mb": dict(outer_state="host", outer_chunk_mb=4.0),
               "bandwidth_mbps": dict(bandwidth_mbps=1000.0)}
     field = next(k for k in acting if k in kwargs)
     assert DiLoCoXConfig(replicas=2, **acting[field]).ineffective_settings() == []

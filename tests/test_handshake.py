@@ -72,7 +72,7 @@ def test_a_difference_names_the_flag_and_both_values(theirs, phrase):
 def test_what_may_differ_or_is_unused_is_not_compared():
     """The outer state's place and chunking, timeouts and the given bandwidth are per launch (same bits,
     or agreed at run time); the low-rank rank and the adaptive energy matter only to their codecs."""
-    other = dataclasses.replace(CFG, outer_state="cpu", outer_chunk_mb=4.0, outer_timeout_minutes=30.0,
+    other = dataclasses.replace(CFG, outer_state="host", outer_chunk_mb=4.0, outer_timeout_minutes=30.0,
                                 distributed_timeout_minutes=20.0, bandwidth_mbps=100.0, rank=8, energy=0.5)
     assert differences(_describe(CFG), _describe(other), 1) == []
     lowrank = dataclasses.replace(CFG, compression="lowrank")

@@ -294,19 +294,19 @@ def test_checkpoint_resume_is_exact(tmp_path, codec, overlap):
 
 
 def test_host_outer_state_trains_alike_and_checkpoints_across_layouts(tmp_path):
-    """``--diloco-x-outer-state cpu`` (chunks of 2560 elements: several per rank's shard) trains to the
+    """``--diloco-x-outer-state host`` (chunks of 2560 elements: several per rank's shard) trains to the
     same losses as the device layout, bit for bit, and a checkpoint saved mid-round (exchange in
     flight; eager anchor, int8 residual, momentum) with either layout resumes in the other exactly."""
     base = ["--train-iters", "12", "--diloco-x-local-steps", "4", "--diloco-x-overlap", "eager",
             "--diloco-x-compression", "int8", "--diloco-x-outer-momentum", "0.9", "--save-interval", "1000",
             "--no-load-rng", "--diloco-x-outer-chunk-mb", "0.01"]
-    gpu, log = run_megatron(tmp_path, base + ["--diloco-x-outer-state", "gpu"])
-    cpu, log_cpu = run_megatron(tmp_path, base + ["--diloco-x-outer-state", "cpu"])
-    assert "outer_state='cpu', outer_chunk_mb=0.01" in log_cpu  # the config install() printed
+    gpu, log = run_megatron(tmp_path, base + ["--diloco-x-outer-state", "device"])
+    cpu, log_cpu = run_megatron(tmp_path, base + ["--diloco-x-outer-state", "host"])
+    assert "outer_state='host', outer_chunk_mb=0.01" in log_cpu  # the config install() printed
     want = losses(gpu)
     assert losses(cpu) == want and sorted(want[1]) == list(range(1, 13))
     assert summary(log_cpu)["replicas_identical"] and summary(log_cpu)["final_loss"] == summary(log)["final_loss"]
-    for saved, resumed in (("gpu", "cpu"), ("cpu", "gpu")):
+    for saved, resumed in (("device", "host"), ("host", "device")):
         ckpt = str(tmp_path / f"ckpt-{saved}")
         run_megatron(tmp_path, base + ["--diloco-x-outer-state", saved, "--save", ckpt, "--exit-interval", "6"])
         leg2, log2 = run_megatron(tmp_path, base + ["--diloco-x-outer-state", resumed, "--load", ckpt])
@@ -318,15 +318,17 @@ def test_host_outer_state_trains_alike_and_checkpoints_across_layouts(tmp_path):
 
 
 def test_host_outer_state_all_reduces_none_on_the_host(tmp_path):
-    """``none`` with ``--diloco-x-outer-state cpu`` in one world of 2 replicas: the all-reduce buffer
+    """``none`` with ``--diloco-x-outer-state host`` in one world of 2 replicas: the all-reduce buffer
     is held in host memory with the outer state (no device payload) and the collective runs on it in
     place, over the outer group's gloo mirror (on GPUs the outer group is NCCL; the mirror is what
     lets the buffer leave the device there); the default overlap (partial, tau fixed at 2 so that
     both runs land alike) trains to the device layout's losses bit for bit."""
     base = ["--train-iters", "8", "--diloco-x-local-steps", "4", "--diloco-x-compression", "none",
             "--diloco-x-overlap-steps", "2", "--diloco-x-outer-chunk-mb", "0.01"]
+    # the names before device / host, still accepted: gpu = device, cpu = host
     gpu, _ = run_megatron(tmp_path, base + ["--diloco-x-outer-state", "gpu"])
     cpu, log = run_megatron(tmp_path, base + ["--diloco-x-outer-state", "cpu"])
+    assert "outer_state='host'" in log
     assert [r["outer"]["delta_held"] for r in gpu] == [False] * 4
     assert [r["outer"]["delta_held"] for r in cpu] == [True] * 4
     assert [r["outer"]["exchange_on_mirror"] for r in gpu] == [False] * 4

@@ -168,7 +168,7 @@ def _scenario_worker_frozen(rank: int, world: int, event) -> None:
     mirror = host_mirror_of_outer_groups(2)
     torch.manual_seed(0)
     w = torch.randn(32, 48)
-    sync = OuterSync(ShardView([w]), cfg, dist.group.WORLD, shapes=[(32, 48)], host_group=mirror)
+    sync = OuterSync(ShardView([w]), cfg, dist.group.WORLD, shapes=[(32, 48)], gloo_group=mirror)
     if rank == 1:  # the worker's second exchange (round 2's) freezes. Counted, not swapped in at round
         real, calls = sync.codec.exchange, []  # 2: round 1's delayed exchange may not have started by then
 

@@ -1,4 +1,4 @@
-"""``--diloco-x-outer-state cpu``: the outer state in host memory, streamed through the device in
+"""``--diloco-x-outer-state host``: the outer state in host memory, streamed through the device in
 chunks, gives the same bits as keeping it on the device, for every single-collective codec and
 overlap mode, and checkpoints move between the two layouts (cases: ``tests/outer_state_cases.py``)."""
 
@@ -31,9 +31,9 @@ def test_host_outer_state_is_bit_identical_on_gpu(codec):
 
 
 @pytest.mark.parametrize("kwargs, flag", [
-    (dict(outer_state="host"), "--diloco-x-outer-state"),
-    (dict(outer_state="cpu", compression="lowrank"), "--diloco-x-outer-state"),
-    (dict(outer_state="cpu", compression="adaptive"), "--diloco-x-outer-state"),
+    (dict(outer_state="nvme"), "--diloco-x-outer-state"),
+    (dict(outer_state="host", compression="lowrank"), "--diloco-x-outer-state"),
+    (dict(outer_state="host", compression="adaptive"), "--diloco-x-outer-state"),
     (dict(outer_chunk_mb=0.0), "--diloco-x-outer-chunk-mb"),
 ])
 def test_outer_state_flags_validated(kwargs, flag):

@@ -52,20 +52,20 @@ def test_memory_hand_computed():
 
 
 def test_host_outer_state_memory_hand_computed():
-    """--outer-state cpu: theta, momentum, residual, eager anchor and the quantized codecs' exchange
+    """--outer-state host: theta, momentum, residual, eager anchor and the quantized codecs' exchange
     buffer leave the GPU for the host, and so does ``none``'s all-reduce buffer (its all-reduce runs
     in host memory over gloo); the quantized payload buffers and the fixed staging stay."""
     gib, shard = 2**30, 0.5e9
     payload = blockwise_payload_bytes(500_000_000, "int8")
     kw = dict(params=8e9, tp=2, pp=2, dp=4, codec="int8", outer_momentum=0.9, overlap="eager")
-    on_gpu, on_host = plan(cfg(**kw)), plan(cfg(**kw, outer_state="cpu", outer_chunk_mb=16.0))
+    on_gpu, on_host = plan(cfg(**kw)), plan(cfg(**kw, outer_state="host", outer_chunk_mb=16.0))
     assert on_gpu.memory_gib["outer"] * gib == pytest.approx(20 * shard + 3 * payload)  # 5 vectors + anchor
     assert on_gpu.host_memory_gib == 0
     assert on_host.memory_gib["outer"] * gib == pytest.approx(SLOTS * 5 * 16 * 2**20 + 3 * payload)
     assert on_host.host_memory_gib * gib == pytest.approx(20 * shard)
     assert on_host.memory_gib["inner"] == on_gpu.memory_gib["inner"]
     # none: the fp32 all-reduce buffer is held on the host with theta and momentum; only staging on the GPU
-    raw = plan(cfg(params=8e9, tp=2, pp=2, dp=4, codec="none", outer_state="cpu", outer_momentum=0.9))
+    raw = plan(cfg(params=8e9, tp=2, pp=2, dp=4, codec="none", outer_state="host", outer_momentum=0.9))
     assert raw.host_memory_gib * gib == pytest.approx(12 * shard)  # theta, momentum, the all-reduce buffer
     assert raw.memory_gib["outer"] * gib == pytest.approx(SLOTS * 5 * 16 * 2**20)
 
@@ -73,14 +73,14 @@ def test_host_outer_state_memory_hand_computed():
 def test_paper_preset_prints_both_outer_states_and_which_fits(capsys):
     assert main(["--preset", "paper"]) == 0
     text = capsys.readouterr().out
-    assert "--diloco-x-outer-state gpu: 113.41 GiB GPU  does NOT fit 80 GiB" in text
-    assert "--diloco-x-outer-state cpu: 93.72 GiB GPU + 19.93 GiB host" in text
+    assert "--diloco-x-outer-state device: 113.41 GiB GPU  does NOT fit 80 GiB" in text
+    assert "--diloco-x-outer-state host: 93.72 GiB GPU + 19.93 GiB host" in text
     assert "-> fits: neither layout" in text  # fp32 main grads: the inner state alone is 89.69 GiB
-    assert "--diloco-x-outer-state cpu: 68.80 GiB GPU + 19.93 GiB host (159 GiB per 8-GPU node)  fits 80 GiB" in text
-    assert "-> fits: outer state on the cpu" in text  # bf16 main grads: only the host layout fits
+    assert "--diloco-x-outer-state host: 68.80 GiB GPU + 19.93 GiB host (159 GiB per 8-GPU node)  fits 80 GiB" in text
+    assert "-> fits: outer state on the host" in text  # bf16 main grads: only the host layout fits
     assert main(["--preset", "paper", "--json"]) == 0
     options = json.loads(capsys.readouterr().out)["outer_state_options"]
-    assert [(o["outer_state"], o["fits"]) for o in options] == [("gpu", False), ("cpu", False)]
+    assert [(o["outer_state"], o["fits"]) for o in options] == [("device", False), ("host", False)]
 
 
 @pytest.mark.parametrize("fmt, numel", [("int8", 1000), ("int8", 4096), ("int4", 1001), ("int4", 300)])

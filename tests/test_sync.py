@@ -360,7 +360,7 @@ def test_int4_none_three_replicas():
     run_world(_compressed_worker, 3, "int4", "none")
 
 
-def _nonfinite_worker(rank, world, overlap, codec, where="gpu"):
+def _nonfinite_worker(rank, world, overlap, codec, where="device"):
     cfg = DiLoCoXConfig(replicas=world, local_steps=1, outer_lr=0.5, outer_momentum=0.9,
                         overlap=overlap, compression=codec, outer_state=where,
                         outer_chunk_mb=256 * 4 / 2**20)  # cpu: chunks of 256 and a tail of 44
@@ -390,11 +390,11 @@ def _nonfinite_worker(rank, world, overlap, codec, where="gpu"):
     assert sync.skipped_rounds == 1 and torch.isfinite(sync.theta).all()
 
 
-@pytest.mark.parametrize("overlap, codec, where", [("none", "none", "gpu"), ("delayed", "int8", "gpu"),
-                                                   ("delayed", "none", "gpu"), ("eager", "int8", "gpu"),
-                                                   ("eager", "int8", "cpu"), ("none", "none", "cpu"),
-                                                   ("partial", "int4", "gpu"), ("partial", "int4", "cpu"),
-                                                   ("partial", "none", "cpu")])
+@pytest.mark.parametrize("overlap, codec, where", [("none", "none", "device"), ("delayed", "int8", "device"),
+                                                   ("delayed", "none", "device"), ("eager", "int8", "device"),
+                                                   ("eager", "int8", "host"), ("none", "none", "host"),
+                                                   ("partial", "int4", "device"), ("partial", "int4", "host"),
+                                                   ("partial", "none", "host")])
 def test_nonfinite_pseudo_gradient_skips_round_everywhere(overlap, codec, where):
     """(``where``: --diloco-x-outer-state; cpu: the outer state in host memory, streamed in chunks)"""
     run_world(_nonfinite_worker, 2, overlap, codec, where)
@@ -560,12 +560,12 @@ def _host_none_worker(rank, world):
     as_nccl = lambda g=None: "nccl" if g is outer else real(g)  # noqa: E731  (the outer group of one NCCL world)
     x0 = torch.linspace(-1, 1, 40)
     with mock.patch.object(dist, "get_backend", as_nccl):
-        for where, host_group, held in (("gpu", mirror, False), ("cpu", None, False), ("cpu", mirror, True)):
+        for where, gloo_group, held in (("device", mirror, False), ("host", None, False), ("host", mirror, True)):
             cfg = DiLoCoXConfig(replicas=2, local_steps=H, compression="none", outer_state=where,
                                 outer_lr=1.0, outer_momentum=0.0)
             x = x0.clone()
-            sync = OuterSync(ShardView([x]), cfg, outer, host_group=host_group)
-            assert sync.store.held(sync.delta) == held, (where, host_group)
+            sync = OuterSync(ShardView([x]), cfg, outer, gloo_group=gloo_group)
+            assert sync.store.held(sync.exchange_buffer) == held, (where, gloo_group)
             assert (sync.exchange_group is mirror) == held  # NCCL's device buffer, or the mirror on the host
             x.sub_(0.1 * (rank // 2 + 1))  # replica r's progress; the mean 0.15
             sync.boundary()
@@ -574,7 +574,7 @@ def _host_none_worker(rank, world):
 
 
 def test_host_layout_all_reduces_none_on_the_mirror_of_an_nccl_outer_group():
-    """``none`` with ``--diloco-x-outer-state cpu`` in one world whose outer group is NCCL: its fp32
+    """``none`` with ``--diloco-x-outer-state host`` in one world whose outer group is NCCL: its fp32
     all-reduce runs on the gloo mirror in host memory (the device keeps no buffer for it); without a
     mirror (or with the device layout) the buffer stays on the device, as NCCL needs."""
     run_world(_host_none_worker, 4)
@@ -739,7 +739,7 @@ def _partial_compressed_worker(rank: int, world: int, codec: str, where: str) ->
     assert torch.equal(partial.residual, blocking.residual) and partial.residual.abs().sum() > 0
 
 
-@pytest.mark.parametrize("codec, where", [("int4", "gpu"), ("int4", "cpu"), ("int8", "gpu")])
+@pytest.mark.parametrize("codec, where", [("int4", "device"), ("int4", "host"), ("int8", "device")])
 def test_partial_compressed_at_tau_0_is_blocking_bit_for_bit(codec, where):
     """partial with a blockwise codec at tau = 0 is blocking DiLoCo with the same codec bit for bit,
     the error-feedback residual included, whichever pass encodes and whichever buffer receives e_new
@@ -851,7 +851,7 @@ def test_checkpoint_keeps_what_auto_tau_is_sized_from():
     assert resumed._choose_overlap_steps() == 4 and resumed.timeout_s() == sync.timeout_s()
     resumed.before_boundary(None)  # no whole iteration timed since the resume: the checkpoint's stays
     assert resumed.step_time_s == 0.1
-    resumed.pending = ExchangeHandle.completed(resumed.delta, resumed.store)  # as restored in flight
+    resumed.pending = ExchangeHandle.completed(resumed.exchange_buffer, resumed.store)  # as restored in flight
     resumed.drain()
     assert resumed.last_completed.exchange_s == 0.35 and resumed._choose_overlap_steps() == 4
 
@@ -997,10 +997,10 @@ def _diverged_theta_worker(rank: int, world: int, overlap: str, codec: str, wher
 
 
 @pytest.mark.parametrize("overlap, codec, where, decision", [
-    ("none", "none", "gpu", "world"),
-    ("delayed", "int8", "gpu", "separate"),
-    ("eager", "int4", "cpu", "world"),
-    ("partial", "int8", "cpu", "separate"),
+    ("none", "none", "device", "world"),
+    ("delayed", "int8", "device", "separate"),
+    ("eager", "int4", "host", "world"),
+    ("partial", "int8", "host", "separate"),
 ])
 def test_a_diverged_theta_stops_the_next_boundary_on_every_rank(overlap, codec, where, decision):
     """theta of one replica at one shard loses one bit between boundaries (as a corrupted transfer or

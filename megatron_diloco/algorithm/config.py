@@ -13,7 +13,10 @@ OVERLAP_MODES: tuple[str, ...] = ("none", "delayed", "eager", "partial")
 #: How ``partial`` merges the outer step into the local params (``--diloco-x-merge``).
 MERGE_RULES: tuple[str, ...] = ("exact", "mix")
 #: Where the outer state lives (``--diloco-x-outer-state``).
-OUTER_STATES: tuple[str, ...] = ("gpu", "cpu")
+OUTER_STATES: tuple[str, ...] = ("device", "host")
+#: The earlier names of :data:`OUTER_STATES`, still accepted: ``gpu`` is the compute device (the CPU in
+#: a CPU run), ``cpu`` host memory.
+OUTER_STATE_ALIASES: dict[str, str] = {"gpu": "device", "cpu": "host"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +47,7 @@ CODECS: dict[str, CodecSpec] = {spec.name: spec for spec in (
     CodecSpec("adaptive", lossy=True, collective="all-gather", matrix=True),
 )}
 #: The blockwise codecs (one async all-gather of a quantized payload, error feedback): the values of
-#: ``--diloco-x-warmup-compression``, the codecs ``--diloco-x-outer-state cpu`` takes besides ``none``.
+#: ``--diloco-x-warmup-compression``, the codecs ``--diloco-x-outer-state host`` takes besides ``none``.
 BLOCKWISE: tuple[str, ...] = tuple(name for name, spec in CODECS.items() if spec.lossy and not spec.matrix)
 #: k of the derived outer timeout: an exchange may take k times a round's compute (or k times the
 #: longest exchange seen) before the link counts as hung (see :meth:`DiLoCoXConfig.outer_timeout_s`).
@@ -190,21 +193,22 @@ class DiLoCoXConfig:
     at the first boundary by every outer group at once (a rank's share directly; ``adaptive`` only)."""
 
     # ---------------- memory ----------------
-    outer_state: str = "gpu"
-    """Where the outer state of the rank's shard lives (``--diloco-x-outer-state``): ``gpu`` (theta,
+    outer_state: str = "device"
+    """Where the outer state of the rank's shard lives (``--diloco-x-outer-state``): ``device`` (theta,
     the outer momentum, the error-feedback residual, the eager anchor and the partial launch point on
-    the device: 8-20 B per shard element there) or ``cpu`` (in host memory, pinned when CUDA is
+    the compute device: 8-20 B per shard element there) or ``host`` (in host memory, pinned when CUDA is
     available; each boundary streams them through the device in chunks of
     ``--diloco-x-outer-chunk-mb``, the copies overlapping the compute on side CUDA streams). With
-    ``cpu`` the device keeps the staging buffers (fixed size) and the exchange's payload: none for
+    ``host`` the device keeps the staging buffers (fixed size) and the exchange's payload: none for
     ``none`` (its fp32 all-reduce runs in host memory, over the outer group's gloo mirror in one
     world, over the gloo outer group of replicas in separate worlds), the encoded payload for the
     blockwise codecs (about 1 B int8/fp8, 0.5 B int4, plus the R payloads gathered while in flight). Same bits as
-    ``gpu``; the boundary moves the state over the host link (PCIe) instead. The matrix codecs
-    (``lowrank``, ``lowrank-int8``, ``adaptive``) need ``gpu``."""
+    ``device``; the boundary moves the state over the host link (PCIe) instead. The matrix codecs
+    (``lowrank``, ``lowrank-int8``, ``adaptive``) need ``device``. The earlier names ``gpu`` and ``cpu``
+    are accepted for ``device`` and ``host`` (:data:`OUTER_STATE_ALIASES`)."""
 
     outer_chunk_mb: float = 16.0
-    """``--diloco-x-outer-state cpu``: MiB of fp32 per staged chunk (``--diloco-x-outer-chunk-mb``;
+    """``--diloco-x-outer-state host``: MiB of fp32 per staged chunk (``--diloco-x-outer-chunk-mb``;
     rounded down to whole 256-element blocks). The device holds three chunks per tensor a pass touches
     (at most 5): 240 MiB at the default, whatever the model size. Larger chunks mean fewer, longer
     copies (16 MiB already moves at full PCIe speed)."""
@@ -234,6 +238,8 @@ class DiLoCoXConfig:
     derived outer timeout."""
 
     def __post_init__(self) -> None:
+        if self.outer_state in OUTER_STATE_ALIASES:
+            object.__setattr__(self, "outer_state", OUTER_STATE_ALIASES[self.outer_state])
         self.validate()
 
     def validate(self) -> None:
@@ -350,11 +356,11 @@ class DiLoCoXConfig:
         if self.outer_state not in OUTER_STATES:
             raise ValueError(f"--diloco-x-outer-state must be one of {', '.join(OUTER_STATES)}, "
                              f"got {self.outer_state!r}")
-        if self.outer_state == "cpu" and CODECS[self.compression].matrix:
+        if self.outer_state == "host" and CODECS[self.compression].matrix:
             raise ValueError(
-                f"--diloco-x-outer-state cpu supports --diloco-x-compression {', '.join(['none', *BLOCKWISE])}, not "
+                f"--diloco-x-outer-state host supports --diloco-x-compression {', '.join(['none', *BLOCKWISE])}, not "
                 f"{self.compression!r} (its low-rank factors work per tensor on the whole shard); use "
-                "--diloco-x-outer-state gpu with it")
+                "--diloco-x-outer-state device with it")
         if not (0.0 < self.outer_chunk_mb < float("inf")):
             raise ValueError(f"--diloco-x-outer-chunk-mb must be a finite number > 0, got {self.outer_chunk_mb!r}")
 
@@ -370,7 +376,7 @@ class DiLoCoXConfig:
         ``none`` with the outer state on the host (its fp32 all-reduce in host memory: no device
         buffer for it; the outer link is the slow one, NCCL's speed buys nothing there)."""
         spec = CODECS[self.compression]
-        return spec.matrix or (self.outer_state == "cpu" and not spec.lossy)
+        return spec.matrix or (self.outer_state == "host" and not spec.lossy)
 
     def ineffective_settings(self) -> list[str]:
         """Settings that differ from their defaults but do nothing with the others given, one sentence
@@ -391,8 +397,8 @@ class DiLoCoXConfig:
                        f"(compression is {self.compression})")
         if not self.nesterov and self.outer_momentum == 0.0:
             out.append("--diloco-x-no-nesterov changes nothing with --diloco-x-outer-momentum 0 (no momentum)")
-        if self.outer_chunk_mb != d["outer_chunk_mb"] and self.outer_state != "cpu":
-            out.append("--diloco-x-outer-chunk-mb applies to --diloco-x-outer-state cpu only")
+        if self.outer_chunk_mb != d["outer_chunk_mb"] and self.outer_state != "host":
+            out.append("--diloco-x-outer-chunk-mb applies to --diloco-x-outer-state host only")
         auto_tau = self.overlap == "partial" and (self.overlap_steps is None or bool(self.warmup_iters))
         if self.bandwidth_mbps is not None and not auto_tau and self.compression != "adaptive":
             out.append("--diloco-x-bandwidth-mbps sizes auto tau (--diloco-x-overlap partial, --diloco-x-overlap-steps "

@@ -216,12 +216,12 @@ class ExchangeHandle:
         self._finished = True
 
 
-def outer_step(outer: OuterNesterov, delta: torch.Tensor, store: "OuterStore | None" = None,
+def outer_step(outer: OuterNesterov, avg: torch.Tensor, store: "OuterStore | None" = None,
                after: AfterStep | None = None) -> None:
-    """``outer.step(delta)`` (then ``after``), chunk by chunk through ``store`` when it keeps the outer
-    state (or ``delta``) in host memory; ``delta`` is scratch (garbage afterwards where it is on the
+    """``outer.step(avg)`` (then ``after``), chunk by chunk through ``store`` when it keeps the outer
+    state (or ``avg``) in host memory; ``avg`` is scratch (garbage afterwards where it is on the
     device)."""
-    step_chunks(outer, store or OuterStore(delta.numel(), delta.device), [delta],
+    step_chunks(outer, store or OuterStore(avg.numel(), avg.device), [avg],
                 lambda lo, hi, lead, o: o.step(lead[0]), after)
 
 

@@ -163,7 +163,7 @@ class FederatedRounds:
                          # False at a job's start: no boundary follows this meeting on that job
                          "in_boundary": not self._joining},
                 # at a job's start, the exchange its checkpoint restored (its mean), applied tau steps in
-                "pending": sync.delta if self._joining and sync.pending is not None else None}
+                "pending": sync.exchange_buffer if self._joining and sync.pending is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         """Take a peer's :meth:`state_dict` (called during :meth:`meet` when this job is behind)."""
@@ -237,7 +237,7 @@ class FederatedRounds:
                 sync.residual.copy_(self.rollback)  # the residual before that launch
             logger.warning("DiLoCoX round %d: the last round was committed by no job; theta unchanged, this "
                            "boundary's pseudo-gradient covers both rounds", sync.rounds)
-        sync.x_is_theta = False
+        sync.params_shared = False
 
     def before_pseudo_gradient(self) -> None:
         """``none``: keep x (the rollback of a failed round)."""
@@ -287,15 +287,15 @@ class FederatedRounds:
         self.stats["failed_rounds"] += 1
         if sync.config.overlap == "none" and self.rollback is not None:
             sync.x_from(self.rollback)  # x as before the pseudo-gradient
-            sync.x_is_theta = False
+            sync.params_shared = False
         logger.warning("DiLoCoX round %d failed on this job: %s; theta and m unchanged, resolved at the next "
                        "boundary", sync.rounds, why)
 
     def rotate_residual(self) -> None:
-        """``partial`` with a lossy codec, at the launch: e <- e_new (in ``delta``), keep e_old in the
-        rollback buffer, ``delta`` takes the rollback's storage (scratch until the mean arrives)."""
+        """``partial`` with a lossy codec, at the launch: e <- e_new (in ``exchange_buffer``), keep e_old in the
+        rollback buffer, ``exchange_buffer`` takes the rollback's storage (scratch until the mean arrives)."""
         sync = self.sync
-        sync.residual, sync.delta, self.rollback = sync.delta, self.rollback, sync.residual
+        sync.residual, sync.exchange_buffer, self.rollback = sync.exchange_buffer, self.rollback, sync.residual
 
     @torch.no_grad()
     def settle(self, handle: ExchangeHandle, after: AfterStep | None) -> bool:
@@ -304,20 +304,20 @@ class FederatedRounds:
         sync = self.sync
         ok = True
         try:
-            sync._complete(handle)  # the mean into delta (bounded)
+            sync._complete(handle)  # the mean into the exchange buffer (bounded)
         except OuterGroupError as err:
             ok = False
             why = str(err).split(". Nothing of this round")[0]
         if ok and not handle.restored and 0 < self.contributors < self.members:  # a joiner's zero row, weight 0
             scale = self.members / self.contributors
-            for _, _, (d,) in sync.store.stream(sync.delta, write=[sync.delta]):
+            for _, _, (d,) in sync.store.stream(sync.exchange_buffer, write=[sync.exchange_buffer]):
                 d.mul_(scale)
         committed = self.membership.commit(ok)
         if not committed:
             self.fail(why if not ok else "another rank of this job did not complete its exchange")
             return False
         self.committed += 1
-        sync._complete(handle, sync.outer, after)  # the step from the mean in delta
+        sync._complete(handle, sync.outer, after)  # the step from the mean in the exchange buffer
         return True
 
     # ---------------- joining ----------------
@@ -339,15 +339,15 @@ class FederatedRounds:
         self.set_position(healed)
         sync = self.sync
         sync.x_from(sync.theta)
-        sync.x_is_theta = True
+        sync.params_shared = True
         sync.pending = None
         if not healed["in_boundary"]:  # the run's jobs are starting too (resumed): start with them
             if self._healed_pending is not None:  # the exchange their checkpoints hold lands tau steps in
-                sync.delta.copy_(self._healed_pending)
-                sync.pending = ExchangeHandle.completed(sync.delta, sync.store)
+                sync.exchange_buffer.copy_(self._healed_pending)
+                sync.pending = ExchangeHandle.completed(sync.exchange_buffer, sync.store)
                 if sync.launch_point is not None:
                     sync.launch_point.copy_(sync.theta)
-                sync.x_is_theta = False
+                sync.params_shared = False
             return healed
         self.contributing = False
         try:

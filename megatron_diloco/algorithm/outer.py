@@ -5,7 +5,7 @@ Every tensor here is a *flat* fp32 vector over the rank's shard (see
 outer group, so ``theta`` and ``momentum`` are replicated across the outer group, bit for bit.
 
 Memory per parameter of the shard (fp32): ``theta`` 4 B + ``momentum`` 4 B (only when mu > 0);
-:class:`megatron_diloco.algorithm.sync.OuterSync` adds ``delta`` 4 B, ``residual`` 4 B (lossy codecs) and
+:class:`megatron_diloco.algorithm.sync.OuterSync` adds ``exchange_buffer`` 4 B, ``residual`` 4 B (lossy codecs) and
 ``eager_anchor`` 4 B (eager). On the device or in host memory (``--diloco-x-outer-state``,
 :mod:`megatron_diloco.algorithm.outer_store`); a step over host-held state runs chunk by chunk on staged
 copies (:meth:`OuterNesterov.over`).
@@ -54,19 +54,19 @@ class OuterNesterov:
                              tensors[1] if self.momentum_buffer is not None else None)
 
     @torch.no_grad()
-    def step(self, delta: torch.Tensor) -> None:
-        """Apply one outer step with the averaged pseudo-gradient ``delta`` (fp32 ``[numel]``).
+    def step(self, avg: torch.Tensor) -> None:
+        """Apply one outer step with the averaged pseudo-gradient ``avg`` (fp32 ``[numel]``).
 
-        ``delta`` is used as scratch and holds garbage afterwards (saves a buffer of the shard size).
+        ``avg`` is used as scratch and holds garbage afterwards (saves a buffer of the shard size).
         """
         m = self.momentum_buffer
         if m is None:
-            self.theta.add_(delta, alpha=-self.lr)
+            self.theta.add_(avg, alpha=-self.lr)
             return
-        m.mul_(self.momentum).add_(delta)
+        m.mul_(self.momentum).add_(avg)
         if self.nesterov:
-            delta.add_(m, alpha=self.momentum)
-            self.theta.add_(delta, alpha=-self.lr)
+            avg.add_(m, alpha=self.momentum)
+            self.theta.add_(avg, alpha=-self.lr)
         else:
             self.theta.add_(m, alpha=-self.lr)
 

@@ -72,7 +72,7 @@ class OuterStore:
     Args:
         numel: N, elements of the rank's flat shard.
         device: the compute device (the shards' device).
-        on_host: ``--diloco-x-outer-state cpu``: keep the vectors in host memory.
+        on_host: ``--diloco-x-outer-state host``: keep the vectors in host memory.
         chunk: elements per chunk when ``on_host`` (:func:`chunk_elements`).
     """
 

@@ -138,20 +138,20 @@ class BoundaryProtocols:
         overlap = self.config.overlap
         eager = self.eager_anchor is not None
         reset_x = overlap in ("delayed", "eager")
-        resident = not self.store.held(self.delta)  # delta on the device: it is the chunk itself
-        host_send = self._host_all_reduce  # delta is the host all-reduce buffer: the pass writes it back
+        resident = not self.store.held(self.exchange_buffer)  # the buffer on the device: it is the chunk itself
+        host_send = self._host_all_reduce  # the buffer is the host all-reduce buffer: the pass writes it back
         c = self.config.outer_lr * ((1.0 + self.config.outer_momentum) if self.config.nesterov else 1.0)
         w = self.config.eager_weight
         if w is None:
             w = 1.0 / (dist.get_world_size(self.group) if self.group is not None else 1)
         outbox = None if self._executor is not None else Outbox(
-            self._round_codec(), self.view.numel, self.view.device, send=self.delta if resident or host_send else None)
-        tensors = [self.theta if reset_x else None, self.delta, self.residual, self.eager_anchor]
-        write_only = [self.eager_anchor, self.delta if host_send else None]
+            self._round_codec(), self.view.numel, self.view.device, send=self.exchange_buffer if resident or host_send else None)
+        tensors = [self.theta if reset_x else None, self.exchange_buffer, self.residual, self.eager_anchor]
+        write_only = [self.eager_anchor, self.exchange_buffer if host_send else None]
         input_sq: list[torch.Tensor] = []
         residual_sq: list[torch.Tensor] = []
         for lo, hi, (th, d, e, ea) in self.store.stream(
-                *tensors, write=[self.residual, *write_only], scratch=[self.delta, *write_only]):
+                *tensors, write=[self.residual, *write_only], scratch=[self.exchange_buffer, *write_only]):
             xs = self.view.pieces(lo, hi)
             if xs:  # the pseudo-gradient chunk, contiguous
                 torch.cat(xs, out=d)
@@ -159,7 +159,7 @@ class BoundaryProtocols:
                 input_sq.append(torch.dot(d, d) + 2 * torch.dot(d, e) + torch.dot(e, e))
             if ea is not None:  # a_r <- theta_t - c w delta_{r,t}
                 torch.mul(d, -c * w, out=ea).add_(th)
-            if outbox is not None and not host_send:  # (host_send: the store copies d back into delta)
+            if outbox is not None and not host_send:  # (host_send: the store copies d back into the buffer)
                 outbox.put(lo, d, e)
                 if e is not None:
                     residual_sq.append(torch.dot(e, e))
@@ -218,7 +218,7 @@ class BoundaryProtocols:
             if self._decide(sq, 0, theta_fp).skip:
                 return self._skip(sq, completed)
             self.pending = self._launch()  # also a_r (eager) and x <- a_r
-            self.x_is_theta = self.eager_anchor is None
+            self.params_shared = self.eager_anchor is None
         return RoundReport(self.rounds, completed is not None, self.pending.stats, completed, sq)
 
     def _partial_boundary(self, joined: bool = False) -> RoundReport:
@@ -228,10 +228,10 @@ class BoundaryProtocols:
         copy out overlaps theta's copy in (a skipped round leaves it unused: nothing is pending).
 
         With a blockwise codec the same pass also encodes (one pass over the shard, not two: with
-        the host layout the shard crosses PCIe once): e_new is written into delta's buffer, not over
+        the host layout the shard crosses PCIe once): e_new is written into the exchange buffer, not over
         e, so that a skipped round leaves the residual intact; when the round goes ahead the two
-        buffers swap roles (e <- e_new; delta is scratch until the mean comes back). ``none``: delta
-        holds delta_r, the all-reduce buffer itself (written back where the store holds it); the
+        buffers swap roles (e <- e_new; the buffer is scratch until the mean comes back). ``none``: the
+        buffer holds delta_r, the all-reduce buffer itself (written back where the store holds it); the
         matrix codecs' worker encodes it."""
         completed = None
         if self.pending is not None:
@@ -246,11 +246,11 @@ class BoundaryProtocols:
             outbox = Outbox(self._round_codec(), self.view.numel, self.view.device) if encode else None
             input_sq: list[torch.Tensor] = []
             residual_sq: list[torch.Tensor] = []
-            # delta is copied back where it is held: it receives e_new (blockwise), or it is the host
+            # the buffer is copied back where it is held: it receives e_new (blockwise), or it is the host
             # all-reduce buffer (none over gloo) and holds delta_r
-            d_out = self.delta if encode or self._host_all_reduce else None
-            for lo, hi, (th, d, lp, e) in self.store.stream(self.theta, self.delta, x_l, self.residual,
-                                                            write=[x_l, d_out], scratch=[self.delta, x_l]):
+            d_out = self.exchange_buffer if encode or self._host_all_reduce else None
+            for lo, hi, (th, d, lp, e) in self.store.stream(self.theta, self.exchange_buffer, x_l, self.residual,
+                                                            write=[x_l, d_out], scratch=[self.exchange_buffer, x_l]):
                 if theta_fp is not None:
                     fingerprint([th], start=lo, acc=theta_fp)
                 xs = self.view.pieces(lo, hi)
@@ -276,11 +276,11 @@ class BoundaryProtocols:
             if encode and self.federated is not None:  # e_old kept until the round commits
                 self.federated.rotate_residual()
             elif encode:
-                self.residual, self.delta = self.delta, self.residual
+                self.residual, self.exchange_buffer = self.exchange_buffer, self.residual
             elif self._executor is None:  # none: delta holds delta_r, the all-reduce buffer
-                outbox = Outbox(self.codec, self.view.numel, self.view.device, send=self.delta)
+                outbox = Outbox(self.codec, self.view.numel, self.view.device, send=self.exchange_buffer)
             self.pending = self._start(outbox, input_sq, residual_sq)
-            self.x_is_theta = False
+            self.params_shared = False
         if self.tau == 0:
             completed = self.merge(at_launch=True)
         return RoundReport(self.rounds, completed is not None,
@@ -312,11 +312,11 @@ class BoundaryProtocols:
             if at_launch:
                 if self._land(handle):
                     self.x_from(self.theta)
-                    self.x_is_theta = True
+                    self.params_shared = True
             else:  # the merge in the outer step's own pass (the host layout: theta crosses PCIe once)
                 lp = self.launch_point
                 self._land(handle, AfterStep([] if lp is None else [lp], merge_chunk))
-                self.x_is_theta = False
+                self.params_shared = False
         return handle.stats
 
     def _land(self, handle: ExchangeHandle, after: AfterStep | None = None) -> bool:
@@ -336,7 +336,7 @@ class BoundaryProtocols:
         if self.eager_anchor is not None:  # eager: no fresh pseudo-gradient to look ahead with
             self.eager_anchor.copy_(self.theta)
         self.x_from(self.theta)
-        self.x_is_theta = True
+        self.params_shared = True
         return RoundReport(self.rounds, completed is not None, ExchangeStats(), completed, sq, skipped=True)
 
     @torch.no_grad()
@@ -356,5 +356,5 @@ class BoundaryProtocols:
             if self.eager_anchor is not None:  # the look-ahead is now part of theta
                 self.eager_anchor.copy_(self.theta)
             self.x_from(self.theta)
-            self.x_is_theta = True
+            self.params_shared = True
         return stats

@@ -74,8 +74,8 @@ class OuterSync(BoundaryProtocols):
         config: DiLoCoX hyperparameters (eta, mu, nesterov, overlap, outer timeout).
         group: the outer process group (one rank per replica, same shard). Every boundary, drain
             and checkpoint call is collective over it: all its ranks must call them in the same order.
-        host_group: the gloo mirror of ``group``: the low-rank / adaptive worker thread's (GPU), and
-            ``none``'s all-reduce with ``--diloco-x-outer-state cpu`` (on host memory, so that the
+        gloo_group: the gloo mirror of ``group``: the low-rank / adaptive worker thread's (GPU), and
+            ``none``'s all-reduce with ``--diloco-x-outer-state host`` (on host memory, so that the
             device keeps no fp32 buffer for it).
         decision_group: the group that agrees on skipping a round (a NaN/Inf pseudo-gradient
             anywhere) and compares theta across replicas: it must span **every rank of the model**
@@ -92,7 +92,7 @@ class OuterSync(BoundaryProtocols):
 
     def __init__(self, view: ShardView, config: DiLoCoXConfig, group: dist.ProcessGroup | None,
                  shapes: list[tuple[int, ...]] | None = None,
-                 host_group: dist.ProcessGroup | None = None,
+                 gloo_group: dist.ProcessGroup | None = None,
                  decision_group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None,
                  link_sharers: int = 1) -> None:
         self.view = view
@@ -123,17 +123,17 @@ class OuterSync(BoundaryProtocols):
         # ``group`` when given (DiLoCoXConfig.exchanges_on_host_mirror; GPU tensors travel as host
         # copies); the other codecs' one collective runs on ``group`` itself.
         self._executor = DaemonWorker("diloco_x") if spec.matrix else None
-        self.exchange_group = host_group if config.exchanges_on_host_mirror and host_group is not None else group
+        self.exchange_group = gloo_group if config.exchanges_on_host_mirror and gloo_group is not None else group
         #: where the outer state lives (--diloco-x-outer-state): on the device, or in host memory
         #: streamed through the device chunk by chunk at each boundary (megatron_diloco.algorithm.outer_store)
-        self.store = OuterStore(view.numel, view.device, on_host=config.outer_state == "cpu",
+        self.store = OuterStore(view.numel, view.device, on_host=config.outer_state == "host",
                                 chunk=chunk_elements(config.outer_chunk_mb))
         store = self.store
         theta = store.empty()  # (N,) fp32, device or host
         self.x_into(theta)
         self.outer = OuterNesterov(theta, config.outer_lr, config.outer_momentum, config.nesterov,
                                    momentum_buffer=store.zeros() if config.outer_momentum > 0 else None)
-        # delta: the pseudo-gradient in the exchange, one buffer for both directions: this replica's
+        # exchange_buffer: the pseudo-gradient in the exchange, one buffer for both directions: this replica's
         # delta_r goes out, the replicas' mean Delta comes back in place (N,) fp32. ``none``: the
         # all-reduce buffer itself, on the device where the collective needs it there (an NCCL
         # exchange group); with the host layout the all-reduce runs on the host (a gloo group: the
@@ -142,10 +142,10 @@ class OuterSync(BoundaryProtocols):
         # host copy of a device buffer). The codecs that send an encoded payload keep it with the
         # outer state (it holds a mean only when one is waited for: checkpoints, restarts)
         # (held only matters with the host layout: store.empty allocates on the device otherwise)
-        self.delta = store.empty(held=spec.lossy or _reduces_on_host(self.exchange_group))
-        #: ``none`` with delta held on the host: the launch writes this replica's delta_r there and
+        self.exchange_buffer = store.empty(held=spec.lossy or _reduces_on_host(self.exchange_group))
+        #: ``none`` with exchange_buffer held on the host: the launch writes this replica's delta_r there and
         #: the all-reduce (gloo) runs on it in place
-        self._host_all_reduce = not spec.lossy and store.held(self.delta)
+        self._host_all_reduce = not spec.lossy and store.held(self.exchange_buffer)
         # e: what the lossy codec did not send yet (per replica; fp32, one per shard element).
         self.residual = store.zeros() if spec.lossy else None  # (N,) fp32
         # eager only: this replica's own anchor a_r (its look-ahead; per replica) (N,) fp32
@@ -159,8 +159,8 @@ class OuterSync(BoundaryProtocols):
         #: tau (partial): inner steps after the last boundary at which the pending exchange is applied
         #: (agreed at each boundary, :meth:`_choose_overlap_steps`)
         self.tau = config.local_steps if config.overlap_steps is None else config.overlap_steps
-        #: whether x equals theta on this rank now (False while partial/eager keep own progress)
-        self.x_is_theta = True
+        #: whether x is theta on every replica since the last boundary (not while partial/eager keep own progress)
+        self.params_shared = True
         #: the last exchange completed on this rank (partial auto tau sizes the next one by it)
         self.last_completed: ExchangeStats | None = None
         self.pending: ExchangeHandle | None = None
@@ -252,7 +252,7 @@ class OuterSync(BoundaryProtocols):
     def _complete(self, handle: ExchangeHandle, outer: OuterNesterov | None = None,
                   after: AfterStep | None = None) -> None:
         """Complete ``handle`` (not past its bound: :class:`~megatron_diloco.algorithm.bounds.OuterGroupError` then): the mean into
-        ``delta`` (``outer`` None), or straight into ``outer``'s step, ``after`` fused into its pass
+        ``exchange_buffer`` (``outer`` None), or straight into ``outer``'s step, ``after`` fused into its pass
         (:meth:`ExchangeHandle.apply`). With a lossy codec its stats hold the squared norm of the
         residual it left (what was not sent; measured at the launch, or by the matrix codecs' worker
         thread): relative compression error = sqrt(residual_sq / input_sq)."""
@@ -275,7 +275,7 @@ class OuterSync(BoundaryProtocols):
         worker encodes), bounded by :meth:`timeout_s` from now; the squared norms of the codec's input
         and of the residual it left, as chunk parts."""
         codec = outbox.codec if outbox is not None else self.codec
-        handle = start_exchange(self.delta, self.residual, codec, self.exchange_group, worker=self._executor,
+        handle = start_exchange(self.exchange_buffer, self.residual, codec, self.exchange_group, worker=self._executor,
                                 timeout_s=self.timeout_s(), outbox=outbox, store=self.store)
         handle.stats.input_sq = _sum(input_sq)
         if outbox is not None:  # (the matrix codecs' worker measures the residual it leaves itself)
@@ -399,7 +399,7 @@ class OuterSync(BoundaryProtocols):
             "skipped_rounds": self.skipped_rounds,
             "theta": self.outer.theta,
             "momentum_buffer": self.outer.momentum_buffer,
-            "pending_delta": self.delta if has_pending else None,
+            "pending_delta": self.exchange_buffer if has_pending else None,
             "apply_at": self.tau,  # partial: when the pending exchange is applied (the key of older checkpoints)
             # low-rank bases / adaptive plan: identical on every replica
             "codec": self.codec.state_dict() if hasattr(self.codec, "state_dict") else None,
@@ -460,9 +460,9 @@ class OuterSync(BoundaryProtocols):
             self.codec.load_state_dict(state["codec"])
         self.pending = None
         if state.get("pending_delta") is not None:
-            self.delta.copy_(state["pending_delta"])
-            self.pending = ExchangeHandle.completed(self.delta, self.store)
+            self.exchange_buffer.copy_(state["pending_delta"])
+            self.pending = ExchangeHandle.completed(self.exchange_buffer, self.store)
         # x as loaded: theta for none/delayed; eager with nothing in flight holds a_r = theta; partial
         # keeps its own progress
-        self.x_is_theta = self.config.overlap in ("none", "delayed") or (
+        self.params_shared = self.config.overlap in ("none", "delayed") or (
             self.config.overlap == "eager" and self.pending is None)

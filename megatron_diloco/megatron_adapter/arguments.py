@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 
 from megatron_diloco.compat.help import escape_unformattable_help
-from megatron_diloco.algorithm.config import BLOCKWISE, CODECS, MERGE_RULES, OUTER_STATES, OVERLAP_MODES, DiLoCoXConfig
+from megatron_diloco.algorithm.config import (BLOCKWISE, CODECS, MERGE_RULES, OUTER_STATE_ALIASES, OUTER_STATES,
+                                              OVERLAP_MODES, DiLoCoXConfig)
 
 
 def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -99,13 +100,15 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "tau (--diloco-x-overlap-steps) and the adaptive codec's per-round byte cap. "
                             "Default: adaptive measures it at the first boundary (all outer groups at "
                             "once, so a rank's share directly); auto tau then uses measured exchange times.")
-    group.add_argument("--diloco-x-outer-state", choices=OUTER_STATES, default=defaults["outer_state"].default,
+    group.add_argument("--diloco-x-outer-state", choices=[*OUTER_STATES, *OUTER_STATE_ALIASES],
+                       metavar="{" + ",".join(OUTER_STATES) + "}", default=defaults["outer_state"].default,
                        help="Where the outer state (theta, outer momentum, error-feedback residual, eager "
-                            "anchor) lives: gpu (default) or cpu (host memory, pinned; streamed through "
-                            "the GPU in chunks at each boundary; same results, less GPU memory). cpu "
-                            f"supports the codecs none, {', '.join(BLOCKWISE)}.")
+                            "anchor) lives: device (default: the GPU) or host (host memory, pinned; streamed "
+                            "through the GPU in chunks at each boundary; same results, less GPU memory). "
+                            f"host supports the codecs none, {', '.join(BLOCKWISE)}. The earlier names gpu "
+                            "and cpu are accepted.")
     group.add_argument("--diloco-x-outer-chunk-mb", type=float, default=defaults["outer_chunk_mb"].default,
-                       help="--diloco-x-outer-state cpu: MiB of fp32 per staged chunk (default 16).")
+                       help="--diloco-x-outer-state host: MiB of fp32 per staged chunk (default 16).")
     # Replicas as separate launches with a fixed membership, joined through a TCP store hosted by
     # replica 0's rank 0 (no checkpoints, no failures survived): kept, unlisted, for the benchmarks that
     # put single-GPU replicas on one GPU; users run separate jobs with --diloco-x-lighthouse.
@@ -249,7 +252,7 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
         rank=args.diloco_x_rank,
         energy=args.diloco_x_energy,
         bandwidth_mbps=args.diloco_x_bandwidth_mbps,
-        outer_state=getattr(args, "diloco_x_outer_state", "gpu"),
+        outer_state=getattr(args, "diloco_x_outer_state", "device"),
         outer_chunk_mb=getattr(args, "diloco_x_outer_chunk_mb", 16.0),
         outer_timeout_minutes=getattr(args, "diloco_x_outer_timeout_minutes", None),
         # Megatron's own collective timeout: the floor of the derived outer timeout
@@ -382,11 +385,11 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
     if getattr(args, "fp8_param_gather", False):
         raise ValueError("--fp8-param-gather cannot be used with --diloco-x yet: the outer step needs "
                          "high-precision model parameters to copy the outer parameters into")
-    if config.outer_state == "cpu" and getattr(args, "async_save", False):
-        raise ValueError("--async-save cannot be used with --diloco-x-outer-state cpu: Megatron's async writer "
+    if config.outer_state == "host" and getattr(args, "async_save", False):
+        raise ValueError("--async-save cannot be used with --diloco-x-outer-state host: Megatron's async writer "
                          "takes host tensors as they are, uncloned, and moves their storage to shared memory "
                          "while training goes on, so it would write a mix of rounds of the outer state held in "
-                         "host memory and break its staging; use --diloco-x-outer-state gpu with --async-save, "
+                         "host memory and break its staging; use --diloco-x-outer-state device with --async-save, "
                          "or drop --async-save")
     if getattr(args, "optimizer", "adam") not in ("adam", "sgd"):
         raise ValueError(f"--optimizer {args.optimizer} cannot be used with --diloco-x; use adam or sgd "

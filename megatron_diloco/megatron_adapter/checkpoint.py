@@ -184,7 +184,7 @@ class CheckpointMixin:
 
         if loading:
             live = {"theta": self.sync.theta, "momentum_buffer": self.sync.outer.momentum_buffer,
-                    "pending_delta": self.sync.delta}
+                    "pending_delta": self.sync.exchange_buffer}
             outer_tensors = {name: (live[name] if live.get(name) is not None else
                                     torch.empty(n, dtype=torch.float32, device=self.view.device))
                              for name in contents.outer}

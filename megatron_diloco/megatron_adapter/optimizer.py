@@ -98,7 +98,7 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
         self.dist_opts = distributed_optimizers(inner)
         self.view = ShardView(_main_params(self.dist_opts))
         self.sync = OuterSync(self.view, config, topology.outer_group, _shard_shapes(self.dist_opts),
-                              host_group=topology.outer_host_group, decision_group=topology.decision_group,
+                              gloo_group=topology.outer_gloo_group, decision_group=topology.decision_group,
                               link_sharers=self._link_sharers())
         # the round's inner-step time: the sum of its iterations' spans, each from the start of the
         # iteration (mark_iteration_start: Megatron's train_step; else the end of the previous step())
@@ -420,12 +420,12 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
         """Whether this rank's shard and model params are bit-identical across the outer group.
 
         With ``--diloco-x-overlap eager`` or ``partial`` the replicas' params differ by design (each
-        one's own look-ahead or progress) while x is not theta (:attr:`OuterSync.x_is_theta`); then
+        one's own look-ahead or progress) while x is not theta (:attr:`OuterSync.params_shared`); then
         the shared outer state (theta, momentum) is compared instead. After :meth:`finish` the params are compared. With
         ``--overlap-param-gather`` the model params are gathered by the next forward, not at the
         boundary: until then only the fp32 main shards are compared (the model's own shard is their
         copy; the rest is the previous round's local params by design)."""
-        if not self.sync.x_is_theta:  # theta and m, on the device (streamed when host-held)
+        if not self.sync.params_shared:  # theta and m, on the device (streamed when host-held)
             fp = self.sync.fingerprint(self.sync.outer.tensors())
         else:
             tensors = list(self.view.shards)

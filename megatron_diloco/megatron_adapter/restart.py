@@ -132,7 +132,7 @@ class RestartMixin:
             sync.residual.zero_()
         if sync.eager_anchor is not None:
             sync.eager_anchor.copy_(sync.theta)
-        sync.x_is_theta = True
+        sync.params_shared = True
         sync.rounds = 0
         sync.skipped_rounds = 0
         # partial: when the (now dropped) exchange was to land; a fresh loop's value

@@ -31,7 +31,7 @@ class Topology:
     replica_groups: tuple[dist.ProcessGroup, ...]
     """Groups that together span this rank's replica (intra-replica DP, model parallel); used to
     reduce per-replica statistics without touching the slow link."""
-    outer_host_group: dist.ProcessGroup | None = None
+    outer_gloo_group: dist.ProcessGroup | None = None
     """A gloo group over the outer group's ranks (CPU tensors), for exchanges that run off the main
     thread on a GPU (low-rank / adaptive): see :func:`host_mirror_of_outer_groups`. None otherwise."""
     decision_group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None
@@ -168,9 +168,9 @@ def from_outer_store(replicas: int, replica_index: int, address: str, timeout_mi
     ``ValueError`` naming the flag and both values, on every rank of every launch.
 
     ``worker_group``: also a second gloo group over the same ranks (its own store prefix) for the
-    matrix codecs' worker thread (``outer_host_group``), so that it never talks on the group the
+    matrix codecs' worker thread (``outer_gloo_group``), so that it never talks on the group the
     training loop's thread uses (the skip decision, the link measurement, the checks); else
-    ``outer_host_group`` is the outer group itself (already gloo: host-memory exchanges run on it)."""
+    ``outer_gloo_group`` is the outer group itself (already gloo: host-memory exchanges run on it)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():

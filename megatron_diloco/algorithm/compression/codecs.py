@@ -48,12 +48,12 @@ class RawCodec:
         acc = rows[0].clone()
         for i in range(1, rows.shape[0]):
             acc += rows[i]
-        delta = acc.mul_(ref.inverse_replicas(rows.shape[0]))
+        avg = acc.mul_(ref.inverse_replicas(rows.shape[0]))
         if out is not None:
-            delta = out.copy_(delta)
+            avg = out.copy_(avg)
         if outer is not None:
-            outer.step(delta)
-        return delta
+            outer.step(avg)
+        return avg
 
     def exchange(self, residual, allgather: AllGather, *, out=None, outer=None, **pg) -> torch.Tensor:
         payload = self.encode(residual, **pg)

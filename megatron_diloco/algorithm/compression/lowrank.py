@@ -232,7 +232,7 @@ class LowRankCodec:
         """:meth:`exchange` from ``v = pseudo_grad + e`` (fp32 ``[N]``); e_new goes to ``residual``.
 
         ``v`` may be ``residual`` itself (each tensor's part of v is read before its e_new is written)."""
-        delta = torch.empty_like(v) if out is None else out
+        avg = torch.empty_like(v) if out is None else out
         low = self.lowranked()
         low_set = set(low)
         rest = [i for i in range(len(self.layout)) if i not in low_set]
@@ -268,7 +268,7 @@ class LowRankCodec:
                 start += n * r
                 self.bases[i] = q.clone()  # warm start of the next round
                 off = self.layout[i][0]
-                torch.mm(p, q.T, out=delta[off: off + m * n].view(m, n))  # 7. P Q^T
+                torch.mm(p, q.T, out=avg[off: off + m * n].view(m, n))  # 7. P Q^T
                 e = residual[off: off + m * n].view(m, n)  # (m, n); mat itself when v is the residual
                 if e.data_ptr() != mat.data_ptr():
                     e.copy_(mat)
@@ -279,13 +279,13 @@ class LowRankCodec:
             sub = torch.cat([v[o: o + k] for o, k in spans])  # (k,) fp32 copy of the fallback tensors
             mean, err = _exchange_mean(sub, allgather, None if fmt == "none" else fmt, self.block_size)
             sizes = [k for _, k in spans]
-            torch._foreach_copy_([delta[o: o + k] for o, k in spans], list(mean.split(sizes)))
+            torch._foreach_copy_([avg[o: o + k] for o, k in spans], list(mean.split(sizes)))
             if err is None:  # raw fp32: everything sent
                 for o, k in spans:
                     residual[o: o + k].zero_()
             else:  # exact: dequant + e_new == v
                 torch._foreach_copy_([residual[o: o + k] for o, k in spans], list(err.split(sizes)))
-        return delta
+        return avg
 
     # ---------------- checkpointing ----------------
     def state_dict(self) -> dict:

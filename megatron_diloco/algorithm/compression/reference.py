@@ -267,13 +267,13 @@ def decode_reference(payloads: torch.Tensor, layout: PayloadLayout, out: torch.T
     acc = dequantize_reference(payloads[0], layout)
     for i in range(1, r):
         acc = acc + dequantize_reference(payloads[i], layout)
-    delta = acc.mul_(inverse_replicas(r))
+    avg = acc.mul_(inverse_replicas(r))
     if out is not None:
-        out.copy_(delta)
-        delta = out
+        out.copy_(avg)
+        avg = out
     if outer is not None:
-        outer.step(delta)
-    return delta
+        outer.step(avg)
+    return avg
 
 
 def inverse_replicas(r: int) -> float:

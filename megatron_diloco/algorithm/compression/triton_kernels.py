@@ -200,21 +200,21 @@ if triton is not None:
     def _finish(acc, offs, mask, out_ptr, theta_ptr, m_ptr, inv_r, neg_lr, mu,
                 MODE: tl.constexpr, NATIVE_FMA: tl.constexpr):
         """Delta = acc * fp32(1/R); then store it, or apply the outer step (OuterNesterov.step)."""
-        delta = acc * inv_r
+        avg = acc * inv_r
         if MODE == 0:
-            tl.store(out_ptr + offs, delta, mask=mask)
+            tl.store(out_ptr + offs, avg, mask=mask)
         else:
             theta = tl.load(theta_ptr + offs, mask=mask, other=0.0)
-            if MODE == 1:  # theta.add_(delta, alpha=-lr)
-                theta = _fma_f32(delta, neg_lr, theta, NATIVE_FMA)
+            if MODE == 1:  # theta.add_(avg, alpha=-lr)
+                theta = _fma_f32(avg, neg_lr, theta, NATIVE_FMA)
             else:
                 m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-                m = m * mu + delta  # m.mul_(mu).add_(delta): two roundings (no fusion)
+                m = m * mu + avg  # m.mul_(mu).add_(avg): two roundings (no fusion)
                 tl.store(m_ptr + offs, m, mask=mask)
                 if MODE == 2:  # theta.add_(m, alpha=-lr)
                     theta = _fma_f32(m, neg_lr, theta, NATIVE_FMA)
-                else:  # delta.add_(m, alpha=mu); theta.add_(delta, alpha=-lr)
-                    theta = _fma_f32(_fma_f32(m, mu, delta, NATIVE_FMA), neg_lr, theta, NATIVE_FMA)
+                else:  # avg.add_(m, alpha=mu); theta.add_(avg, alpha=-lr)
+                    theta = _fma_f32(_fma_f32(m, mu, avg, NATIVE_FMA), neg_lr, theta, NATIVE_FMA)
             tl.store(theta_ptr + offs, theta, mask=mask)
 
     @triton.jit
