@@ -102,6 +102,18 @@ class RoundReport:
     every replica alike; the round's local progress was dropped and the residual kept."""
 
 
+@dataclasses.dataclass
+class LaunchPass:
+    """What :meth:`BoundaryProtocols._launch_pass` measured, as chunk parts (0-dim fp32 tensors)."""
+
+    input_sq: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """||pseudo-gradient + residual||^2 per chunk (lossy codecs)."""
+    residual_sq: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """||residual left||^2 per chunk (encoded here)."""
+    pseudo_grad_sq: float = 0.0
+    """||theta - x||^2 over the shard, when the pass took it (``partial``)."""
+
+
 class BoundaryProtocols:
     """The boundary protocols of :class:`megatron_diloco.algorithm.sync.OuterSync` (module doc): what
     happens at a boundary, at ``partial``'s landing, and at the drain, over the state ``OuterSync``
@@ -129,43 +141,82 @@ class BoundaryProtocols:
             return None
         return AfterStep([], lambda lo, hi, th, extra: fingerprint([th], start=lo, acc=theta_fp))
 
-    def _launch(self) -> ExchangeHandle:
-        """none / delayed / eager: one pass over the shard (chunk by chunk through :attr:`store`) that
-        takes this round's pseudo-gradient (x holds it), encodes it with error feedback into the
-        exchange's payload (:class:`Outbox`), builds the eager look-ahead a_r <- theta_t - c w delta,
-        and sets x <- a_r (delayed/eager); then launches the exchange, bounded by :meth:`timeout_s`
-        from now. (``partial`` does all of this in its own prepare pass: :meth:`_partial_boundary`.)"""
-        overlap = self.config.overlap
-        eager = self.eager_anchor is not None
-        reset_x = overlap in ("delayed", "eager")
-        resident = not self.store.held(self.exchange_buffer)  # the buffer on the device: it is the chunk itself
-        host_send = self._host_all_reduce  # the buffer is the host all-reduce buffer: the pass writes it back
-        c = self.config.outer_lr * ((1.0 + self.config.outer_momentum) if self.config.nesterov else 1.0)
-        w = self.config.eager_weight
-        if w is None:
-            w = 1.0 / (dist.get_world_size(self.group) if self.group is not None else 1)
-        outbox = None if self._executor is not None else Outbox(
-            self._round_codec(), self.view.numel, self.view.device, send=self.exchange_buffer if resident or host_send else None)
-        tensors = [self.theta if reset_x else None, self.exchange_buffer, self.residual, self.eager_anchor]
-        write_only = [self.eager_anchor, self.exchange_buffer if host_send else None]
-        input_sq: list[torch.Tensor] = []
-        residual_sq: list[torch.Tensor] = []
-        for lo, hi, (th, d, e, ea) in self.store.stream(
-                *tensors, write=[self.residual, *write_only], scratch=[self.exchange_buffer, *write_only]):
+    def _launch_pass(self, *, outbox: Outbox | None, theta: torch.Tensor | None, from_x: bool,
+                     theta_fp: torch.Tensor | None = None, launch_point: torch.Tensor | None = None,
+                     residual_out: bool = False, eager_scale: float | None = None,
+                     reset_x: torch.Tensor | None = None, write_buffer: bool = False) -> "LaunchPass":
+        """The one pass over the shard (chunk by chunk through :attr:`store`) that readies a round's
+        exchange, shared by every overlap rule; per chunk, in this order:
+
+        - the pseudo-gradient into the exchange buffer: ``from_x`` x holds it already
+          (none / delayed / eager, :meth:`_pseudo_gradient_into_x`), else ``theta - x`` without
+          touching x (``partial``: ``theta`` is read, fingerprinted into ``theta_fp``, and x copied
+          into ``launch_point`` first: x_L of the exact merge) with its norms;
+        - ||pseudo-gradient + residual||^2, the codec's input (not materialized);
+        - ``eager_scale`` (eager): the look-ahead a_r <- theta_t + eager_scale x delta;
+        - ``outbox`` (None: nothing encoded here): encoded with error feedback, the residual updated
+          in place, or (``residual_out``) e_new written over the buffer's chunk (``partial``: the
+          residual stays intact until the round is known to go ahead);
+        - ``reset_x`` (theta_t or a_r; delayed / eager): x <- it.
+
+        ``write_buffer``: the exchange buffer's chunks are copied back where the store holds it (it
+        receives e_new, or it is the host all-reduce buffer). Local: no communication."""
+        buf, e, ea = self.exchange_buffer, self.residual, self.eager_anchor if eager_scale is not None else None
+        read_theta = theta if theta is not None else reset_x
+        written = [launch_point, ea, buf if write_buffer else None,
+                   e if outbox is not None and not residual_out else None]
+        norms: list[torch.Tensor] = []
+        out = LaunchPass()
+        for lo, hi, (th, d, lp, r, a) in self.store.stream(read_theta, buf, launch_point, e, ea, write=written,
+                                                           scratch=[buf, launch_point, ea]):
+            if theta_fp is not None:
+                fingerprint([th], start=lo, acc=theta_fp)
             xs = self.view.pieces(lo, hi)
             if xs:  # the pseudo-gradient chunk, contiguous
                 torch.cat(xs, out=d)
-            if e is not None:  # ||pseudo-gradient + residual||^2: the codec's input, not materialized
-                input_sq.append(torch.dot(d, d) + 2 * torch.dot(d, e) + torch.dot(e, e))
-            if ea is not None:  # a_r <- theta_t - c w delta_{r,t}
-                torch.mul(d, -c * w, out=ea).add_(th)
-            if outbox is not None and not host_send:  # (host_send: the store copies d back into the buffer)
-                outbox.put(lo, d, e)
-                if e is not None:
-                    residual_sq.append(torch.dot(e, e))
-            if reset_x and xs:
-                torch._foreach_copy_(xs, self.view.split_like(ea if eager else th, xs))
-        return self._start(outbox, input_sq, residual_sq)
+                if not from_x:
+                    if lp is not None:  # x_L <- x (exact merge)
+                        lp.copy_(d)
+                    d.neg_().add_(th)  # theta - x, the same bits as x <- theta + (-x)
+                    norms += torch._foreach_norm(self.view.split_like(d, xs), 2)
+            if r is not None:  # ||pseudo-gradient + residual||^2: the codec's input, not materialized
+                out.input_sq.append(torch.dot(d, d) + 2 * torch.dot(d, r) + torch.dot(r, r))
+            if a is not None:  # a_r <- theta_t - c w delta_{r,t}
+                torch.mul(d, eager_scale, out=a).add_(th)
+            if outbox is not None:
+                if residual_out:  # e_new into d
+                    outbox.put(lo, d, r, residual_out=d)
+                    out.residual_sq.append(torch.dot(d, d))
+                else:
+                    outbox.put(lo, d, r)
+                    if r is not None:
+                        out.residual_sq.append(torch.dot(r, r))
+            if reset_x is not None and xs:
+                torch._foreach_copy_(xs, self.view.split_like(a if a is not None else th, xs))
+        out.pseudo_grad_sq = _sum_of_squares(norms)
+        return out
+
+    def _launch(self) -> ExchangeHandle:
+        """none / delayed / eager, once the round goes ahead (x holds its pseudo-gradient): the launch
+        pass (:meth:`_launch_pass`: encode with error feedback, the eager look-ahead, x <- a_r or
+        theta_t for delayed / eager), then the exchange, bounded by :meth:`timeout_s` from now."""
+        reset = self.config.overlap in ("delayed", "eager")
+        resident = not self.store.held(self.exchange_buffer)  # the buffer on the device: it is the chunk itself
+        host_send = self._host_all_reduce  # the host all-reduce buffer: the pass writes it back
+        eager_scale = None
+        if self.eager_anchor is not None:  # -c w: c = eta (1 + mu) with Nesterov, else eta; w = 1 / R by default
+            c = self.config.outer_lr * ((1.0 + self.config.outer_momentum) if self.config.nesterov else 1.0)
+            w = self.config.eager_weight
+            if w is None:
+                w = 1.0 / (dist.get_world_size(self.group) if self.group is not None else 1)
+            eager_scale = -c * w
+        outbox = None if self._executor is not None else Outbox(
+            self._round_codec(), self.view.numel, self.view.device,
+            send=self.exchange_buffer if resident or host_send else None)
+        done = self._launch_pass(outbox=None if host_send else outbox, theta=None, from_x=True,
+                                 eager_scale=eager_scale, reset_x=self.theta if reset else None,
+                                 write_buffer=host_send)
+        return self._start(outbox, done.input_sq, done.residual_sq)
 
     @torch.no_grad()
     def boundary(self, joined: bool = False) -> RoundReport:
@@ -240,32 +291,12 @@ class BoundaryProtocols:
             self.federated.meet()
         theta_fp = self.decision.theta_accumulator()  # theta as the decision sees it: fingerprinted in this pass
         with record_function("megatron_diloco::prepare"):
-            norms: list[torch.Tensor] = []
-            x_l = self.launch_point  # None unless partial + exact
             encode = self.residual is not None and self._executor is None  # blockwise codecs encode here
             outbox = Outbox(self._round_codec(), self.view.numel, self.view.device) if encode else None
-            input_sq: list[torch.Tensor] = []
-            residual_sq: list[torch.Tensor] = []
-            # the buffer is copied back where it is held: it receives e_new (blockwise), or it is the host
-            # all-reduce buffer (none over gloo) and holds delta_r
-            d_out = self.exchange_buffer if encode or self._host_all_reduce else None
-            for lo, hi, (th, d, lp, e) in self.store.stream(self.theta, self.exchange_buffer, x_l, self.residual,
-                                                            write=[x_l, d_out], scratch=[self.exchange_buffer, x_l]):
-                if theta_fp is not None:
-                    fingerprint([th], start=lo, acc=theta_fp)
-                xs = self.view.pieces(lo, hi)
-                if xs:
-                    torch.cat(xs, out=d)
-                    if lp is not None:  # x_L <- x (exact merge)
-                        lp.copy_(d)
-                    d.neg_().add_(th)  # theta - x, the same bits as x <- theta + (-x)
-                    norms += torch._foreach_norm(self.view.split_like(d, xs), 2)
-                if e is not None:  # ||pseudo-gradient + residual||^2: the codec's input, not materialized
-                    input_sq.append(torch.dot(d, d) + 2 * torch.dot(d, e) + torch.dot(e, e))
-                if encode:  # e_new into d
-                    outbox.put(lo, d, e, residual_out=d)
-                    residual_sq.append(torch.dot(d, d))
-            sq = _sum_of_squares(norms)
+            done = self._launch_pass(outbox=outbox, theta=self.theta, from_x=False, theta_fp=theta_fp,
+                                     launch_point=self.launch_point, residual_out=True,
+                                     write_buffer=encode or self._host_all_reduce)
+            sq, input_sq, residual_sq = done.pseudo_grad_sq, done.input_sq, done.residual_sq
         with record_function("megatron_diloco::launch"):
             decision = self._decide(sq, self._choose_overlap_steps(), theta_fp)
             if decision is None:  # separate jobs: not every member decided (a failed round; e untouched)
@@ -277,7 +308,7 @@ class BoundaryProtocols:
                 self.federated.rotate_residual()
             elif encode:
                 self.residual, self.exchange_buffer = self.exchange_buffer, self.residual
-            elif self._executor is None:  # none: delta holds delta_r, the all-reduce buffer
+            elif self._executor is None:  # none: the buffer holds delta_r, the all-reduce buffer
                 outbox = Outbox(self.codec, self.view.numel, self.view.device, send=self.exchange_buffer)
             self.pending = self._start(outbox, input_sq, residual_sq)
             self.params_shared = False
