@@ -232,3 +232,33 @@ def test_tensorboard_scalars_at_megatrons_iteration(tmp_path):
         ours = {tag: s for tag, s in steps.items() if tag.startswith("diloco_x/")}
         assert ours and all(s == boundaries for s in ours.values()), ours
         assert set(ours) == {f"diloco_x/{name}" for name in ROUND_METRICS}, sorted(ours)  # as documented
+
+
+def test_a_checkpoint_in_the_first_format_is_refused_with_the_way_out(monkeypatch):
+    """The first DiLoCoX checkpoint format (pickled ShardedObjects ``diloco_x.outer/...``; its plain
+    state-dict twin without ``tensors``) is not read: the error says so and names ``--no-load-optim``,
+    before any state is touched."""
+    import megatron.core.dist_checkpointing.serialization as serialization
+    from megatron_diloco.megatron_adapter import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_checkpoint_dir_being_loaded", lambda: "/ckpt/iter_0000012")
+    monkeypatch.setattr(serialization, "load_sharded_metadata",
+                        lambda path: {"decoder.weight": object(), "diloco_x.outer/shard_0_2": object()})
+    with pytest.raises(RuntimeError, match=r"checkpoint /ckpt/iter_0000012 .*first checkpoint format.*--no-load-optim"):
+        checkpoint._read_checkpoint_contents(None)
+
+    class Inner:
+        loaded = False
+
+        def load_state_dict(self, sd):
+            self.loaded = True
+
+    class Opt:
+        inner = Inner()
+        _load_outer_and_replica = None
+
+    opt = Opt()
+    with pytest.raises(RuntimeError, match="first checkpoint format.*--no-load-optim"):
+        checkpoint.CheckpointMixin.load_state_dict(opt, {"inner": {}, "diloco_x": {"sync": {}},
+                                                         "diloco_x_replica": {"0.param": None}})
+    assert not opt.inner.loaded

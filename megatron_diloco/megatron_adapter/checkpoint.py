@@ -278,14 +278,7 @@ class CheckpointMixin:
         if contents.kind == "plain":
             return sd
         _drop_megatron_param_state(sd)
-        if contents.kind == "legacy":
-            r, topo = self.topology.replica_index, self.topology
-            shape, offset = (topo.ranks_per_replica,), (topo.rank_in_replica,)
-            sd["diloco_x"] = {
-                "legacy.outer": ShardedObject("diloco_x.outer", None, shape, offset, replica_id=r),
-                "legacy.replica": ShardedObject(f"diloco_x.replica{r}", None, shape, offset, replica_id=0)}
-        else:
-            sd["diloco_x"] = self._sharded_diloco_state(contents)
+        sd["diloco_x"] = self._sharded_diloco_state(contents)
         return sd
 
     @torch.no_grad()
@@ -298,10 +291,10 @@ class CheckpointMixin:
         noted: :meth:`after_checkpoint_load` then restarts the outer loop from the loaded params."""
         state_dict = dict(state_dict)
         if "inner" in state_dict:  # plain state_dict() format
-            self.inner.load_state_dict(state_dict["inner"])
             per_replica = state_dict.get("diloco_x_replica")
-            if per_replica is not None and "tensors" not in per_replica:  # written before format 2
-                per_replica = {"tensors": per_replica, "meta": None}
+            if per_replica is not None and "tensors" not in per_replica:
+                raise RuntimeError(_EARLIER_FORMAT.format(where="this state dict"))
+            self.inner.load_state_dict(state_dict["inner"])
             self._load_outer_and_replica(state_dict["diloco_x"], per_replica)
             return
         ours = state_dict.pop("diloco_x", None)
@@ -312,10 +305,6 @@ class CheckpointMixin:
             self._loaded_without_diloco_state = (
                 f"{where} holds no DiLoCoX state (written without --diloco-x); inner optimizer state loaded "
                 "as Megatron loads it")
-            return
-        if "legacy.outer" in ours:
-            legacy = ours["legacy.replica"]
-            self._load_outer_and_replica(ours["legacy.outer"], {"tensors": legacy, "meta": None})
             return
         outer_meta, replica_meta = ours["outer.meta"], ours["replica.meta"]
         if outer_meta.get("format") != CHECKPOINT_FORMAT:
@@ -353,8 +342,7 @@ class CheckpointMixin:
         self._loaded_diloco_state = True
 
     def _load_outer_and_replica(self, outer: dict | None, per_replica: dict | None) -> None:
-        """Restore from the pickled formats (non-sharded :meth:`state_dict`; torch_dist checkpoints
-        written before format 2, whose ShardedObjects held clones of every tensor)."""
+        """Restore from the non-sharded :meth:`state_dict` format."""
         if outer is None or per_replica is None:
             raise RuntimeError("checkpoint has no DiLoCoX state for this replica: it was not written with "
                                "--diloco-x and the same --diloco-x-replicas; load it with --no-load-optim to "
@@ -363,8 +351,8 @@ class CheckpointMixin:
         self.step_calls = int(outer["step_calls"])
         self.totals = ExchangeStats(**outer["totals"])
         self._keep_schedule(outer.get("schedule"))
-        tensors, legacy = per_replica["tensors"], per_replica["meta"] is None
-        names = [name for name, _ in (self._legacy_state_tensors() if legacy else self._inner_state_tensors())]
+        tensors = per_replica["tensors"]
+        names = [name for name, _ in self._inner_state_tensors()]
         missing = [name for name in names if name not in tensors]
         if missing:
             raise RuntimeError(
@@ -372,32 +360,24 @@ class CheckpointMixin:
                 "another --diloco-x-compression / --diloco-x-overlap (error-feedback residual, eager "
                 "anchor); resume with the flags it was written with, or load it with "
                 "--no-load-optim to start a new outer loop from its weights")
-        for name, t in (self._legacy_state_tensors() if legacy else self._inner_state_tensors()):
+        for name, t in self._inner_state_tensors():
             t.detach().copy_(tensors[name])
-        if not legacy:
-            self._load_replica_meta(per_replica["meta"])
+        self._load_replica_meta(per_replica["meta"])
         self._publish_params(gather_now=True)  # forward hooks may be off (first step after a load)
         self._loaded_diloco_state = True
-
-    def _legacy_state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The per-replica tensors under the names of checkpoint format 1 (``{i}.param``, ``{i}.<state
-        key>`` including Adam's 0-dim ``step``, ``diloco_x.residual``, ``diloco_x.anchor``)."""
-        for i, (d, p) in enumerate(self._shards()):
-            yield f"{i}.param", p
-            for k, v in sorted(d.optimizer.state.get(p, {}).items()):
-                if isinstance(v, torch.Tensor):
-                    yield f"{i}.{k}", v
-        if self.sync.residual is not None:
-            yield "diloco_x.residual", self.sync.residual
-        if self.sync.eager_anchor is not None:
-            yield "diloco_x.anchor", self.sync.eager_anchor
 
 
 # ---------------------------------------------------------------------- checkpoint helpers
 
-#: Version of the DiLoCoX entries in a torch_dist checkpoint (1: pickled ShardedObjects, before
-#: per-replica ShardedTensors; 2: the layout described in DiLoCoXOptimizer's checkpointing section).
+#: Version of the DiLoCoX entries in a torch_dist checkpoint (2: the layout described in
+#: DiLoCoXOptimizer's checkpointing section; 1, pickled ShardedObjects, is not read).
 CHECKPOINT_FORMAT = 2
+
+#: The error for a checkpoint in the first DiLoCoX format (written by megatron-diloco before its
+#: per-replica ShardedTensors), which this version does not read.
+_EARLIER_FORMAT = ("{where} holds DiLoCoX state in the first checkpoint format (pickled objects, written by an "
+                   "earlier megatron-diloco), which this version does not read: load it with --no-load-optim to "
+                   "start a new outer loop from its weights, or resume with the version that wrote it")
 
 
 def _is_flat_shard(value: Any, numel: int) -> bool:
@@ -422,8 +402,7 @@ class _CheckpointContents:
 
     path: str
     kind: str
-    """``"diloco"`` (format 2), ``"legacy"`` (format 1: pickled ShardedObjects) or ``"plain"``
-    (no DiLoCoX state: written without ``--diloco-x``)."""
+    """``"diloco"`` (format 2) or ``"plain"`` (no DiLoCoX state: written without ``--diloco-x``)."""
     outer: tuple[str, ...] = ()
     """Names of the ``diloco_x.outer.<name>`` tensors."""
     replica: tuple[str, ...] = ()
@@ -465,14 +444,14 @@ def _read_checkpoint_contents(opt: DiLoCoXOptimizer) -> _CheckpointContents:
             "latest_checkpointed_iteration.txt, or --ckpt-step; non-persistent checkpoints are not "
             "supported with --diloco-x): load with --no-load-optim to start a new outer loop from the weights")
     metadata = load_sharded_metadata(path)
-    outer, replica, legacy = {}, {}, False
+    outer, replica = {}, {}
     for key, entry in metadata.items():
         if key.startswith("diloco_x.outer.") and isinstance(entry, ShardedTensor):
             outer[key[len("diloco_x.outer."):]] = tuple(entry.global_shape)
         elif key.startswith("diloco_x.replica.") and isinstance(entry, ShardedTensor):
             replica[key[len("diloco_x.replica."):]] = tuple(entry.global_shape)
-        elif key.startswith("diloco_x.outer/"):
-            legacy = True  # format 1: one pickled ShardedObject per rank position
+        elif key.startswith("diloco_x.outer/"):  # format 1: one pickled ShardedObject per rank position
+            raise RuntimeError(_EARLIER_FORMAT.format(where=f"checkpoint {path}"))
     if outer:
         _, total = opt._checkpoint_layout()
         want_outer, want_replica = (total,), (opt.topology.replicas, total)
@@ -485,6 +464,4 @@ def _read_checkpoint_contents(opt: DiLoCoXOptimizer) -> _CheckpointContents:
                 "with the --diloco-x-replicas and TP/PP/DP layout it was written with, or load it with "
                 "--no-load-optim to start a new outer loop from its weights")
         return _CheckpointContents(path, "diloco", tuple(sorted(outer)), tuple(sorted(replica)))
-    if legacy:
-        return _CheckpointContents(path, "legacy")
     return _CheckpointContents(path, "plain")
