@@ -40,24 +40,19 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "(--train-iters, or --train-samples as Megatron converts it), rounded down to a "
                             "multiple of H0 (none when that is 0 or H < 3), with --diloco-x-overlap partial or "
                             "none only (measured there; delayed / eager: none, give the flags to have one). "
-                            "Measured: 900 steps of H0 10 "
-                            "before H 30 took the default from +4.1%% to +1.9%% above AllReduce; at H 100 / 300, "
-                            "1500 steps of H0 10 ended +2.0%% / +2.5%% where H0 H // 3 for 1000 steps ended "
-                            "+5.4%% / +7.8%% (benchmarks/RESULTS.md 2.1, 2.3).")
+                            "Why and what it buys: docs/tuning.md, Warm-up.")
     group.add_argument("--diloco-x-warmup-overlap-steps", type=_int_or_auto, default=None, metavar="TAU_W|auto",
                        help="--diloco-x-overlap partial: the most inner steps an exchange launched into "
                             "a warm-up round may overlap (0..H0; 0 blocks); its tau is the smaller of this "
-                            f"and the tau the rounds of H take. Default auto: H0 // {WARMUP_OVERLAP_DIVISOR}. "
-                            "Measured at H0 10 (3 seeds): tau_w 1 +0.09%% loss against blocking warm-up rounds "
-                            "for 30%% less exposed time; 2 +0.44%%; auto tau (4) lost the warm-up's gain "
-                            "(benchmarks/RESULTS.md 2.1).")
+                            f"and the tau the rounds of H take. Default auto: H0 // {WARMUP_OVERLAP_DIVISOR} "
+                            "(docs/tuning.md, Warm-up overlap and codec).")
     group.add_argument("--diloco-x-outer-lr", type=float, default=defaults["outer_lr"].default,
                        help="eta: outer learning rate (default 1.0: with mu 0 the outer step is the "
                             "replicas' mean).")
     group.add_argument("--diloco-x-outer-momentum", type=float,
                        default=defaults["outer_momentum"].default,
-                       help="mu: outer momentum (default 0; momentum amplified the pseudo-gradient "
-                            "like a larger inner lr at H = 30, see benchmarks/RESULTS.md).")
+                       help="mu: outer momentum (default 0; with Adam inner steps momentum has hurt here: "
+                            "docs/tuning.md, Outer lr and momentum).")
     group.add_argument("--diloco-x-no-nesterov", action="store_true", default=False,
                        help="Use heavy-ball instead of Nesterov momentum for the outer step.")
     group.add_argument("--diloco-x-overlap", choices=OVERLAP_MODES, default=defaults["overlap"].default,
