@@ -50,7 +50,7 @@ test: venv
 	timeout $(TEST_TIMEOUT) $(PY) -m pytest -q tests
 
 # Needs root (network namespaces, tc); about 10 minutes on 2 CPU cores. Writes
-# benchmarks/results/wan.json and benchmarks/wan.png.
+# benchmarks/results/wan.json and benchmarks/plots/wan.png.
 bench-wan: bench-venv
 	$(PY) benchmarks/throughput/wan_bench.py $(ARGS)
 

@@ -319,6 +319,7 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
                 row["seed_spread"] = max(finals) - min(finals)
             first = next(iter(ok.values()))
             row["curve"] = first["curve"]
+            row["curve_per_seed"] = {str(s): r["curve"] for s, r in ok.items()}  # the plot's band over seeds
             if communicates(m):
                 row["bytes_total"] = statistics.mean(r["bytes_total"] for r in ok.values())
                 for k in ("rounds", "replicas_identical", "exposed_comm_s", "train_wall_s", "compression_ratio",

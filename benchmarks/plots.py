@@ -1,6 +1,6 @@
 """Every plot of the benchmark report, drawn from ``benchmarks/results/*.json`` only (no run, no GPU):
 
-    python benchmarks/plots.py [--out benchmarks/plots] [--only gap,bytes,speedup]   # or: make plots
+    python benchmarks/plots.py [--out benchmarks/plots] [--only gap,bytes,speedup,...]   # or: make plots
 
 - ``gap_vs_tokens.png`` (``results/convergence.json``): the gap to AllReduce's validation loss, %, vs
   tokens, for the headline rows of RESULTS §2.1.
@@ -10,6 +10,12 @@
   slow link's bandwidth; the planner's curves (``python -m megatron_diloco.plan``, run in-process
   through its command line) at 1B / 10B / 100B, and next to them the planner's curves for the
   measured configurations with the measured points on them.
+- ``gap_vs_h.png`` (``results/convergence_h.json``): the default's gap to AllReduce at each H, per
+  seed and mean, beside blocking DiLoCo and the warm-up rule it replaced where they were run.
+- ``fault_tolerance.png`` (``results/fault_tolerance.json``): training loss of a job whose peer was
+  killed and restarted, beside the undisturbed run.
+- ``wan.png`` (``results/wan.json``): ``benchmarks/throughput/wan_bench.py``'s figure (tokens/s,
+  speedup, utilization per emulated link).
 
 Each plot is stamped with the commit it was made at (``git rev-parse --short HEAD``; ``+dirty`` when
 the results or this file have uncommitted changes). Needs matplotlib (``make bench-venv``).
@@ -100,6 +106,22 @@ def _paired_final_gaps(row: dict, ref: dict) -> list[float]:
     return [100 * (v / theirs[s] - 1) for s, v in zip(row["seeds"], row["final_val_loss_per_seed"]) if s in theirs]
 
 
+def gap_band(row: dict, ref: dict) -> tuple[list[float], list[float], list[float]] | None:
+    """The band over seeds of a row's gap to AllReduce (%) along tokens: per seed both ran (curves
+    ``curve_per_seed``, paired by seed), at the tokens every such seed evaluated, (tokens, min, max).
+    None when fewer than two seeds have curves (runs recorded before per-seed curves were kept)."""
+    mine, theirs = row.get("curve_per_seed") or {}, ref.get("curve_per_seed") or {}
+    seeds = [s for s in mine if s in theirs]
+    if len(seeds) < 2:
+        return None
+    gaps = []
+    for s in seeds:
+        ours, base = dict(map(tuple, mine[s])), dict(map(tuple, theirs[s]))
+        gaps.append({t: 100 * (v / base[t] - 1) for t, v in ours.items() if t in base})
+    xs = sorted(set.intersection(*(set(g) for g in gaps)))
+    return xs, [min(g[t] for g in gaps) for t in xs], [max(g[t] for g in gaps) for t in xs]
+
+
 def plot_gap(conv: dict, path: Path, stamp: str) -> None:
     """Gap to AllReduce (%) vs tokens: the curve of each row's first seed (the only curve the JSON
     keeps), and at the end every seed's final gap (after the drain) with the mean."""
@@ -116,6 +138,9 @@ def plot_gap(conv: dict, path: Path, stamp: str) -> None:
         ys = [100 * (dict(map(tuple, row["curve"]))[t] / ref_curve[t] - 1) for t in xs]
         ax.plot([x / 1e6 for x in xs], ys, color=color, lw=2.2 if name == DEFAULT_ROW else 1.3,
                 label=f"{label(name, row)}: final {100 * row['gap_vs_allreduce']:+.2f}% ({len(row['seeds'])} seeds)")
+        band = gap_band(row, ref)
+        if band is not None:
+            ax.fill_between([x / 1e6 for x in band[0]], band[1], band[2], color=color, alpha=0.15, lw=0)
         finals = _paired_final_gaps(row, ref)
         x_end = end * (1.03 + 0.025 * k)
         ax.scatter([x_end] * len(finals), finals, color=color, s=14, zorder=3)
@@ -131,8 +156,8 @@ def plot_gap(conv: dict, path: Path, stamp: str) -> None:
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7.5, loc="upper right")
-    fig.text(0.01, 0.005, "Lines: mid-run evaluations of each row's first seed vs AllReduce's (per-seed curves were "
-             "not recorded, so no band); overlapped rows read high there\n(an evaluation at a boundary sees unmerged "
+    fig.text(0.01, 0.005, "Lines: mid-run evaluations of each row's first seed vs AllReduce's; shade: min..max over "
+             "seeds where per-seed curves were recorded. Overlapped rows read high there\n(an evaluation at a boundary sees unmerged "
              "parameters). Right: final evaluation after the drain, each seed paired with AllReduce's; bar = min..max, "
              "tick = mean.", fontsize=6.5, color="0.3", va="bottom")
     _save(fig, path, stamp, bottom=0.06)
@@ -331,11 +356,58 @@ def plot_faults(ft: dict, gpu: dict | None, path: Path, stamp: str) -> None:
     _save(fig, path, stamp)
 
 
+#: convergence_h.json's rows, in drawing order, with their legend labels
+H_ROWS = {"default": "--diloco-x alone (the package default)", "blocking": "blocking DiLoCo, same codec and warm-up",
+          "previous_default": "the warm-up rule before (H0 = H // 3)"}
+
+
+def gap_vs_h_points(conv_h: dict) -> dict[str, list[tuple[int, list[float]]]]:
+    """Per row of ``convergence_h.json``: [(H, [gap % per seed vs the mean of AllReduce's seeds])]."""
+    out: dict[str, list[tuple[int, list[float]]]] = {}
+    for h, rows in sorted(conv_h["runs"].items(), key=lambda kv: int(kv[0])):
+        ref = rows.get("allreduce", {}).get("final_val_loss_per_seed")
+        if not ref:
+            continue
+        base = statistics.mean(ref)
+        for name in H_ROWS:
+            vals = (rows.get(name) or {}).get("final_val_loss_per_seed")
+            if vals:
+                out.setdefault(name, []).append((int(h), [100 * (v / base - 1) for v in vals]))
+    return out
+
+
+def plot_gap_vs_h(conv_h: dict, path: Path, stamp: str) -> None:
+    """Gap to AllReduce (%) vs H: each seed a dot, the mean a line, per row of convergence_h.json."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for k, (name, pts) in enumerate(gap_vs_h_points(conv_h).items()):
+        hs = [h for h, _ in pts]
+        for h, gaps in pts:
+            ax.scatter([h] * len(gaps), gaps, color=f"C{k}", s=16, zorder=3)
+        seeds = sorted({len(g) for _, g in pts})
+        ax.plot(hs, [statistics.mean(g) for _, g in pts], color=f"C{k}", marker="_", ms=12,
+                label=f"{H_ROWS[name]}: {'-'.join(map(str, (seeds[0], seeds[-1]) if len(seeds) > 1 else seeds))} "
+                      f"seed{'s' if seeds[-1] > 1 else ''}, line = mean")
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    hs = sorted(int(h) for h in conv_h["runs"])
+    ax.set_xticks(hs, [str(h) for h in hs])
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
+    r = conv_h["regime"]
+    ax.set(xlabel="H (inner steps per round)", ylabel="final validation loss above AllReduce (%)",
+           title=f"Gap to AllReduce vs H: {r['params'] / 1e6:.1f}M GPT, {r['replicas']} replicas, {r['steps']} steps "
+                 f"({r.get('card', '').split(' (')[0]})")
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7.5)
+    _save(fig, path, stamp)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=BENCH / "plots", help="folder for the PNGs (default benchmarks/plots)")
-    p.add_argument("--only", default="gap,bytes,speedup,faults",
-                   help="comma-separated subset of gap, bytes, speedup, faults")
+    p.add_argument("--only", default="gap,bytes,speedup,h,faults,wan",
+                   help="comma-separated subset of gap, bytes, speedup, h, faults, wan (default: all)")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     stamp = commit_stamp()
@@ -355,6 +427,15 @@ def main(argv: list[str] | None = None) -> int:
         ft = json.loads((RESULTS / "fault_tolerance.json").read_text())
         plot_faults(ft, ft.get("gpu"), a.out / "fault_tolerance.png", stamp)
         made.append("fault_tolerance.png")
+    if "h" in only and (RESULTS / "convergence_h.json").exists():
+        plot_gap_vs_h(json.loads((RESULTS / "convergence_h.json").read_text()), a.out / "gap_vs_h.png", stamp)
+        made.append("gap_vs_h.png")
+    if "wan" in only and (RESULTS / "wan.json").exists():
+        sys.path.insert(0, str(BENCH.parent))
+        from benchmarks.throughput import wan_bench
+
+        wan_bench.plot(json.loads((RESULTS / "wan.json").read_text()), a.out / "wan.png", stamp)
+        made.append("wan.png")
     print(f"plots ({stamp}): " + ", ".join(str(a.out / m) for m in made))
     return 0
 

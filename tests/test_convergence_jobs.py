@@ -226,3 +226,18 @@ def test_convergence_h_default_is_the_package_rule():
         # the rule beats the one it replaced at every H where both ran
         if "previous_default" in rows:
             assert rows["default"]["gap_vs_allreduce"] < rows["previous_default"]["gap_vs_allreduce"], h
+
+
+def test_the_gap_plot_bands_over_the_seeds_both_rows_ran():
+    """The band is min..max over seeds of each seed's gap to AllReduce's run of the same seed, at the
+    tokens every paired seed evaluated; none without two paired seeds."""
+    from benchmarks.plots import gap_band
+
+    ref = {"curve_per_seed": {"1": [[10, 1.0], [20, 0.5]], "2": [[10, 2.0], [20, 0.5]], "3": [[10, 1.0]]}}
+    row = {"curve_per_seed": {"1": [[10, 1.1], [20, 0.55]], "2": [[10, 2.4], [20, 0.51], [30, 0.4]],
+                              "4": [[10, 9.0]]}}
+    xs, lo, hi = gap_band(row, ref)
+    assert xs == [10, 20]
+    assert lo == pytest.approx([10.0, 2.0]) and hi == pytest.approx([20.0, 10.0])
+    assert gap_band({"curve_per_seed": {"1": [[10, 1.1]]}}, ref) is None
+    assert gap_band({"curve": [[10, 1.1]]}, ref) is None

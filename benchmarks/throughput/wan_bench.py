@@ -62,7 +62,7 @@ window holds whole rounds):
 
 Every run is one :class:`~benchmarks.common.runner.Job` of the runner: one harness process per rank
 (recorder ``wan``, ``benchmarks/common/recorders.py``), each started through ``ip netns exec`` in
-its replica's namespace. Writes ``benchmarks/results/wan.json``, ``benchmarks/wan.png`` (with
+its replica's namespace. Writes ``benchmarks/results/wan.json``, ``benchmarks/plots/wan.png`` (with
 matplotlib), per-run logs and rank records under ``--work``; prints a table.
 """
 
@@ -418,8 +418,9 @@ def machine_description() -> dict:
             "gpu": None, "backend": "gloo"}
 
 
-def plot(result: dict, path: Path) -> bool:
-    """Tokens/s, speedup vs AllReduce (with the bound) and compute utilization per link and method."""
+def plot(result: dict, path: Path, stamp: str | None = None) -> bool:
+    """Tokens/s, speedup vs AllReduce (with the bound) and compute utilization per link and method;
+    stamped with the commit the runs used (and ``stamp``, the commit it is drawn at, when given)."""
     try:
         import matplotlib
 
@@ -467,8 +468,12 @@ def plot(result: dict, path: Path) -> bool:
                  f"{result['model']['params'] / 1e6:.2f}M-param GPT, {result['model']['tokens_per_iter']} "
                  f"tokens/step, H={result['config']['local_steps']}; {m.get('cpus')} CPU cores, gloo "
                  f"({result.get('date', '')})", fontsize=10)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.tight_layout(rect=(0, 0.07, 1, 0.97))
+    ran = ((result.get("code") or {}).get("commit") or "unknown")[:7]
+    fig.text(0.995, 0.995, f"runs at commit {ran}" + (f", drawn at {stamp}" if stamp else ""), ha="right", va="top",
+             fontsize=7, color="0.4")
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     return True
 
 
@@ -489,7 +494,7 @@ def parse_args() -> argparse.Namespace:
                    help="passes over the sweep; per (link, method) the least disturbed repeat is kept")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--out", type=Path, default=BENCH / "results" / "wan.json")
-    p.add_argument("--plot", type=Path, default=BENCH / "wan.png")
+    p.add_argument("--plot", type=Path, default=BENCH / "plots" / "wan.png")
     p.add_argument("--work", type=Path, default=REPO / "runs" / "wan", help="logs and rank records")
     p.add_argument("--dry-run", action="store_true", help="print the commands, change nothing")
     p.add_argument("--plot-only", action="store_true", help="redraw --plot from --out")
