@@ -37,3 +37,14 @@ def test_flags_md_lists_every_flag_of_the_group():
     text = (DOCS / "flags.md").read_text()
     missing = [f for f in sorted(flags) if f"| `{f}` |" not in text]
     assert not missing, f"not in docs/flags.md: {missing}"
+
+
+def test_example_launch_scripts_parse():
+    """The launch templates under examples/ are valid bash (they are not run here: no Slurm, no GPUs)."""
+    import subprocess
+
+    scripts = sorted((DOCS.parent / "examples").glob("*.sh"))
+    assert len(scripts) >= 3
+    for script in scripts:
+        proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, (script.name, proc.stderr)
