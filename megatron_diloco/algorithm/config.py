@@ -369,6 +369,19 @@ class DiLoCoXConfig:
         return {"local_steps": self.local_steps, "warmup_local_steps": self.warmup_local_steps,
                 "warmup_iters": self.warmup_iters}
 
+    def separate_jobs_problem(self) -> str | None:
+        """Why these settings cannot run as separate jobs (``--diloco-x-lighthouse``: rounds that may fail
+        and be resolved later need the exact merge's launch point and a residual that can be rolled
+        back), naming the flag; None when they can."""
+        if self.overlap not in ("none", "partial") or (self.overlap == "partial" and self.merge != "exact"):
+            merge = f" --diloco-x-merge {self.merge}" if self.overlap == "partial" else ""
+            return ("--diloco-x-lighthouse runs --diloco-x-overlap partial (the default, with --diloco-x-merge "
+                    f"exact) or none; got --diloco-x-overlap {self.overlap}{merge}")
+        if CODECS[self.compression].matrix:
+            return ("--diloco-x-lighthouse takes --diloco-x-compression none or a blockwise codec "
+                    f"({', '.join(BLOCKWISE)}); got {self.compression}")
+        return None
+
     @property
     def exchanges_on_host_mirror(self) -> bool:
         """Whether the exchange runs over the gloo mirror of the outer group (when there is one):

@@ -115,14 +115,8 @@ class FederatedRounds:
         self.membership = membership
         self.position = position
         self.set_position = set_position
-        cfg = sync.config
-        if cfg.overlap not in ("none", "partial") or (cfg.overlap == "partial" and cfg.merge != "exact"):
-            raise ValueError("separate jobs (--diloco-x-lighthouse) run --diloco-x-overlap partial (with "
-                             "--diloco-x-merge exact) or none; got --diloco-x-overlap "
-                             f"{cfg.overlap}{' --diloco-x-merge ' + cfg.merge if cfg.overlap == 'partial' else ''}")
-        if sync._executor is not None:
-            raise ValueError(f"separate jobs (--diloco-x-lighthouse) take the blockwise codecs or none; "
-                             f"got --diloco-x-compression {cfg.compression}")
+        if (why := sync.config.separate_jobs_problem()) is not None:
+            raise ValueError(why)
         #: rounds this job committed (with the rounds healed in): part of its progress
         self.committed = 0
         #: the last round failed on this job (not committed); resolved at the next meeting
@@ -134,7 +128,7 @@ class FederatedRounds:
         self.members = 1
         #: the rollback buffer (module doc), (N,) fp32 with the outer state; None when not needed
         lossy = sync.residual is not None
-        self.rollback = sync.store.empty() if (cfg.overlap == "none" or lossy) else None
+        self.rollback = sync.store.empty() if (sync.config.overlap == "none" or lossy) else None
         self._healed: dict | None = None
         self._healed_pending: torch.Tensor | None = None
         self._joining = False

@@ -327,13 +327,8 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
         if not getattr(args, "diloco_x_run", None):
             raise ValueError("--diloco-x-lighthouse needs --diloco-x-run NAME (the same on every job of the "
                              "run): a job of another run cannot join it by accident")
-        if config.overlap not in ("none", "partial") or (config.overlap == "partial" and config.merge != "exact"):
-            raise ValueError("--diloco-x-lighthouse runs --diloco-x-overlap partial (the default, with "
-                             "--diloco-x-merge exact) or none; got --diloco-x-overlap "
-                             f"{config.overlap} --diloco-x-merge {config.merge}")
-        if CODECS[config.compression].matrix:
-            raise ValueError("--diloco-x-lighthouse takes --diloco-x-compression none or a blockwise codec "
-                             f"({', '.join(BLOCKWISE)}); got {config.compression}")
+        if (why := config.separate_jobs_problem()) is not None:
+            raise ValueError(why)
         if getattr(args, "rampup_batch_size", None):
             raise ValueError("--diloco-x-lighthouse cannot be used with --rampup-batch-size (a job that joins "
                              "takes its data position from the run's iteration)")
