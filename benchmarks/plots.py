@@ -122,6 +122,14 @@ def gap_band(row: dict, ref: dict) -> tuple[list[float], list[float], list[float
     return xs, [min(g[t] for g in gaps) for t in xs], [max(g[t] for g in gaps) for t in xs]
 
 
+def _gap_axes(ax, xlabel: str, title: str, legend_loc: str = "best") -> None:
+    """Labels, a small title, a grid and the legend of a gap-to-AllReduce plot."""
+    ax.set(xlabel=xlabel, ylabel="validation loss above AllReduce (%)", title=title)
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7.5, loc=legend_loc)
+
+
 def plot_gap(conv: dict, path: Path, stamp: str) -> None:
     """Gap to AllReduce (%) vs tokens: the curve of each row's first seed (the only curve the JSON
     keeps), and at the end every seed's final gap (after the drain) with the mean."""
@@ -150,12 +158,8 @@ def plot_gap(conv: dict, path: Path, stamp: str) -> None:
     ax.axvline(end, color="0.7", lw=0.8, ls=":")
     ax.text(end * 1.005, ax.get_ylim()[0], " final, per seed", va="bottom", fontsize=7, color="0.35")
     r = conv["regime"]
-    ax.set(xlabel="tokens (M)", ylabel="validation loss above AllReduce (%)",
-           title=f"Gap to AllReduce, {r['params'] / 1e6:.1f}M GPT, {r['replicas']} replicas, H = {r['local_steps']}, "
-                 f"{r['tokens'] / 1e6:.1f}M tokens ({conv.get('card', '')})")
-    ax.title.set_fontsize(9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7.5, loc="upper right")
+    _gap_axes(ax, "tokens (M)", f"Gap to AllReduce, {r['params'] / 1e6:.1f}M GPT, {r['replicas']} replicas, "
+              f"H = {r['local_steps']}, {r['tokens'] / 1e6:.1f}M tokens ({conv.get('card', '')})", "upper right")
     fig.text(0.01, 0.005, "Lines: mid-run evaluations of each row's first seed vs AllReduce's; shade: min..max over "
              "seeds where per-seed curves were recorded. Overlapped rows read high there\n(an evaluation at a boundary sees unmerged "
              "parameters). Right: final evaluation after the drain, each seed paired with AllReduce's; bar = min..max, "
@@ -394,12 +398,8 @@ def plot_gap_vs_h(conv_h: dict, path: Path, stamp: str) -> None:
     ax.set_xticks(hs, [str(h) for h in hs])
     ax.xaxis.set_minor_formatter(plt.NullFormatter())
     r = conv_h["regime"]
-    ax.set(xlabel="H (inner steps per round)", ylabel="final validation loss above AllReduce (%)",
-           title=f"Gap to AllReduce vs H: {r['params'] / 1e6:.1f}M GPT, {r['replicas']} replicas, {r['steps']} steps "
-                 f"({r.get('card', '').split(' (')[0]})")
-    ax.title.set_fontsize(9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7.5)
+    _gap_axes(ax, "H (inner steps per round)", f"Gap to AllReduce vs H: {r['params'] / 1e6:.1f}M GPT, "
+              f"{r['replicas']} replicas, {r['steps']} steps ({r.get('card', '').split(' (')[0]})")
     _save(fig, path, stamp)
 
 

@@ -61,12 +61,7 @@ TRAIN_ARGS=(
 )
 
 export N GPUS_PER_NODE MASTER_ADDR MASTER_PORT MEGATRON NODELIST="${NODES[*]}"
-# One task per node; each finds its node rank from its position in NODES (static rendezvous, not
-# arrival order), then starts its GPU ranks through the launcher (unmodified pretrain_gpt.py).
-srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c '
-    set -euo pipefail
-    read -r -a nodes <<< "$NODELIST"
-    for i in "${!nodes[@]}"; do [[ ${nodes[$i]} == "$SLURMD_NODENAME" ]] && NODE_RANK=$i; done
-    exec torchrun --nnodes "$N" --nproc-per-node "$GPUS_PER_NODE" --node-rank "${NODE_RANK:?not in the node list}" \
-        --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-        -m megatron_diloco.launch "$MEGATRON/pretrain_gpt.py" "$@"' bash "${TRAIN_ARGS[@]}"
+# One task per node (examples/slurm_node.sh: its node rank from NODELIST, then torchrun on its GPUs);
+# sbatch runs a copy of this script, so the examples are found from the submit directory.
+EXAMPLES=${EXAMPLES:-$SLURM_SUBMIT_DIR/examples}
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 "$EXAMPLES/slurm_node.sh" "${TRAIN_ARGS[@]}"

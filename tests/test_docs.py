@@ -48,3 +48,25 @@ def test_example_launch_scripts_parse():
     for script in scripts:
         proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, (script.name, proc.stderr)
+
+
+def test_slurm_node_script_takes_its_rank_from_the_node_list(tmp_path):
+    """examples/slurm_node.sh, as srun starts it on node ``b`` of ``a b c``: node rank 1 of 3, the
+    launcher on pretrain_gpt.py, the training flags passed through (torchrun stubbed)."""
+    import os
+    import subprocess
+
+    fake = tmp_path / "torchrun"
+    fake.write_text('#!/bin/bash\necho "$@"\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", NODELIST="a b c", SLURMD_NODENAME="b",
+               GPUS_PER_NODE="8", MASTER_ADDR="a", MASTER_PORT="29500", MEGATRON="/opt/M")
+    out = subprocess.run(["bash", str(DOCS.parent / "examples" / "slurm_node.sh"), "--diloco-x", "--lr", "1e-4"],
+                         env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["--nnodes", "3", "--nproc-per-node", "8", "--node-rank", "1", "--master-addr", "a",
+                                  "--master-port", "29500", "-m", "megatron_diloco.launch", "/opt/M/pretrain_gpt.py",
+                                  "--diloco-x", "--lr", "1e-4"]
+    env["SLURMD_NODENAME"] = "z"
+    assert subprocess.run(["bash", str(DOCS.parent / "examples" / "slurm_node.sh")], env=env, capture_output=True,
+                          text=True, timeout=30).returncode != 0
