@@ -242,9 +242,10 @@ def test_warmup_rounds_then_h(tmp_path):
     assert (summary(log)["warmup_local_steps"], summary(log)["warmup_iters"]) == (1, 6)
 
 
-@pytest.mark.parametrize("codec,overlap", [("none", "delayed"), ("int8", "delayed"), ("lowrank-int8", "delayed"),
+# (a blockwise residual with delayed / eager: test_host_outer_state_trains_alike_and_checkpoints_across_layouts)
+@pytest.mark.parametrize("codec,overlap", [("none", "delayed"), ("lowrank-int8", "delayed"),
                                            ("adaptive", "delayed"), ("int4", "partial")],
-                         ids=["none", "int8", "lowrank-int8", "adaptive", "partial-int4"])
+                         ids=["none", "lowrank-int8", "adaptive", "partial-int4"])
 def test_checkpoint_resume_is_exact(tmp_path, codec, overlap):
     """Save mid-round (exchange in flight) and at a boundary, resume: the loss trajectory of the
     uninterrupted run, bit for bit, on every replica (with a lossy codec: error-feedback residuals
