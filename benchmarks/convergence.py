@@ -74,6 +74,9 @@ METHODS: dict[str, dict] = {
     # for the first 900 / 1500 steps whatever H is (tau_w and the warm-up codec stay auto: 1, int2)
     **{f"default_w{w}": {"default": True, "flags": ["--diloco-x-warmup-local-steps", "10",
                                                      "--diloco-x-warmup-iters", str(w)]} for w in (900, 1500)},
+    # the package default with --diloco-x-overlap none: blocking DiLoCo at the default's H, codecs and
+    # auto warm-up (its rounds blocking too, tau_w 0), the reference the default's overlap is judged against
+    "default_blocking": {"default": True, "flags": ["--diloco-x-overlap", "none"]},
     # one replica alone (its own batch, no partner): the floor any R-replica method must beat
     "single": {"alone": True},
     "diloco": dict(overlap="none", codec="none", **_O),

@@ -200,6 +200,27 @@ def test_the_default_method_is_the_package_default(local_steps):
         assert dataclasses.replace(measured, warmup_auto=True) == got
 
 
+@pytest.mark.parametrize("local_steps", [30, 100, 300])
+def test_default_blocking_is_the_default_without_its_overlap(local_steps):
+    """``default_blocking``, the default's blocking reference (``results/convergence_h.json``'s
+    'blocking' rows): the package default at the same H, codecs and auto warm-up, but for
+    ``--diloco-x-overlap none`` (and so tau_w 0: the warm-up's rounds block too)."""
+    import dataclasses
+
+    from megatron_diloco.megatron_adapter.arguments import add_diloco_x_args, config_from_args
+
+    def config(name: str):
+        args, _ = add_diloco_x_args(argparse.ArgumentParser()).parse_known_args(
+            ["--diloco-x-local-steps", str(local_steps), *convergence.method_flags(name)])
+        args.train_iters = 3000
+        return config_from_args(args)
+
+    default, blocking = config(convergence.DEFAULT_METHOD), config("default_blocking")
+    assert blocking.overlap == "none" and blocking.warmup_overlap_steps == 0
+    assert dataclasses.replace(blocking, overlap=default.overlap, warmup_overlap_steps=default.warmup_overlap_steps) \
+        == default
+
+
 def test_convergence_h_default_is_the_package_rule():
     """``results/convergence_h.json`` (the warm-up rule measured across H): at every H it
     reports, the harness's default method (``--diloco-x`` alone) resolves today to the warm-up, overlap
@@ -223,6 +244,10 @@ def test_convergence_h_default_is_the_package_rule():
                "compression": cfg.compression, "link_mbps": cfg.bandwidth_mbps}
         assert got == {k: ran[k] for k in got}, h
         assert rows["default"]["resolved_flags"]["warmup_iters"] == cfg.warmup_iters, h
+        if "blocking" in rows:  # the default's blocking reference ran the default's warm-up and codecs
+            ran_b = rows["blocking"]["run_resolved"]
+            want = {**got, "overlap": "none", "warmup_overlap_steps": 0, "merge": None}  # (merge: partial's)
+            assert want == {k: ran_b[k] for k in got}, h
         # the rule beats the one it replaced at every H where both ran
         if "previous_default" in rows:
             assert rows["default"]["gap_vs_allreduce"] < rows["previous_default"]["gap_vs_allreduce"], h
