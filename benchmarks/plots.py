@@ -399,7 +399,8 @@ def plot_gap_vs_h(conv_h: dict, path: Path, stamp: str) -> None:
     ax.xaxis.set_minor_formatter(plt.NullFormatter())
     r = conv_h["regime"]
     _gap_axes(ax, "H (inner steps per round)", f"Gap to AllReduce vs H: {r['params'] / 1e6:.1f}M GPT, "
-              f"{r['replicas']} replicas, {r['steps']} steps ({r.get('card', '').split(' (')[0]})")
+              f"{r['replicas']} replicas, {r['steps']} steps ({r.get('card', '').split(' (')[0]});\n"
+              "dots: each seed's final loss against the mean of AllReduce's seeds")
     _save(fig, path, stamp)
 
 
