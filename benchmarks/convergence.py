@@ -77,6 +77,10 @@ METHODS: dict[str, dict] = {
     # the package default with --diloco-x-overlap none: blocking DiLoCo at the default's H, codecs and
     # auto warm-up (its rounds blocking too, tau_w 0), the reference the default's overlap is judged against
     "default_blocking": {"default": True, "flags": ["--diloco-x-overlap", "none"]},
+    # the inner-lr sweep for a fair baseline: the default at the lrs AllReduce is swept at
+    # (allreduce_lr5e-4 / allreduce_lr2e-3 below; 1e-3 is the common flags' lr)
+    **{f"default_lr{lr}": {"default": True, "flags": ["--lr", lr, "--min-lr", f"{float(lr) / 10:g}"]}
+       for lr in ("5e-4", "2e-3")},
     # one replica alone (its own batch, no partner): the floor any R-replica method must beat
     "single": {"alone": True},
     "diloco": dict(overlap="none", codec="none", **_O),
