@@ -1,6 +1,10 @@
 #!/bin/bash
 # The warm-up across H on a GPU machine: run_device.sh "H:GPUS:METHODS:SEEDS" ...
 # each spec one convergence.py invocation on CUDA_VISIBLE_DEVICES=GPUS, all at once; results under $OUT
+# Install megatron-core with this script's own step (into the interpreter's site-packages), not with a
+# --target folder of your own: the corpus is built from the text files under the interpreter's stdlib and
+# site-packages (examples/stdlib_corpus.py), and its document count (7045 on the image of 2026-11-28)
+# must match convergence_h.json's for the losses to be comparable.
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
