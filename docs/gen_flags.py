@@ -56,9 +56,8 @@ def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
 def _values(action: argparse.Action) -> str:
     if action.nargs == 0:
         return "switch"
-    if action.choices is not None:  # a metavar {a,b} names the documented ones (the others: aliases)
-        shown = action.metavar.strip("{}").split(",") if action.metavar and action.metavar[0] == "{" else action.choices
-        return " \\| ".join(f"`{c}`" for c in shown)
+    if action.choices is not None:
+        return " \\| ".join(f"`{c}`" for c in action.choices)
     if action.metavar:
         return f"`{action.metavar}`".replace("|", "\\|")
     if action.type in (int, float):

@@ -73,7 +73,7 @@ import sys
 from typing import Any
 
 from megatron_diloco.megatron_adapter.arguments import resolve_warmup, resolve_warmup_compression, resolve_warmup_overlap
-from megatron_diloco.algorithm.config import BLOCKWISE, CODECS, OUTER_STATE_ALIASES, DiLoCoXConfig, link_share_bytes_per_s
+from megatron_diloco.algorithm.config import BLOCKWISE, CODECS, DiLoCoXConfig, link_share_bytes_per_s
 from megatron_diloco.algorithm.schedule import RoundSchedule, steps_to_hide
 
 #: Payload fraction of a TCP/IPv4 stream on Ethernet at MTU 1500 (1448 payload bytes per 1514 on the wire).
@@ -730,7 +730,7 @@ def from_training_command(argv: list[str]) -> dict[str, Any]:
         "recompute": a.recompute_granularity or "none", "param_bytes": 2 if (a.bf16 or a.fp16) else 4,
         "replicas": a.diloco_x_replicas, "local_steps": a.diloco_x_local_steps, "codec": a.diloco_x_compression,
         "overlap": a.diloco_x_overlap, "outer_momentum": a.diloco_x_outer_momentum,
-        "outer_state": OUTER_STATE_ALIASES.get(a.diloco_x_outer_state, a.diloco_x_outer_state), "outer_chunk_mb": a.diloco_x_outer_chunk_mb,
+        "outer_state": a.diloco_x_outer_state, "outer_chunk_mb": a.diloco_x_outer_chunk_mb,
         "rank": a.diloco_x_rank, "energy": a.diloco_x_energy,
         "warmup_local_steps": auto(a.diloco_x_warmup_local_steps), "warmup_iters": auto(a.diloco_x_warmup_iters),
         "warmup_overlap_steps": auto(a.diloco_x_warmup_overlap_steps),

@@ -204,8 +204,8 @@ class DiLoCoXConfig:
     world, over the gloo outer group of replicas in separate worlds), the encoded payload for the
     blockwise codecs (about 1 B int8/fp8, 0.5 B int4, plus the R payloads gathered while in flight). Same bits as
     ``device``; the boundary moves the state over the host link (PCIe) instead. The matrix codecs
-    (``lowrank``, ``lowrank-int8``, ``adaptive``) need ``device``. The earlier names ``gpu`` and ``cpu``
-    are accepted for ``device`` and ``host`` (:data:`OUTER_STATE_ALIASES`)."""
+    (``lowrank``, ``lowrank-int8``, ``adaptive``) need ``device``. The flag also takes the earlier names
+    ``gpu`` and ``cpu`` (:data:`OUTER_STATE_ALIASES`)."""
 
     outer_chunk_mb: float = 16.0
     """``--diloco-x-outer-state host``: MiB of fp32 per staged chunk (``--diloco-x-outer-chunk-mb``;
@@ -238,8 +238,6 @@ class DiLoCoXConfig:
     derived outer timeout."""
 
     def __post_init__(self) -> None:
-        if self.outer_state in OUTER_STATE_ALIASES:
-            object.__setattr__(self, "outer_state", OUTER_STATE_ALIASES[self.outer_state])
         self.validate()
 
     def validate(self) -> None:

@@ -84,7 +84,7 @@ class TorchftMembership:
             where = [advertise_host or default_advertise_host(), self._store.port]
         if self.world > 1:  # rank 0's address and port, as every rank of the job must use them
             dist.broadcast_object_list(where, src=0, group=job_group)
-        advertise_host, port = where[0], [where[1]]
+        advertise_host, port = where
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
@@ -92,7 +92,7 @@ class TorchftMembership:
             min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout,
             quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s),
             connect_timeout=datetime.timedelta(seconds=max(60.0, timeout_s)),
-            rank=self.rank, world_size=self.world, store_addr=advertise_host, store_port=int(port[0]),
+            rank=self.rank, world_size=self.world, store_addr=advertise_host, store_port=int(port),
             lighthouse_addr=_lighthouse_url(lighthouse), replica_id=replica_id, hostname=advertise_host,
             init_sync=False)
         self._quorum_id: int | None = None

@@ -95,8 +95,8 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "tau (--diloco-x-overlap-steps) and the adaptive codec's per-round byte cap. "
                             "Default: adaptive measures it at the first boundary (all outer groups at "
                             "once, so a rank's share directly); auto tau then uses measured exchange times.")
-    group.add_argument("--diloco-x-outer-state", choices=[*OUTER_STATES, *OUTER_STATE_ALIASES],
-                       metavar="{" + ",".join(OUTER_STATES) + "}", default=defaults["outer_state"].default,
+    group.add_argument("--diloco-x-outer-state", choices=OUTER_STATES, default=defaults["outer_state"].default,
+                       type=lambda v: OUTER_STATE_ALIASES.get(v, v),  # the earlier names, as the current ones
                        help="Where the outer state (theta, outer momentum, error-feedback residual, eager "
                             "anchor) lives: device (default: the GPU) or host (host memory, pinned; streamed "
                             "through the GPU in chunks at each boundary; same results, less GPU memory). "
