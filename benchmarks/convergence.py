@@ -77,6 +77,11 @@ METHODS: dict[str, dict] = {
     # the package default with --diloco-x-overlap none: blocking DiLoCo at the default's H, codecs and
     # auto warm-up (its rounds blocking too, tau_w 0), the reference the default's overlap is judged against
     "default_blocking": {"default": True, "flags": ["--diloco-x-overlap", "none"]},
+    # --diloco-x-local-steps auto (the H the modelled link and the measured step time allow, within
+    # [30, 300]): at 1 Gbit (the common flags' link) and at 100 Mbit, where it chooses a longer H
+    "default_auto_h": {"default": True, "flags": ["--diloco-x-local-steps", "auto"]},
+    "default_auto_h_100mbit": {"default": True, "flags": ["--diloco-x-local-steps", "auto",
+                                                          "--diloco-x-bandwidth-mbps", "100"]},
     # the inner-lr sweep for a fair baseline: the default at the lrs AllReduce is swept at
     # (allreduce_lr5e-4 / allreduce_lr2e-3 below; 1e-3 is the common flags' lr)
     **{f"default_lr{lr}": {"default": True, "flags": ["--lr", lr, "--min-lr", f"{float(lr) / 10:g}"]}

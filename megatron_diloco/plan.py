@@ -73,8 +73,8 @@ import sys
 from typing import Any
 
 from megatron_diloco.megatron_adapter.arguments import resolve_warmup, resolve_warmup_compression, resolve_warmup_overlap
-from megatron_diloco.algorithm.config import BLOCKWISE, CODECS, DiLoCoXConfig, link_share_bytes_per_s
-from megatron_diloco.algorithm.schedule import RoundSchedule, steps_to_hide
+from megatron_diloco.algorithm.config import AUTO_H_MIN, BLOCKWISE, CODECS, DiLoCoXConfig, link_share_bytes_per_s
+from megatron_diloco.algorithm.schedule import RoundSchedule, auto_local_steps, steps_to_hide
 
 #: Payload fraction of a TCP/IPv4 stream on Ethernet at MTU 1500 (1448 payload bytes per 1514 on the wire).
 TCP_EFFICIENCY = 1448 / 1514
@@ -182,8 +182,9 @@ class PlanConfig:
     """Payload fraction of the link rate."""
 
     # ---------------- DiLoCoX ----------------
-    local_steps: int = 500
-    """H: inner steps per outer round."""
+    local_steps: int | str = 500
+    """H: inner steps per outer round, or ``auto`` (the run's rule: the smallest H that hides the
+    modelled exchange, with a quarter to spare, within the run's bounds)."""
     codec: str = "int4"
     """Pseudo-gradient codec (``--diloco-x-compression``)."""
     compression_ratio: float | None = None
@@ -247,6 +248,8 @@ class PlanConfig:
         """Raise ``ValueError`` naming the ``--flag`` of any invalid value."""
         for name in ("tp", "pp", "dp", "replicas", "gpus_per_node", "local_steps", "rank"):
             v = getattr(self, name)
+            if name == "local_steps" and v == "auto":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{_flag(name)} must be an integer >= 1, got {v!r}")
         shape = (self.layers, self.hidden)
@@ -376,6 +379,8 @@ class Plan:
     """H x step + boundary + exposed, seconds."""
     min_hidden_local_steps: int
     """Smallest H for which the exchange hides under the next round's compute."""
+    local_steps: int
+    """H of the rounds after the warm-up: the config's, or what ``auto`` chooses for this exchange."""
     bandwidth_flag_mbps: float
     """``--diloco-x-bandwidth-mbps`` for this layout: the payload Mbit/s one replica's ranks share (the
     flag's meaning; each of its ranks counts on 1 / (tp pp dp) of it, as each does here), i.e.
@@ -448,7 +453,9 @@ def activation_bytes(cfg: PlanConfig, stage: int = 0) -> float | None:
 
 def plan(cfg: PlanConfig) -> Plan:
     """Project ``cfg`` (see the module docstring for every formula)."""
-    R, H = cfg.replicas, cfg.local_steps
+    R = cfg.replicas
+    auto_h = cfg.local_steps == "auto"
+    H = AUTO_H_MIN if auto_h else cfg.local_steps  # (auto: the H the run starts at, its warm-up's)
     n = cfg.n_params
     per_gpu = n / (cfg.tp * cfg.pp)
     shard = per_gpu / cfg.dp
@@ -516,6 +523,10 @@ def plan(cfg: PlanConfig) -> Plan:
         return sent_bytes / share + collectives * lat if R > 1 else 0.0
 
     exchange = link_s(sent, steps)
+    # the warm-up is resolved from the H a run starts at; auto H then takes the rounds' H from the exchange
+    h0, w = resolve_warmup(cfg.warmup_local_steps, cfg.warmup_iters, H, cfg.train_iters, cfg.overlap)
+    if auto_h:
+        H = auto_local_steps(exchange, t_step)
     if cfg.overlap == "none":
         exposed = exchange
     else:
@@ -540,7 +551,6 @@ def plan(cfg: PlanConfig) -> Plan:
     # ---- the warm-up (one-time): rounds of H0; with partial each overlaps at most tau_w steps ----
     # (all but the warm-up's last exchange launch into a warm-up round: --warmup-codec's; the last
     # one launches into a round of H and takes ``codec``)
-    h0, w = resolve_warmup(cfg.warmup_local_steps, cfg.warmup_iters, H, cfg.train_iters, cfg.overlap)
     warm_rounds = w // h0 if h0 else 0
     tau_w = resolve_warmup_overlap(cfg.warmup_overlap_steps, h0, cfg.overlap) if w else 0
     warm_codec = resolve_warmup_compression(cfg.warmup_codec, cfg.codec, w)
@@ -572,7 +582,7 @@ def plan(cfg: PlanConfig) -> Plan:
         compute_step_s=t_step, boundary_s=t_boundary, compression_ratio=ratio, ratio_source=source,
         payload_bytes_per_rank=payload, bytes_sent_per_rank_per_round=sent if R > 1 else 0.0,
         bytes_per_link_per_round=per_link if R > 1 else 0.0, exchange_s=exchange, exposed_s=exposed,
-        round_s=round_s, min_hidden_local_steps=min_h,
+        round_s=round_s, min_hidden_local_steps=min_h, local_steps=H,
         bandwidth_flag_mbps=share * 8 / 1e6 * cfg.gpus_per_replica, allreduce_bytes_per_link_per_step=ar_per_link,
         allreduce_comm_s=ar_comm, allreduce_step_s=ar_step, dilocox_tokens_per_s=dx_tps,
         allreduce_tokens_per_s=ar_tps, speedup_vs_allreduce=dx_tps / ar_tps,
@@ -612,6 +622,11 @@ def _fmt_bytes(b: float) -> str:
     return f"{b:.0f} B"
 
 
+def _h(c: PlanConfig, p: Plan) -> str:
+    """H as the report states it: the number, or ``auto -> N`` (what the run would choose)."""
+    return f"auto -> {p.local_steps}" if c.local_steps == "auto" else str(p.local_steps)
+
+
 def _fmt_s(s: float) -> str:
     if s >= 3600:
         return f"{s / 3600:.3g} h"
@@ -644,10 +659,10 @@ def format_table(p: Plan) -> str:
         ("codec", f"{c.codec}, {p.compression_ratio:.4g}x vs fp32 ({p.ratio_source})"),
         ("exchange / round", f"{_fmt_bytes(p.bytes_sent_per_rank_per_round)} per rank, "
                              f"{_fmt_bytes(p.bytes_per_link_per_round)} per link -> {_fmt_s(p.exchange_s)}"),
-        ("exposed / round", f"{_fmt_s(p.exposed_s)} ({c.overlap}; H = {c.local_steps}, "
+        ("exposed / round", f"{_fmt_s(p.exposed_s)} ({c.overlap}; H = {_h(c, p)}, "
                             f"hidden from H = {p.min_hidden_local_steps}; run with --diloco-x-bandwidth-mbps "
                             f"{p.bandwidth_flag_mbps:.4g})"),
-        ("round", f"{_fmt_s(p.round_s)} = {c.local_steps} x {_fmt_s(p.compute_step_s)} + boundary "
+        ("round", f"{_fmt_s(p.round_s)} = {p.local_steps} x {_fmt_s(p.compute_step_s)} + boundary "
                   f"{_fmt_s(p.boundary_s)} + exposed"),
         ("warm-up (once)", "none" if not p.warmup[1] else
          f"{p.warmup[1]} steps in rounds of {p.warmup[0]}"
@@ -704,6 +719,8 @@ def build_parser() -> argparse.ArgumentParser:
             conv = {"int": int, "int | None": int, "float | None": float, "float": float}.get(f.type, str)
             if f.name == "params":
                 conv = lambda v: float(v)  # noqa: E731 (accepts 107e9)
+            if f.name == "local_steps":
+                conv = lambda v: v if v == "auto" else int(v)  # noqa: E731
             if f.name == "tokens_per_step":
                 conv = lambda v: int(float(v))  # noqa: E731
             p.add_argument(flag, type=conv, default=None, help=doc or None)

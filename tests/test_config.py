@@ -259,13 +259,15 @@ def test_a_resume_keeps_an_auto_warmup_and_warns_on_changed_flags(caplog):
     import logging
     import types
 
+    from megatron_diloco.algorithm.schedule import RoundSchedule
     from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
 
     def resume(argv, train_iters, saved):
         args = parse("--diloco-x-local-steps", "30", *argv)
         args.train_iters = train_iters
-        opt = types.SimpleNamespace(diloco_config=config_from_args(args), step_calls=600,
-                                    sync=types.SimpleNamespace(schedule_changed=lambda: None))
+        cfg = config_from_args(args)
+        opt = types.SimpleNamespace(diloco_config=cfg, step_calls=600,
+                                    sync=types.SimpleNamespace(schedule_changed=lambda: None, schedule=RoundSchedule(cfg)))
         DiLoCoXOptimizer._keep_schedule(opt, saved)
         return opt.diloco_config
 
@@ -324,3 +326,123 @@ def test_separate_jobs_flags_apply_with_the_lighthouse_only():
     args = megatron_args(diloco_x_run="r")
     with pytest.raises(ValueError, match="--diloco-x-run applies with --diloco-x-lighthouse only"):
         validate_megatron_args(args, DiLoCoXConfig(replicas=2))
+
+
+# ------------------------------------------------------------------ --diloco-x-local-steps auto
+def test_auto_local_steps_starts_at_the_lower_bound_with_its_warmup():
+    """``auto`` starts at H 30, the H its warm-up is resolved from (H0 10 for 900 steps at 3000), and
+    the flag still takes a number; anything else is refused by the parser, naming the choices."""
+    from megatron_diloco.algorithm.config import AUTO_H_MIN
+
+    args = parse("--diloco-x-local-steps", "auto")
+    args.train_iters = 3000
+    cfg = config_from_args(args)
+    assert (cfg.local_steps, cfg.local_steps_auto, cfg.warmup_local_steps, cfg.warmup_iters) == (AUTO_H_MIN, True, 10, 900)
+    fixed = config_from_args(parse("--diloco-x-local-steps", "30"))
+    assert (fixed.local_steps, fixed.local_steps_auto) == (30, False)
+    with pytest.raises(SystemExit):
+        parse("--diloco-x-local-steps", "fast")
+
+
+@pytest.mark.parametrize("argv, phrase", [
+    (["--diloco-x-overlap", "none"], "it needs an overlapping --diloco-x-overlap"),
+    (["--diloco-x-compression", "adaptive"], "--diloco-x-local-steps auto and --diloco-x-compression adaptive"),
+])
+def test_auto_local_steps_refused_where_it_cannot_hold(argv, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        config_from_args(parse("--diloco-x-local-steps", "auto", *argv))
+    config_from_args(parse("--diloco-x-local-steps", "30", *argv))  # a number: accepted
+
+
+def test_auto_local_steps_is_refused_for_separate_jobs():
+    """A joining job would need the run's agreed H and where its rounds began: refused before training."""
+    problem = config_from_args(parse("--diloco-x-local-steps", "auto")).separate_jobs_problem()
+    assert problem is not None and "--diloco-x-local-steps" in problem and "auto" in problem
+    assert config_from_args(parse("--diloco-x-local-steps", "30")).separate_jobs_problem() is None
+
+
+def test_auto_local_steps_proposal_bounds():
+    """A rank's proposal: 1.25 x the steps that hide the exchange, rounded up, within [30, 300]; none
+    while the step time or the exchange is unknown."""
+    from megatron_diloco.algorithm.schedule import auto_local_steps
+
+    assert auto_local_steps(None, 0.1) == auto_local_steps(5.0, None) == 0
+    assert auto_local_steps(0.5, 0.1) == 30  # 5 steps hide it: the lower bound
+    assert auto_local_steps(8.0, 0.1) == 100  # 80 steps, x 1.25
+    assert auto_local_steps(8.05, 0.1) == 102  # 81 steps, x 1.25 = 101.25, up
+    assert auto_local_steps(1e4, 0.1) == 300  # the upper bound
+
+
+def _modular_boundaries(h0: int, w: int, h: int, steps: int) -> list[int]:
+    """The fixed-H schedule as plain arithmetic: rounds of H0 up to W, then of H."""
+    return [s for s in range(1, steps + 1) if (s % h0 == 0 if w and s <= w else (s - w) % h == 0)]
+
+
+@pytest.mark.parametrize("h, h0, w", [(30, None, 0), (30, 10, 900), (7, 2, 6), (25, 8, 496), (1, None, 0)])
+def test_fixed_local_steps_schedule_is_the_modular_one(h, h0, w):
+    """A fixed H keeps the boundaries of plain modular arithmetic (the anchor stays at the warm-up's
+    end); a restart changes nothing there."""
+    cfg = DiLoCoXConfig(local_steps=h, warmup_local_steps=h0, warmup_iters=w)
+    schedule = RoundSchedule(cfg)
+    want = _modular_boundaries(h0 or 1, w, h, 2000)
+    assert [s for s in range(1, 2001) if schedule.is_boundary(s)] == want
+    schedule.restart()
+    assert [s for s in range(1, 2001) if schedule.is_boundary(s)] == want
+    with pytest.raises(RuntimeError, match="auto only"):
+        schedule.begin_rounds(want[-1], 50)
+
+
+def test_auto_local_steps_rounds_start_where_agreed_and_resume_there():
+    """auto H: rounds of H0 10 up to 900, then of 30 (the start); H agreed at a boundary starts its
+    rounds there (900: 120, then 1260: 45); a checkpoint's schedule restores H and that anchor (a
+    resume with a fixed H does not take them); an H agreed off a boundary or inside the warm-up is a
+    bug and raises."""
+    cfg = DiLoCoXConfig(local_steps=30, local_steps_auto=True, warmup_local_steps=10, warmup_iters=900)
+    schedule = RoundSchedule(cfg)
+    with pytest.raises(RuntimeError, match="not at a boundary after the warm-up"):
+        schedule.begin_rounds(890, 120)
+    with pytest.raises(RuntimeError, match="not at a boundary"):
+        schedule.begin_rounds(905, 120)
+    schedule.begin_rounds(900, 0)  # no proposal: H stays
+    assert schedule.round_steps(900) == 30 and schedule.anchor is None
+    schedule.begin_rounds(900, 120)
+    assert [s for s in range(880, 1400) if schedule.is_boundary(s)] == [880, 890, 900, 1020, 1140, 1260, 1380]
+    schedule.begin_rounds(1260, 45)
+    bounds = [s for s in range(1260, 1500) if schedule.is_boundary(s)]  # (asked from the last change on)
+    assert bounds == [1260, 1305, 1350, 1395, 1440, 1485] and schedule.round_steps(1305) == 45
+    saved = schedule.state_dict()
+    assert saved == {"local_steps": 45, "warmup_local_steps": 10, "warmup_iters": 900,
+                     "local_steps_auto": True, "anchor": 1260}
+    resumed = RoundSchedule(dataclasses.replace(cfg, local_steps=30))
+    assert resumed.load_auto(saved) and resumed.state_dict() == saved
+    assert [s for s in range(1260, 1500) if resumed.is_boundary(s)] == bounds
+    fixed = RoundSchedule(DiLoCoXConfig(local_steps=30, warmup_local_steps=10, warmup_iters=900))
+    assert not fixed.load_auto(saved) and fixed.config.local_steps == 30 and fixed.anchor is None
+    schedule.restart()  # a new outer loop: its warm-up again, then rounds of the last H
+    assert [s for s in range(880, 1000) if schedule.is_boundary(s)] == [880, 890, 900, 945, 990]
+
+
+def test_a_resume_keeps_an_auto_local_steps_run_where_it_was(caplog):
+    """``DiLoCoXOptimizer._keep_schedule`` with auto H on both sides: the checkpoint's H and anchor,
+    logged; with a fixed H now: the flags' H, with the warning that names them."""
+    import logging
+    import types
+
+    from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
+
+    def resume(*argv):
+        args = parse(*argv)
+        args.train_iters = 3000
+        cfg = config_from_args(args)
+        opt = types.SimpleNamespace(diloco_config=cfg, step_calls=1300,
+                                    sync=types.SimpleNamespace(schedule_changed=lambda: None, schedule=RoundSchedule(cfg)))
+        DiLoCoXOptimizer._keep_schedule(opt, saved)
+        return opt.sync.schedule
+
+    saved = {"local_steps": 120, "warmup_local_steps": 10, "warmup_iters": 900, "local_steps_auto": True, "anchor": 1020}
+    with caplog.at_level(logging.INFO, logger="megatron_diloco.megatron_adapter.restart"):
+        auto = resume("--diloco-x-local-steps", "auto")
+    assert (auto.config.local_steps, auto.anchor) == (120, 1020) and "auto H resumes with the checkpoint's H 120" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="megatron_diloco.megatron_adapter.restart"):
+        fixed = resume("--diloco-x-local-steps", "30")
+    assert (fixed.config.local_steps, fixed.anchor) == (30, None) and "--diloco-x-local-steps" in caplog.text

@@ -242,6 +242,32 @@ def test_warmup_rounds_then_h(tmp_path):
     assert (summary(log)["warmup_local_steps"], summary(log)["warmup_iters"]) == (1, 6)
 
 
+def test_auto_local_steps_follows_the_link_and_resumes_exactly(tmp_path):
+    """``--diloco-x-local-steps auto`` on Megatron (partial, int4; no warm-up): the first round has
+    H 30; at its boundary every rank, with a link that takes far longer than any round
+    (``--diloco-x-bandwidth-mbps 0.001``), proposes the upper bound, 300, so the next boundary is the
+    run's end (70, a shorter last round) instead of 60, with the replicas bit-identical there and the
+    summary reporting ``auto`` and the H it ended with. A checkpoint saved mid-round (45, the
+    exchange in flight) resumes with the checkpoint's H and its anchor: the same losses, bit for bit.
+    (A fast link keeps H at 30: ``tests/test_sync.py`` covers the proposals.)"""
+    base = ["--train-iters", "70", "--diloco-x-local-steps", "auto", "--diloco-x-compression", "int4",
+            "--diloco-x-bandwidth-mbps", "0.001", "--save-interval", "1000", "--no-load-rng", *MEGATRON_DEFAULTS]
+    full, log = run_megatron(tmp_path, base)
+    for rank, rec in enumerate(full):
+        assert [s for s, _ in rec["boundary_identical"]] == [30, 70], rank
+        assert all(ok for _, ok in rec["boundary_identical"]), (rank, rec["boundary_identical"])
+    assert_final_params_identical(full)
+    s = summary(log)
+    assert (s["local_steps"], s["last_local_steps"], s["rounds"]) == ("auto", 300, 2) and s["replicas_identical"]
+    ckpt = str(tmp_path / "ckpt")
+    leg1, _ = run_megatron(tmp_path, base + ["--save", ckpt, "--exit-interval", "45"])
+    leg2, log2 = run_megatron(tmp_path, base + ["--load", ckpt])
+    assert "auto H resumes with the checkpoint's H 300" in log2
+    want = losses(full)
+    assert {r: {**losses(leg1)[r], **losses(leg2)[r]} for r in want} == want
+    assert summary(log2)["last_local_steps"] == 300
+
+
 # (a blockwise residual with delayed / eager: test_host_outer_state_trains_alike_and_checkpoints_across_layouts)
 @pytest.mark.parametrize("codec,overlap", [("none", "delayed"), ("lowrank-int8", "delayed"),
                                            ("adaptive", "delayed"), ("int4", "partial")],

@@ -956,6 +956,80 @@ def test_partial_auto_overlap_steps_agreed_by_all_ranks():
     run_world(_auto_worker, 2)
 
 
+def test_auto_local_steps_proposal_from_the_main_codecs_exchange():
+    """auto H: a rank proposes 1.25 x the steps that hide an exchange of the main codec: its wire bytes
+    at the known link; else the last exchange's measured time scaled to the main codec's bytes (the
+    first round after an int2 warm-up: int4 sends twice its bytes). Nothing with a fixed H, into a
+    warm-up round, or before anything is measured; tau is sized within the proposed round."""
+    from megatron_diloco.algorithm.exchange import ExchangeStats
+
+    n = 1 << 16
+    common = dict(replicas=2, overlap="partial", compression="int4", warmup_local_steps=10, warmup_iters=900,
+                  warmup_compression="int2")
+    sync = OuterSync(ShardView([torch.zeros(n)]), DiLoCoXConfig(local_steps=30, local_steps_auto=True, **common), None)
+    int4, int2 = sync._fixed_wire_bytes(sync.codec), sync._fixed_wire_bytes(sync.warmup_codec)
+    assert int4 > 1.9 * int2
+    assert sync._propose_local_steps() == 0  # nothing measured
+    sync.before_boundary(0.01, next_round_steps=10)  # into a warm-up round: no proposal
+    sync.last_completed = ExchangeStats(bytes_sent=int2, exchange_s=0.4)
+    assert sync._propose_local_steps() == 0
+    sync.before_boundary(0.01, next_round_steps=30)  # the warm-up's end: int4 takes ~0.78 s = 78 steps
+    want = math.ceil(1.25 * math.ceil(0.4 * int4 / int2 / 0.01))
+    assert sync._propose_local_steps() == want and 95 <= want <= 110
+    assert sync._choose_overlap_steps(want) == math.ceil(0.4 * int4 / int2 / 0.01)  # hidden within the round
+    sync.link_bytes_per_s = int4 / 2.0  # a known link: 2 s per int4 exchange = 200 steps, x 1.25
+    assert sync._propose_local_steps() == 250
+    sync.link_bytes_per_s = int4 / 4.0  # 400 steps: the upper bound
+    assert sync._propose_local_steps() == 300
+    sync.link_bytes_per_s = int4 / 0.05  # 5 steps: the lower bound
+    assert sync._propose_local_steps() == 30
+    fixed = OuterSync(ShardView([torch.zeros(n)]), DiLoCoXConfig(local_steps=30, **common), None)
+    fixed.before_boundary(0.01, next_round_steps=30)
+    fixed.last_completed = ExchangeStats(bytes_sent=int2, exchange_s=0.4)
+    assert fixed._propose_local_steps() == 0
+
+
+def _auto_h_worker(rank: int, world: int) -> None:
+    """Two replicas driven as the optimizer drives OuterSync (boundaries from the schedule, the step
+    count given at each): rank 1's link share is half rank 0's, so it proposes the longer H."""
+    steps_total = 400
+    cfg = DiLoCoXConfig(replicas=world, local_steps=30, local_steps_auto=True, overlap="partial", compression="int8",
+                        warmup_local_steps=10, warmup_iters=60)
+    x = torch.linspace(-1, 1, 4096) + 0.0
+    sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
+    wire = sync._fixed_wire_bytes(sync.codec)
+    sync.link_bytes_per_s = wire / (0.5 if rank == 0 else 1.0)  # 0.5 s / 1 s per exchange
+    step_s = 0.01  # the step time a rank reports (the proposals do not depend on this test's pace)
+    boundaries, taus, landings = [], [], []
+    for step in range(1, steps_total + 1):
+        since = sync.schedule.steps_since_boundary(step)
+        x.sub_(0.001 * (rank + 1) * torch.sin(x * step))
+        if sync.merge_due(since):
+            landings.append(step)
+            sync.merge()
+        elif since == 0:
+            sync.before_boundary(step_s, next_round_steps=sync.schedule.round_steps(step), steps=step)
+            sync.boundary()
+            boundaries.append((step, cfg.local_steps))
+            taus.append(sync.tau)
+    sync.drain()
+    # warm-up: rounds of 10 to 60 (no proposal, H 30 stays); at 60 rank 1 asks ceil(1.25 x 100) = 125,
+    # rank 0 ceil(1.25 x 50) = 63: 125 wins on both ranks, and the tau of the slower link (100 steps)
+    assert boundaries == [(10, 30), (20, 30), (30, 30), (40, 30), (50, 30), (60, 125), (185, 125), (310, 125)], boundaries
+    # (warm-up rounds block: tau_w 0); the exchanges of the rounds of 125 land 100 steps after their launch
+    assert taus == [0] * 5 + [100] * 3 and landings == [160, 285], (taus, landings)
+    got = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(got, x)
+    assert torch.equal(got[0], got[1])  # one model at the end
+    theta = [torch.empty_like(sync.theta) for _ in range(world)]
+    dist.all_gather(theta, sync.theta)
+    assert torch.equal(theta[0], theta[1])
+
+
+def test_auto_local_steps_agreed_by_all_ranks():
+    run_world(_auto_h_worker, 2)
+
+
 @pytest.mark.parametrize("kwargs,flag", [
     (dict(overlap="delayed", overlap_steps=2), "--diloco-x-overlap-steps applies to --diloco-x-overlap partial"),
     (dict(overlap="partial", overlap_steps=11), "--diloco-x-overlap-steps must be"),

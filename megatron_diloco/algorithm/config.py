@@ -49,6 +49,16 @@ CODECS: dict[str, CodecSpec] = {spec.name: spec for spec in (
 #: The blockwise codecs (one async all-gather of a quantized payload, error feedback): the values of
 #: ``--diloco-x-warmup-compression``, the codecs ``--diloco-x-outer-state host`` takes besides ``none``.
 BLOCKWISE: tuple[str, ...] = tuple(name for name, spec in CODECS.items() if spec.lossy and not spec.matrix)
+#: ``--diloco-x-local-steps auto``: the bounds of the H it chooses. Below 30 the measured gap to
+#: AllReduce does not shrink (85M GPT: +1.96% at H 30, +1.79% at 100, +1.90% at 300; benchmarks/RESULTS.md
+#: §2.3) while every boundary's fixed costs (the decision all-reduce, the encode and outer-step passes
+#: over the shard) recur more often; above 300 nothing was measured. A run starts at AUTO_H_MIN (its
+#: warm-up is resolved from it).
+AUTO_H_MIN, AUTO_H_MAX = 30, 300
+#: auto H sizes a round so that its exchange fills at most 1 / AUTO_H_HEADROOM of it: an
+#: exchange up to a quarter longer than the last one measured stays hidden
+AUTO_H_HEADROOM = 1.25
+
 #: k of the derived outer timeout: an exchange may take k times a round's compute (or k times the
 #: longest exchange seen) before the link counts as hung (see :meth:`DiLoCoXConfig.outer_timeout_s`).
 OUTER_TIMEOUT_HEADROOM: float = 4.0
@@ -78,7 +88,12 @@ class DiLoCoXConfig:
 
     # ---------------- outer loop ----------------
     local_steps: int = 500
-    """H: inner optimizer ``step()`` calls per outer round (counted in calls, not successful steps)."""
+    """H: inner optimizer ``step()`` calls per outer round (counted in calls, not successful steps).
+    With :attr:`local_steps_auto` the current H (AUTO_H_MIN at the start), changed by the boundaries."""
+
+    local_steps_auto: bool = False
+    """``--diloco-x-local-steps auto``: H chosen at every boundary after the warm-up, the smallest that
+    hides the exchange (:func:`megatron_diloco.algorithm.schedule.auto_local_steps`), agreed by all ranks."""
 
     warmup_local_steps: int | None = None
     """H0: the round length during the first :attr:`warmup_iters` inner steps
@@ -252,6 +267,18 @@ class DiLoCoXConfig:
                 f"--diloco-x-local-steps (H) must be an integer >= 1, got {self.local_steps!r}; "
                 "H is the number of inner optimizer steps between outer synchronizations"
             )
+        if self.local_steps_auto:
+            if self.overlap == "none":
+                raise ValueError("--diloco-x-local-steps auto chooses the smallest H whose exchange the overlap hides: "
+                                 "it needs an overlapping --diloco-x-overlap (partial, the default; delayed; eager), "
+                                 "not none; or give H as a number")
+            if self.compression == "adaptive":
+                raise ValueError("--diloco-x-local-steps auto and --diloco-x-compression adaptive both fit the exchange "
+                                 "to the link (one by H, the other by the bytes): give H as a number with adaptive, "
+                                 "or take another codec with auto")
+            if not AUTO_H_MIN <= self.local_steps <= AUTO_H_MAX:
+                raise ValueError(f"--diloco-x-local-steps auto keeps H in [{AUTO_H_MIN}, {AUTO_H_MAX}], "
+                                 f"got H = {self.local_steps}")
         if self.warmup_local_steps is not None or self.warmup_iters:
             h0, w = self.warmup_local_steps, self.warmup_iters
             if not isinstance(h0, int) or not 1 <= h0 <= self.local_steps:
@@ -362,11 +389,6 @@ class DiLoCoXConfig:
         if not (0.0 < self.outer_chunk_mb < float("inf")):
             raise ValueError(f"--diloco-x-outer-chunk-mb must be a finite number > 0, got {self.outer_chunk_mb!r}")
 
-    def schedule(self) -> dict[str, int | None]:
-        """The round schedule (H, H0, W): what a checkpoint records, so that a resume can keep it."""
-        return {"local_steps": self.local_steps, "warmup_local_steps": self.warmup_local_steps,
-                "warmup_iters": self.warmup_iters}
-
     def separate_jobs_problem(self) -> str | None:
         """Why these settings cannot run as separate jobs (``--diloco-x-lighthouse``: rounds that may fail
         and be resolved later need the exact merge's launch point and a residual that can be rolled
@@ -378,6 +400,9 @@ class DiLoCoXConfig:
         if CODECS[self.compression].matrix:
             return ("--diloco-x-lighthouse takes --diloco-x-compression none or a blockwise codec "
                     f"({', '.join(BLOCKWISE)}); got {self.compression}")
+        if self.local_steps_auto:  # a joining job would need the agreed H and its anchor from the run
+            return ("--diloco-x-lighthouse takes a fixed --diloco-x-local-steps (a number), not auto: the jobs of a "
+                    "run that changes H at its boundaries cannot join it yet")
         return None
 
     @property

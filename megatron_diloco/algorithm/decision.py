@@ -2,17 +2,19 @@
 
 Before anything of a round is sent, every rank of the model (all replicas, stages and shards) takes
 the same :class:`Decision` from one MAX all-reduce over the decision group(s) of a float64 vector
-``[skip, tau, fp[W], gid[W]]`` (W: the ranks of the decision groups):
+``[skip, tau, H, fp[W], gid[W]]`` (W: the ranks of the decision groups):
 
 * ``skip``: 1 when this rank's pseudo-gradient shard holds a NaN/Inf (or its fp32 norm overflows):
   a NaN in one stage skips the round of all stages;
 * ``tau``: this rank's overlap steps (``partial``); the largest wins, so that the slowest rank's
   exchange is hidden;
+* ``H``: this rank's proposed round length (``--diloco-x-local-steps auto``; 0: none); the largest wins,
+  and tau is capped by it, so the exchange lands within the round;
 * ``fp[slot]``, ``gid[slot]``: this rank's theta fingerprint folded to 52 bits and the id of its outer
   group (-1 in every other rank's slot, so the MAX delivers every rank's to every rank): when the
   members of some outer group disagree, every rank raises :class:`ReplicasDivergedError` alike.
 
-Cost per boundary: 16 B per rank of the world plus 16 B (16 KB at 1024 ranks: latency-bound, one
+Cost per boundary: 16 B per rank of the world plus 24 B (16 KB at 1024 ranks: latency-bound, one
 collective); the fingerprint is two int64 sums over the rank's theta shard, taken by the caller inside
 a pass that streams theta anyway; one 16-byte device-to-host copy. Nothing is compared with one replica.
 """
@@ -58,7 +60,11 @@ class Decision:
     skip: bool
     """Some rank's pseudo-gradient holds a NaN/Inf: the round is skipped on every rank."""
     tau: int
-    """The overlap steps of the exchange about to launch: the largest any rank asked for."""
+    """The overlap steps of the exchange about to launch: the largest any rank asked for (at most
+    :attr:`local_steps` when that is set)."""
+    local_steps: int = 0
+    """``--diloco-x-local-steps auto``: H of the round this boundary starts, the largest any rank
+    proposed; 0: H stays (fixed H, a warm-up round, nothing measured yet)."""
 
 
 class BoundaryDecision:
@@ -111,25 +117,26 @@ class BoundaryDecision:
         return torch.zeros(2, dtype=torch.int64, device=self.device) if self._agreement is not None else None
 
     def decide(self, round_: int, pseudo_grad_sq: float, tau: int, theta_fp: torch.Tensor | None,
-               timeout_s: Callable[[], float]) -> Decision:
+               timeout_s: Callable[[], float], local_steps: int = 0) -> Decision:
         """The round's :class:`Decision` (blocking; collective over the decision groups, each bounded by
         ``timeout_s()``).
 
         ``pseudo_grad_sq``: this rank's squared norm of its pseudo-gradient shard (already on the host):
         non-finite when the shard holds a NaN/Inf or its fp32 norm overflows (entries near 1e19: a
-        diverged round, skipped as well). ``tau``: this rank's overlap steps. ``theta_fp``: the
+        diverged round, skipped as well). ``tau``: this rank's overlap steps; ``local_steps``: its
+        proposed H (auto H; 0: none). ``theta_fp``: the
         fingerprint (int64 ``[2]``) of this rank's theta as it stands at the decision (None: not known
         this boundary, then not compared). Raises :class:`ReplicasDivergedError` on every rank when
         replicas' theta differ."""
         groups = [g for g in self.decision_groups if dist.get_world_size(g) > 1]
         on_host = all(dist.get_backend(g) == "gloo" for g in groups)
         slots = self._agreement[1] if self._agreement is not None else 0
-        vec = torch.full((2 + 2 * slots,), -1.0, dtype=torch.float64)  # [skip, tau, fp[W], gid[W]]
-        vec[0], vec[1] = 0.0 if math.isfinite(pseudo_grad_sq) else 1.0, float(tau)
+        vec = torch.full((3 + 2 * slots,), -1.0, dtype=torch.float64)  # [skip, tau, H, fp[W], gid[W]]
+        vec[0], vec[1], vec[2] = 0.0 if math.isfinite(pseudo_grad_sq) else 1.0, float(tau), float(local_steps)
         if self._agreement is not None:
             slot, _, gid = self._agreement
-            vec[2 + slot] = _fingerprint_value(theta_fp) if theta_fp is not None else -1.0
-            vec[2 + slots + slot] = float(gid)
+            vec[3 + slot] = _fingerprint_value(theta_fp) if theta_fp is not None else -1.0
+            vec[3 + slots + slot] = float(gid)
         if not on_host:
             vec = vec.to(self.device)
         for group in groups:
@@ -142,8 +149,9 @@ class BoundaryDecision:
                                           time.perf_counter() - started, err) from err
         values = vec.tolist()
         if self._agreement is not None:
-            self._check_theta_agrees(round_, values[2:2 + slots], values[2 + slots:])
-        return Decision(skip=bool(values[0]), tau=int(values[1]))
+            self._check_theta_agrees(round_, values[3:3 + slots], values[3 + slots:])
+        h = max(0, int(values[2]))
+        return Decision(skip=bool(values[0]), tau=min(int(values[1]), h) if h else int(values[1]), local_steps=h)
 
     @staticmethod
     def _check_theta_agrees(round_: int, fps: list[float], gids: list[float]) -> None:

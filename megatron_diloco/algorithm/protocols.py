@@ -71,7 +71,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from megatron_diloco.algorithm.config import CODECS
 from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle, ExchangeStats, Outbox
+from megatron_diloco.algorithm.link import wire_bytes
+from megatron_diloco.algorithm.schedule import auto_local_steps
 from megatron_diloco.algorithm.shard_view import fingerprint
 
 logger = logging.getLogger(__name__)
@@ -118,6 +121,68 @@ class BoundaryProtocols:
     """The boundary protocols of :class:`megatron_diloco.algorithm.sync.OuterSync` (module doc): what
     happens at a boundary, at ``partial``'s landing, and at the drain, over the state ``OuterSync``
     owns. Every method here is collective over the outer group and the decision group."""
+
+    # ---------------- the decision: skip, tau, auto H ----------------
+    def _decide(self, sq: float, tau: int, theta_fp: torch.Tensor | None, local_steps: int = 0):
+        """This boundary's :class:`~megatron_diloco.algorithm.decision.Decision` (skip, agreed tau and
+        auto H), theta compared across replicas (:meth:`BoundaryDecision.decide`; collective over the
+        decision groups, bounded). ``local_steps``: this rank's proposed H (:meth:`_propose_local_steps`).
+        An agreed H starts its rounds here (:meth:`RoundSchedule.begin_rounds`, at the step count the
+        caller gave :meth:`before_boundary`) and is the :attr:`next_round_steps`."""
+        if self.federated is not None:  # separate jobs (fixed H): None when not every member decided
+            return self.federated.decide(sq, tau, theta_fp)
+        decision = self.decision.decide(self.rounds, sq, tau, theta_fp, self.timeout_s, local_steps)
+        if decision.local_steps and self.boundary_steps is not None:
+            self.schedule.begin_rounds(self.boundary_steps, decision.local_steps)
+            self.next_round_steps = decision.local_steps
+        return decision
+
+    def _exchange_seconds(self, codec) -> float | None:
+        """How long an exchange with ``codec`` will take on this rank: its wire bytes at the link
+        bandwidth when that is known (``--diloco-x-bandwidth-mbps`` or measured; the bytes of this
+        exchange where the codec fixes them, else of the last completed exchange); else the last
+        exchange's measured duration, scaled to this codec's bytes where both are known (the first
+        exchange after a warm-up of another codec); None while nothing is known."""
+        last = self.last_completed
+        wire = self._fixed_wire_bytes(codec)
+        sent = last.bytes_sent if last is not None else 0
+        if self.link_bytes_per_s and (wire or sent):
+            return (wire or sent) / self.link_bytes_per_s
+        if last is None:
+            return None
+        return last.exchange_s * wire / sent if wire and sent else last.exchange_s
+
+    def _choose_overlap_steps(self, local_steps: int = 0) -> int:
+        """This rank's tau for the exchange about to launch (:meth:`RoundSchedule.overlap_steps`) into a
+        round of ``local_steps`` (this rank's auto-H proposal), or of :attr:`next_round_steps`: auto tau
+        sized by the exchange's seconds (:meth:`_exchange_seconds`) over the last round's mean step
+        time; the cap while either is unknown (the first exchange of a run without a known link)."""
+        return self.schedule.overlap_steps(local_steps or self.next_round_steps,
+                                           self._exchange_seconds(self._round_codec()), self.step_time_s)
+
+    def _propose_local_steps(self) -> int:
+        """``--diloco-x-local-steps auto``: this rank's H for the round this boundary starts
+        (:func:`~megatron_diloco.algorithm.schedule.auto_local_steps`), sized by an exchange of the main
+        codec; 0 (no proposal) with a fixed H, into a warm-up round, or while nothing is measured."""
+        if not self.config.local_steps_auto or self.schedule.is_warmup_round(self.next_round_steps):
+            return 0
+        return auto_local_steps(self._exchange_seconds(self.codec), self.step_time_s)
+
+    def _round_codec(self):
+        """The codec of the exchange about to launch: :attr:`warmup_codec` when it launches into a
+        warm-up round (:attr:`next_round_steps` < H), else :attr:`codec`."""
+        if self.warmup_codec is not None and self.schedule.is_warmup_round(self.next_round_steps):
+            return self.warmup_codec
+        return self.codec
+
+    def _fixed_wire_bytes(self, codec) -> int | None:
+        """Bytes this rank sends in an exchange with ``codec`` where the codec fixes them in advance
+        (every codec but the matrix ones, whose ranks vary); None otherwise."""
+        spec = CODECS[codec.name]
+        if spec.matrix:
+            return None
+        members = dist.get_world_size(self.group) if self.group is not None else self.config.replicas
+        return wire_bytes(spec.collective, codec.payload_bytes(self.view.numel), members)
 
     def _pseudo_gradient_into_x(self, theta_fp: torch.Tensor | None = None) -> float:
         """x <- start - x on the shards, in place; returns the squared norm (a host sync).
@@ -266,7 +331,7 @@ class BoundaryProtocols:
                 completed = self.pending.stats
                 self.pending = None
         with record_function("megatron_diloco::launch"):
-            if self._decide(sq, 0, theta_fp).skip:
+            if self._decide(sq, 0, theta_fp, self._propose_local_steps()).skip:
                 return self._skip(sq, completed)
             self.pending = self._launch()  # also a_r (eager) and x <- a_r
             self.params_shared = self.eager_anchor is None
@@ -298,7 +363,8 @@ class BoundaryProtocols:
                                      write_buffer=encode or self._host_all_reduce)
             sq, input_sq, residual_sq = done.pseudo_grad_sq, done.input_sq, done.residual_sq
         with record_function("megatron_diloco::launch"):
-            decision = self._decide(sq, self._choose_overlap_steps(), theta_fp)
+            h = self._propose_local_steps()
+            decision = self._decide(sq, self._choose_overlap_steps(h), theta_fp, h)
             if decision is None:  # separate jobs: not every member decided (a failed round; e untouched)
                 return RoundReport(self.rounds, completed is not None, ExchangeStats(), completed, sq)
             self.tau = decision.tau

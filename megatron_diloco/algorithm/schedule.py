@@ -8,17 +8,26 @@ steps (``--diloco-x-warmup-overlap-steps``; 0 blocks); one launched into a round
 H. Within that cap tau is ``--diloco-x-overlap-steps``, or (auto) the fewest steps, at least 1, that
 hide the exchange: ceil(exchange seconds / step seconds).
 
+``--diloco-x-local-steps auto`` (:attr:`DiLoCoXConfig.local_steps_auto`): H itself is chosen at every
+boundary after the warm-up, the smallest H that hides the exchange with :data:`AUTO_H_HEADROOM` to spare,
+within [:data:`AUTO_H_MIN`, :data:`AUTO_H_MAX`] (:func:`auto_local_steps`); every rank proposes one and
+the decision all-reduce agrees on the largest (:class:`~megatron_diloco.algorithm.decision.Decision`).
+The rounds of H then start at the boundary of the last change (:attr:`RoundSchedule.anchor`), which a
+checkpoint records (:meth:`RoundSchedule.state_dict`). With a fixed H the anchor stays at the warm-up's
+end and the boundaries are those of plain modular arithmetic.
+
 :class:`RoundSchedule` answers these from a :class:`~megatron_diloco.algorithm.config.DiLoCoXConfig`,
 read live (a resume that keeps its checkpoint's warm-up, or a run length known late, changes the
-config's warm-up fields). The optimizer (boundaries), :class:`~megatron_diloco.algorithm.sync.OuterSync`
-(codec, tau) and the planner (``python -m megatron_diloco.plan``) all ask it.
+config's warm-up fields; auto H changes ``local_steps``). The optimizer (boundaries),
+:class:`~megatron_diloco.algorithm.sync.OuterSync` (codec, tau, the proposed H) and the planner
+(``python -m megatron_diloco.plan``) all ask it.
 """
 
 from __future__ import annotations
 
 import math
 
-from megatron_diloco.algorithm.config import DiLoCoXConfig
+from megatron_diloco.algorithm.config import AUTO_H_HEADROOM, AUTO_H_MAX, AUTO_H_MIN, DiLoCoXConfig
 
 
 def steps_to_hide(exchange_s: float, step_s: float) -> int:
@@ -26,19 +35,69 @@ def steps_to_hide(exchange_s: float, step_s: float) -> int:
     return max(1, math.ceil(exchange_s / step_s)) if exchange_s > 0 else 1
 
 
+def auto_local_steps(exchange_s: float | None, step_s: float | None) -> int:
+    """``--diloco-x-local-steps auto``: the H a rank proposes for an exchange of ``exchange_s`` seconds at
+    ``step_s`` seconds per inner step: :data:`AUTO_H_HEADROOM` x the steps that hide it, rounded up,
+    within [:data:`AUTO_H_MIN`, :data:`AUTO_H_MAX`]; 0 (no proposal) while either is unknown."""
+    if not step_s or exchange_s is None:
+        return 0
+    return min(AUTO_H_MAX, max(AUTO_H_MIN, math.ceil(AUTO_H_HEADROOM * steps_to_hide(exchange_s, step_s))))
+
+
 class RoundSchedule:
-    """The round schedule of ``config`` (see the module doc). Local: no communication, no state."""
+    """The round schedule of ``config`` (see the module doc). Local: no communication. Its one state is
+    :attr:`anchor` (auto H only)."""
 
     def __init__(self, config: DiLoCoXConfig) -> None:
         self.config = config
+        #: the inner step after which the current rounds of H began (auto H: the boundary that agreed
+        #: on H); None: the warm-up's end (every fixed-H run)
+        self.anchor: int | None = None
+
+    def begin_rounds(self, steps: int, local_steps: int) -> None:
+        """auto H: rounds of ``local_steps`` from the boundary after ``steps`` inner steps on (every rank
+        alike: ``local_steps`` is the decision's). 0 keeps the current H. Local."""
+        if not local_steps:
+            return
+        if not self.config.local_steps_auto:
+            raise RuntimeError("the round length changes at run time with --diloco-x-local-steps auto only")
+        if steps < self.config.warmup_iters or not self.is_boundary(steps):
+            raise RuntimeError(f"auto H agreed after {steps} inner steps, not at a boundary after the warm-up "
+                               f"({self.config.warmup_iters} steps)")
+        self.config.local_steps, self.anchor = int(local_steps), steps
+
+    def restart(self) -> None:
+        """The outer loop starts anew at inner step 0 (its warm-up again); H stays as it is. Local."""
+        self.anchor = None
+
+    def state_dict(self) -> dict:
+        """What a checkpoint records, so that a resume keeps the boundaries: H, H0, W; with auto H also
+        ``local_steps_auto`` and :attr:`anchor`."""
+        c = self.config
+        state = {"local_steps": c.local_steps, "warmup_local_steps": c.warmup_local_steps,
+                 "warmup_iters": c.warmup_iters}
+        if c.local_steps_auto:
+            state.update(local_steps_auto=True, anchor=self.anchor)
+        return state
+
+    def load_auto(self, saved: dict) -> bool:
+        """A resume of an auto-H run with auto H (``saved``: a checkpoint's :meth:`state_dict`): take its
+        H and anchor; whether it did. Local."""
+        if not (self.config.local_steps_auto and saved.get("local_steps_auto")):
+            return False
+        self.config.local_steps, self.anchor = int(saved["local_steps"]), saved.get("anchor")
+        return True
 
     def steps_since_boundary(self, steps: int) -> int:
         """Inner steps since the last boundary after ``steps`` inner steps (0: ``steps`` ends a round,
         or is 0): rounds of H0 during the warm-up, then of H. (Validation makes W > 0 exactly when
-        H0 is set.)"""
+        H0 is set.) With auto H, for ``steps`` from the last change of H (:attr:`anchor`) on: the
+        boundaries before it are history the schedule does not keep."""
         c = self.config
         w = c.warmup_iters
-        return steps % c.warmup_local_steps if w and steps <= w else (steps - w) % c.local_steps
+        if w and steps <= w:
+            return steps % c.warmup_local_steps
+        return (steps - (w if self.anchor is None else self.anchor)) % c.local_steps
 
     def is_boundary(self, steps: int) -> bool:
         """Whether a boundary falls after ``steps`` (>= 1) inner steps."""

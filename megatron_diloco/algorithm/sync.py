@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle, ExchangeStats, Outbox, start_exchange
-from megatron_diloco.algorithm.link import measure_link_bandwidth, wire_bytes
+from megatron_diloco.algorithm.link import measure_link_bandwidth
 from megatron_diloco.algorithm.worker import DaemonWorker
 from megatron_diloco.algorithm.bounds import OuterBounds
 from megatron_diloco.algorithm.federated import FederatedRounds
@@ -176,6 +176,9 @@ class OuterSync(BoundaryProtocols):
         self.step_time_s: float | None = None
         #: inner steps of the round the next boundary starts (:meth:`before_boundary`; H but during a warm-up)
         self.next_round_steps: int = config.local_steps
+        #: inner steps done at the boundary about to run (:meth:`before_boundary`; None: not given, or the
+        #: last, shorter round of a run): where an auto H agreed there starts its rounds
+        self.boundary_steps: int | None = None
         #: the longest completed exchange so far, launch to completion (s); enters the derived timeout
         self.longest_exchange_s = 0.0
         #: the bound T on the waits across replicas, the groups' backstop timeouts, the errors past T
@@ -241,14 +244,6 @@ class OuterSync(BoundaryProtocols):
         from H x the step time and the longest exchange (:meth:`DiLoCoXConfig.outer_timeout_s`)."""
         return self.config.outer_timeout_s(self.step_time_s, self.longest_exchange_s)
 
-    def _decide(self, sq: float, tau: int, theta_fp: torch.Tensor | None):
-        """This boundary's :class:`~megatron_diloco.algorithm.decision.Decision` (skip, agreed tau),
-        theta compared across replicas (:meth:`BoundaryDecision.decide`; collective over the decision
-        groups, bounded)."""
-        if self.federated is not None:  # separate jobs: None when not every member decided
-            return self.federated.decide(sq, tau, theta_fp)
-        return self.decision.decide(self.rounds, sq, tau, theta_fp, self.timeout_s)
-
     def _complete(self, handle: ExchangeHandle, outer: OuterNesterov | None = None,
                   after: AfterStep | None = None) -> None:
         """Complete ``handle`` (not past its bound: :class:`~megatron_diloco.algorithm.bounds.OuterGroupError` then): the mean into
@@ -283,12 +278,14 @@ class OuterSync(BoundaryProtocols):
         handle.round = self.rounds
         return handle
 
-    def before_boundary(self, step_time_s: float | None, next_round_steps: int | None = None) -> None:
+    def before_boundary(self, step_time_s: float | None, next_round_steps: int | None = None,
+                        steps: int | None = None) -> None:
         """What the boundary about to run needs from the caller, and what it may run for it first: the
         inner-step time measured by the caller (None: not measured this
         round, e.g. a resume just before a boundary; the last one, or the checkpoint's, is kept), and
         the inner steps of the round that boundary starts (``next_round_steps``; default H: it
-        differs during a warm-up of shorter rounds, :attr:`DiLoCoXConfig.warmup_local_steps`): sets
+        differs during a warm-up of shorter rounds, :attr:`DiLoCoXConfig.warmup_local_steps`) and the
+        inner steps done (``steps``: where an auto H agreed at the boundary starts its rounds): sets
         the adaptive codec's byte
         budget to link bandwidth x those steps x step time (no-op unless adaptive); auto tau hides
         the exchange within them.
@@ -303,6 +300,7 @@ class OuterSync(BoundaryProtocols):
         if step_time_s is not None:
             self.step_time_s = step_time_s
         self.next_round_steps = next_round_steps or self.config.local_steps
+        self.boundary_steps = steps
         policy = getattr(self.codec, "policy", None)
         if policy is None:
             return
@@ -332,21 +330,6 @@ class OuterSync(BoundaryProtocols):
 
         policy.budget_bytes = byte_budget(self.link_bytes_per_s, self.next_round_steps, self.step_time_s)
 
-    def _choose_overlap_steps(self) -> int:
-        """This rank's tau for the exchange about to launch (:meth:`RoundSchedule.overlap_steps`), auto
-        tau sized by the exchange's seconds: its wire bytes at the link bandwidth when that is known
-        (``--diloco-x-bandwidth-mbps`` or measured; the bytes of this exchange where its codec fixes
-        them, else of the last completed exchange), else the last exchange's measured duration; over
-        the last round's mean step time. The cap while neither is known (the first exchange of a run
-        without a known link)."""
-        last = self.last_completed
-        wire = self._fixed_wire_bytes() or (last.bytes_sent if last is not None else None)
-        if self.link_bytes_per_s and wire:
-            seconds = wire / self.link_bytes_per_s
-        else:
-            seconds = last.exchange_s if last is not None else None
-        return self.schedule.overlap_steps(self.next_round_steps, seconds, self.step_time_s)
-
     def schedule_changed(self) -> None:
         """The warm-up of :attr:`config` changed (a resume keeping its checkpoint's, or the run length
         known late): build, keep or drop :attr:`warmup_codec` to match ``config.warmup_compression``."""
@@ -355,23 +338,6 @@ class OuterSync(BoundaryProtocols):
             self.warmup_codec = None
         elif self.warmup_codec is None or self.warmup_codec.name != name:
             self.warmup_codec = _build_codec(self.config, self.view, self._shapes, name)
-
-    def _round_codec(self):
-        """The codec of the exchange about to launch: :attr:`warmup_codec` when it launches into a
-        warm-up round (:attr:`next_round_steps` < H), else :attr:`codec`."""
-        if self.warmup_codec is not None and self.schedule.is_warmup_round(self.next_round_steps):
-            return self.warmup_codec
-        return self.codec
-
-    def _fixed_wire_bytes(self) -> int | None:
-        """Bytes this rank sends in the exchange about to launch where its codec fixes them in advance
-        (every codec but the matrix ones, whose ranks vary); None otherwise."""
-        codec = self._round_codec()
-        spec = CODECS[codec.name]
-        if spec.matrix:
-            return None
-        members = dist.get_world_size(self.group) if self.group is not None else self.config.replicas
-        return wire_bytes(spec.collective, codec.payload_bytes(self.view.numel), members)
 
     def poll(self) -> None:
         """Note whether the exchange in flight has completed (its completion time: auto tau, the

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 
 from megatron_diloco.compat.help import escape_unformattable_help
-from megatron_diloco.algorithm.config import (BLOCKWISE, CODECS, MERGE_RULES, OUTER_STATE_ALIASES, OUTER_STATES,
-                                              OVERLAP_MODES, DiLoCoXConfig)
+from megatron_diloco.algorithm.config import (AUTO_H_MAX, AUTO_H_MIN, BLOCKWISE, CODECS, MERGE_RULES,
+                                              OUTER_STATE_ALIASES, OUTER_STATES, OVERLAP_MODES, DiLoCoXConfig)
 
 
 def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -26,8 +26,13 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="R: number of model replicas (clusters). Must divide the data-parallel "
                             "size; sets --num-distributed-optimizer-instances R and "
                             "--use-tp-pp-dp-mapping so each replica is a contiguous block of ranks.")
-    group.add_argument("--diloco-x-local-steps", type=int, default=defaults["local_steps"].default,
-                       help="H: inner optimizer steps per outer round.")
+    group.add_argument("--diloco-x-local-steps", type=_local_steps, default=defaults["local_steps"].default,
+                       metavar="H|auto",
+                       help="H: inner optimizer steps per outer round. auto: at every boundary after the "
+                            "warm-up, the smallest H whose exchange the overlap hides, from the measured step "
+                            f"time and link, with a quarter to spare, within [{AUTO_H_MIN}, {AUTO_H_MAX}] "
+                            f"(starting at {AUTO_H_MIN}); needs an overlapping --diloco-x-overlap, not with "
+                            "--diloco-x-compression adaptive or --diloco-x-lighthouse.")
     group.add_argument("--diloco-x-warmup-local-steps", type=_int_or_auto, default=None, metavar="H0|auto",
                        help="H0: rounds of H0 inner steps (1..H) during the first --diloco-x-warmup-iters "
                             "steps, then rounds of H; with --diloco-x-overlap partial these shorter rounds "
@@ -210,6 +215,16 @@ def resolve_warmup(warmup_local_steps: int | None, warmup_iters: int | None, loc
     return (h0, w) if w > 0 else (None, 0)
 
 
+def _local_steps(value: str) -> int | str:
+    """``--diloco-x-local-steps``: an integer, or 'auto'."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {value!r}") from None
+
+
 def _int_or_auto(value: str) -> int | None:
     """``--diloco-x-overlap-steps`` and the warm-up flags: 'auto' (None) or an integer."""
     if value == "auto":
@@ -221,13 +236,17 @@ def _int_or_auto(value: str) -> int | None:
 
 
 def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
-    """Build the validated config from parsed ``--diloco-x*`` arguments (raises ``ValueError``)."""
+    """Build the validated config from parsed ``--diloco-x*`` arguments (raises ``ValueError``). An
+    ``auto`` H starts at :data:`AUTO_H_MIN`, the H its warm-up is resolved from."""
+    auto_h = args.diloco_x_local_steps == "auto"
+    local_steps = AUTO_H_MIN if auto_h else args.diloco_x_local_steps
     warmup_local_steps, warmup_iters = resolve_warmup(
         getattr(args, "diloco_x_warmup_local_steps", None), getattr(args, "diloco_x_warmup_iters", None),
-        args.diloco_x_local_steps, getattr(args, "train_iters", None), args.diloco_x_overlap)
+        local_steps, getattr(args, "train_iters", None), args.diloco_x_overlap)
     return DiLoCoXConfig(
         replicas=args.diloco_x_replicas,
-        local_steps=args.diloco_x_local_steps,
+        local_steps=local_steps,
+        local_steps_auto=auto_h,
         warmup_local_steps=warmup_local_steps,
         warmup_iters=warmup_iters,
         warmup_auto=getattr(args, "diloco_x_warmup_iters", None) is None,

@@ -124,7 +124,7 @@ class CheckpointMixin:
 
     def _outer_state(self) -> dict:
         return {"sync": self.sync.state_dict(), "step_calls": self.step_calls,
-                "totals": vars(self.totals).copy(), "schedule": self.diloco_config.schedule()}
+                "totals": vars(self.totals).copy(), "schedule": self.sync.schedule.state_dict()}
 
     def _per_replica_state(self) -> dict:
         """Clones of this replica's own state (non-sharded :meth:`state_dict` only)."""
@@ -207,7 +207,7 @@ class CheckpointMixin:
             outer_meta = {k: v for k, v in state.items() if k not in outer_tensors}
             outer_meta.update(format=CHECKPOINT_FORMAT, numel=n, tensors=sorted(outer_tensors),
                               step_calls=self.step_calls, totals=vars(self.totals).copy(),
-                              schedule=self.diloco_config.schedule())
+                              schedule=self.sync.schedule.state_dict())
             kinds = self._replica_tensors()
             replica_meta = self._replica_meta()
         entries: dict[str, Any] = {

@@ -47,7 +47,7 @@ HANDSHAKE_FORMAT = 1
 MUST_AGREE_DILOCO: tuple[tuple[str, Callable[[DiLoCoXConfig], Any], Callable[[DiLoCoXConfig], bool] | None], ...] = (
     ("--diloco-x-replicas", lambda c: c.replicas, None),
     ("--diloco-x-compression", lambda c: c.compression, None),
-    ("--diloco-x-local-steps", lambda c: c.local_steps, None),
+    ("--diloco-x-local-steps", lambda c: "auto" if c.local_steps_auto else c.local_steps, None),
     ("--diloco-x-warmup-local-steps", lambda c: c.warmup_local_steps, None),
     ("--diloco-x-warmup-iters", lambda c: c.warmup_iters, None),
     ("--diloco-x-warmup-overlap-steps", lambda c: c.warmup_overlap_steps,

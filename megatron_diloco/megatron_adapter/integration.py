@@ -410,7 +410,8 @@ class _Installation:
         if dist.get_rank() == 0:
             summary: dict[str, Any] = {
                 "rounds": opt.sync.rounds,
-                "local_steps": self.config.local_steps,
+                "local_steps": "auto" if self.config.local_steps_auto else self.config.local_steps,
+                **({"last_local_steps": self.config.local_steps} if self.config.local_steps_auto else {}),
                 **({"warmup_local_steps": self.config.warmup_local_steps, "warmup_iters": self.config.warmup_iters,
                     "warmup_overlap_steps": self.config.warmup_overlap_steps,  # (0 but with partial)
                     "warmup_compression": self.config.warmup_compression or self.config.compression}

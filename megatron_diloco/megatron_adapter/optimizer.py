@@ -284,8 +284,8 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
         cfg = self.diloco_config
         timed, total = self._round_timed_steps, self._round_step_s
         self._round_step_s, self._round_timed_steps = 0.0, 0
-        self.sync.before_boundary(total / timed if timed > 0 else None,
-                                next_round_steps=cfg.local_steps if final else self.sync.schedule.round_steps(self.step_calls))
+        self.sync.before_boundary(total / timed if timed > 0 else None, steps=None if final else self.step_calls,
+                                  next_round_steps=cfg.local_steps if final else self.sync.schedule.round_steps(self.step_calls))
         if not self._start_checked:
             self._check_replicas_started_alike()
         report = self.sync.boundary()

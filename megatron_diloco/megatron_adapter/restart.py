@@ -62,9 +62,14 @@ class RestartMixin:
         checkpoints written before it was recorded) against this run's. An ``auto`` warm-up (it
         depends on ``--train-iters``, which a resume may extend) takes the checkpoint's, so that the
         boundaries stay where they were; explicit flags that differ win, with a warning (the rounds
-        after this step follow them; the replicas agree, as every rank resolves the same flags)."""
-        cfg = self.diloco_config
-        if saved is None or saved == cfg.schedule():
+        after this step follow them; the replicas agree, as every rank resolves the same flags). An auto
+        H resumed with auto H keeps the checkpoint's H and the step its rounds began at."""
+        cfg, schedule = self.diloco_config, self.sync.schedule
+        if saved is None or saved == schedule.state_dict():
+            return
+        if schedule.load_auto(saved) and saved == schedule.state_dict():
+            logger.info("DiLoCoX: auto H resumes with the checkpoint's H %d (rounds from step %s)", cfg.local_steps,
+                        schedule.anchor if schedule.anchor is not None else cfg.warmup_iters)
             return
         if cfg.warmup_auto and saved["local_steps"] == cfg.local_steps:
             had_warmup = bool(cfg.warmup_iters)
@@ -80,7 +85,7 @@ class RestartMixin:
             return
         logger.warning("DiLoCoX: the checkpoint was trained with rounds %s, this run's flags give %s: the rounds "
                        "after step %d follow the flags (--diloco-x-local-steps, --diloco-x-warmup-local-steps, "
-                       "--diloco-x-warmup-iters)", saved, cfg.schedule(), self.step_calls)
+                       "--diloco-x-warmup-iters)", saved, schedule.state_dict(), self.step_calls)
 
     def _load_replica_meta(self, meta: dict) -> None:
         """Restore :meth:`_replica_meta` (after the inner optimizer's own load, which set replica 0's
@@ -135,6 +140,7 @@ class RestartMixin:
         sync.params_shared = True
         sync.rounds = 0
         sync.skipped_rounds = 0
+        sync.schedule.restart()  # auto H: the rounds of H begin after the new loop's warm-up
         # partial: when the (now dropped) exchange was to land; a fresh loop's value
         sync.tau = self.diloco_config.local_steps if self.diloco_config.overlap_steps is None \
             else self.diloco_config.overlap_steps
