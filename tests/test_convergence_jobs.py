@@ -156,6 +156,21 @@ def test_int2_warmup_rows_are_judged_against_blocking_with_the_same_warmup_codec
     assert old[old.index("--diloco-x-warmup-compression") + 1] == "int4"
 
 
+@pytest.mark.parametrize("name, mbps", [("default_auto_h", None), ("default_auto_h_100mbit", "100")])
+def test_auto_h_methods_run_the_package_default_with_auto_h(tmp_path, name, mbps):
+    """The auto-H rows: the harness's H is overridden by ``auto`` (the last flag wins), and the modelled
+    link the run sizes H by is the common 1 Gbit or the row's own."""
+    import argparse
+
+    from megatron_diloco.megatron_adapter.arguments import add_diloco_x_args, config_from_args
+
+    argv = _example_args(convergence.job_for(name, 1, _a(tmp_path), "/data/corpus").commands[0])
+    args, _ = add_diloco_x_args(argparse.ArgumentParser()).parse_known_args(argv)
+    cfg = config_from_args(args)
+    assert cfg.local_steps_auto and cfg.local_steps == 30
+    assert cfg.bandwidth_mbps == float(mbps or convergence.LINK_MBPS)
+
+
 def test_every_method_is_a_valid_package_config():
     """Each method's ``--diloco-x*`` flags, at the harness's H, pass the package's own validation
     (a warm-up longer than H, or a tau beyond the shortest round, would fail the run at start)."""

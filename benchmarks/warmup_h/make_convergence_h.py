@@ -23,8 +23,11 @@ FIELDS = ("local_steps", "warmup_local_steps", "warmup_iters", "warmup_overlap_s
           "overlap", "overlap_steps", "merge", "compression", "outer_lr", "outer_momentum", "nesterov", "bandwidth_mbps")
 RUN_FIELDS = ("local_steps", "warmup_local_steps", "warmup_iters", "warmup_overlap_steps", "warmup_compression",
               "overlap", "overlap_steps", "last_overlap_steps", "merge", "compression", "link_mbps")
-#: convergence.py's method -> the row of each H it adds to (--add)
-KEYS = {"allreduce": "allreduce", "default": "default", "default_blocking": "blocking"}
+#: convergence.py's method -> the row of each H it adds to (--add); AllReduce rows ("allreduce*") to every H
+KEYS = {"allreduce": "allreduce", "default": "default", "default_blocking": "blocking",
+        **{f"{m}_lr{lr}": f"{m}_lr{lr}" for m in ("allreduce", "default") for lr in ("5e-4", "2e-3")}}
+#: the inner lrs of the sweep, by the suffix of their rows (1e-3: the common flags', the plain rows)
+LRS = {"5e-4": "_lr5e-4", "1e-3": "", "2e-3": "_lr2e-3"}
 SEED1 = {"commit": "bbc6d91", "card": "NVIDIA H200 (a 4 x H200 host, one run per GPU)"}
 
 
@@ -118,15 +121,16 @@ def add(out, folders, commit, card):
                 if key is None or not r.get("final_val_loss_per_seed"):
                     continue
                 for s, loss, per_replica in zip(r["seeds"], r["final_val_loss_per_seed"], r["final_val_loss_per_replica"]):
-                    ran = as_run(D, H, name, s) if key != "allreduce" else None
-                    for h in (out["runs"] if key == "allreduce" else [str(H)]):
+                    ran = as_run(D, H, name, s) if not key.startswith("allreduce") else None
+                    for h in (out["runs"] if key.startswith("allreduce") else [str(H)]):
                         row = out["runs"][h].get(key)
                         if row is None:  # the blocking reference: a new row
                             row = out["runs"][h][key] = {
                                 "method": name, "final_val_loss_per_seed": [], "seeds": [], "final_val_loss_per_replica": [],
-                                "bytes_total": r["bytes_total"], "rounds": r["rounds"],
-                                "replicas_identical": r["replicas_identical"], "run_resolved": ran,
-                                "resolved_flags": resolved(H, name), "curve": r["curve"], "per_seed": {}}
+                                "bytes_total": r["bytes_total"], "rounds": r.get("rounds"),
+                                "replicas_identical": r.get("replicas_identical"), "run_resolved": ran,
+                                "resolved_flags": resolved(H, name) if ran is not None else None,
+                                "curve": r["curve"], "per_seed": {}}
                         if s in row["seeds"]:
                             assert abs(row["final_val_loss_per_seed"][row["seeds"].index(s)] - loss) < 1e-9, (h, key, s)
                             continue
@@ -134,7 +138,7 @@ def add(out, folders, commit, card):
                         row["final_val_loss_per_seed"].append(loss)
                         row["final_val_loss_per_replica"].append(per_replica)
                         info = {"commit": commit, "card": card}
-                        if key != "allreduce":
+                        if not key.startswith("allreduce"):
                             info.update(bytes_total=r["bytes_total"], rounds=r["rounds"],
                                         replicas_identical=r["replicas_identical"], method=name,
                                         last_overlap_steps=ran["last_overlap_steps"] if ran else r.get("last_overlap_steps"))
@@ -166,6 +170,7 @@ def add(out, folders, commit, card):
             dflt["gap_vs_blocking"], dflt["gap_vs_blocking_seeds"] = convergence.paired_gap(dflt, b)
             b["note"] = ("the package default with --diloco-x-overlap none (convergence.py default_blocking): the same H, "
                          "codecs and auto warm-up, its rounds blocking (tau_w 0)")
+    lr_sweep(out)
     regime = out["regime"]
     regime["seeds"] = sorted({s for rows in out["runs"].values() for row in rows.values() for s in row["seeds"]})
     later = {"commit": commit, "card": card}
@@ -185,6 +190,29 @@ def add(out, folders, commit, card):
         *[n for n in out["not_measured"] if not n.startswith(("blocking DiLoCo at each H", "second seeds",
                                                               "a second seed", "blocking DiLoCo (default_blocking)"))]]
     return out
+
+
+def lr_sweep(out):
+    """``out["lr_sweep"]``: per H, AllReduce's and the default's final loss at each inner lr of :data:`LRS`
+    (per seed), each one's best lr (lowest seed-1 loss: every lr ran seed 1), and the default's gap to
+    AllReduce at the common lr 1e-3 and at each one's best lr (paired over the seeds both rows ran)."""
+    sweep = {}
+    for H, rows in out["runs"].items():
+        entry = {}
+        for m in ("allreduce", "default"):
+            by_lr = {lr: rows[m + suffix] for lr, suffix in LRS.items() if m + suffix in rows}
+            if len(by_lr) < 2:
+                break
+            seed1 = {lr: dict(zip(r["seeds"], r["final_val_loss_per_seed"])).get(1) for lr, r in by_lr.items()}
+            best = min((lr for lr in seed1 if seed1[lr] is not None), key=seed1.get)
+            entry[m] = {"per_lr": {lr: {"seeds": r["seeds"], "final_val_loss_per_seed": r["final_val_loss_per_seed"]}
+                                   for lr, r in by_lr.items()}, "best_lr": best, "best_row": m + LRS[best]}
+        else:
+            ar, dflt = rows[entry["allreduce"]["best_row"]], rows[entry["default"]["best_row"]]
+            entry["gap_equal_lr_1e-3"], entry["gap_equal_lr_seeds"] = convergence.paired_gap(rows["default"], rows["allreduce"])
+            entry["gap_best_lrs"], entry["gap_best_lrs_seeds"] = convergence.paired_gap(dflt, ar)
+            sweep[H] = entry
+    out["lr_sweep"] = sweep
 
 
 if __name__ == "__main__":

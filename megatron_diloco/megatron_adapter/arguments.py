@@ -216,13 +216,8 @@ def resolve_warmup(warmup_local_steps: int | None, warmup_iters: int | None, loc
 
 
 def _local_steps(value: str) -> int | str:
-    """``--diloco-x-local-steps``: an integer, or 'auto'."""
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {value!r}") from None
+    """``--diloco-x-local-steps``: an integer, or 'auto' (kept as the string)."""
+    return "auto" if value == "auto" else _int_or_auto(value)
 
 
 def _int_or_auto(value: str) -> int | None:
