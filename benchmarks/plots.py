@@ -362,18 +362,28 @@ def plot_faults(ft: dict, gpu: dict | None, path: Path, stamp: str) -> None:
 
 #: convergence_h.json's rows, in drawing order, with their legend labels
 H_ROWS = {"default": "--diloco-x alone (the package default)", "blocking": "blocking DiLoCo, same codec and warm-up",
-          "previous_default": "the warm-up rule before (H0 = H // 3)"}
+          "previous_default": "the warm-up rule before (H0 = H // 3)",
+          "best_lrs": "the default at its best inner lr vs AllReduce at its own"}
 
 
 def gap_vs_h_points(conv_h: dict) -> dict[str, list[tuple[int, list[float]]]]:
-    """Per row of ``convergence_h.json``: [(H, [gap % per seed vs the mean of AllReduce's seeds])]."""
+    """Per row of ``convergence_h.json``: [(H, [gap % per seed vs the mean of AllReduce's seeds])]; and
+    ``best_lrs`` where the lr sweep ran: the default's best-lr row against AllReduce's best-lr row."""
     out: dict[str, list[tuple[int, list[float]]]] = {}
+    sweep = conv_h.get("lr_sweep", {})
     for h, rows in sorted(conv_h["runs"].items(), key=lambda kv: int(kv[0])):
         ref = rows.get("allreduce", {}).get("final_val_loss_per_seed")
         if not ref:
             continue
         base = statistics.mean(ref)
         for name in H_ROWS:
+            if name == "best_lrs":
+                if h not in sweep:
+                    continue
+                row, ar = rows[sweep[h]["default"]["best_row"]], rows[sweep[h]["allreduce"]["best_row"]]
+                best = statistics.mean(ar["final_val_loss_per_seed"])
+                out.setdefault(name, []).append((int(h), [100 * (v / best - 1) for v in row["final_val_loss_per_seed"]]))
+                continue
             vals = (rows.get(name) or {}).get("final_val_loss_per_seed")
             if vals:
                 out.setdefault(name, []).append((int(h), [100 * (v / base - 1) for v in vals]))

@@ -281,3 +281,21 @@ def test_the_gap_plot_bands_over_the_seeds_both_rows_ran():
     assert lo == pytest.approx([10.0, 2.0]) and hi == pytest.approx([20.0, 10.0])
     assert gap_band({"curve_per_seed": {"1": [[10, 1.1]]}}, ref) is None
     assert gap_band({"curve": [[10, 1.1]]}, ref) is None
+
+
+def test_gap_vs_h_points_pair_each_method_at_its_best_lr():
+    """The gap-vs-H plot's best-lr points: the default's best-lr row against the mean of AllReduce's
+    best-lr row (not of its 1e-3 row), only at the H the sweep ran."""
+    from benchmarks.plots import gap_vs_h_points
+
+    ar = {"final_val_loss_per_seed": [1.0, 1.2]}
+    ar_low = {"final_val_loss_per_seed": [0.9, 1.1]}
+    dflt = {"final_val_loss_per_seed": [1.05, 1.1]}
+    conv_h = {"runs": {"30": {"allreduce": ar, "allreduce_lr5e-4": ar_low, "default": dflt},
+                       "300": {"allreduce": ar, "default": dflt}},
+              "lr_sweep": {"30": {"allreduce": {"best_row": "allreduce_lr5e-4"}, "default": {"best_row": "default"}}}}
+    pts = gap_vs_h_points(conv_h)
+    assert [h for h, _ in pts["default"]] == [30, 300]
+    assert pts["default"][0][1] == pytest.approx([100 * (1.05 / 1.1 - 1), 0.0])
+    assert [h for h, _ in pts["best_lrs"]] == [30]
+    assert pts["best_lrs"][0][1] == pytest.approx([100 * (1.05 / 1.0 - 1), 10.0])

@@ -105,7 +105,7 @@ def build(D):
     return out
 
 
-def add(out, folders, commit, card):
+def add(out, folders, commit, card, training_note="the training path unchanged: the commits between touch separate jobs"):
     """Merge later runs (one row per method and seed; a seed a row already has must match) into ``out``."""
     for H, rows in out["runs"].items():  # seed 1's provenance
         for row in rows.values():
@@ -179,7 +179,7 @@ def add(out, folders, commit, card):
         regime["corpus_note"] = regime["corpus_note"].rstrip(".") + (
             f". The runs at {commit} rebuilt it and checked the same count (7045 documents, 104.9M tokens) before training.")
         regime["card"] += f" for seed 1; {card} for the runs at {commit.split()[0]}"
-        regime["commit"] += f"; later runs: {commit} (the training path unchanged: the commits between touch separate jobs)"
+        regime["commit"] += f"; later runs: {commit} ({training_note})"
         regime["command"] = regime["command"].replace("--seeds 1 ", "--seeds S ")
     regime["seeds_note"] = "seeds per row (each row's per_seed: commit, card): " + "; ".join(
         f"H {H} {key} {row['seeds']}" for H, rows in out["runs"].items() for key, row in rows.items())
@@ -221,9 +221,11 @@ if __name__ == "__main__":
     p.add_argument("--add", nargs="+", default=None)
     p.add_argument("--commit", default=None)
     p.add_argument("--card", default=None)
+    p.add_argument("--training-note", default="the training path unchanged: the commits between touch separate jobs",
+                   help="how the training code at --commit relates to seed 1's (recorded in regime.commit)")
     a = p.parse_args()
     if a.add:
-        out = add(json.load(open(PATH)), a.add, a.commit, a.card)
+        out = add(json.load(open(PATH)), a.add, a.commit, a.card, a.training_note)
     else:
         (D,) = a.runs
         out = build(D)
@@ -234,4 +236,4 @@ if __name__ == "__main__":
                   f'mean {100 * v.get("gap_vs_allreduce_mean", v["gap_vs_allreduce"]):+.2f}%',
                   f'vs blocking {100 * v["gap_vs_blocking"]:+.2f}%' if "gap_vs_blocking" in v else "",
                   f'{v.get("fewer_bytes_than_allreduce", 1):.0f}x', v.get("rounds"),
-                  v.get("resolved_flags", {}).get("warmup_local_steps"), v.get("resolved_flags", {}).get("warmup_iters"))
+                  (v.get("resolved_flags") or {}).get("warmup_local_steps"), (v.get("resolved_flags") or {}).get("warmup_iters"))
