@@ -969,11 +969,14 @@ def test_auto_local_steps_proposal_from_the_main_codecs_exchange():
     sync = OuterSync(ShardView([torch.zeros(n)]), DiLoCoXConfig(local_steps=30, local_steps_auto=True, **common), None)
     int4, int2 = sync._fixed_wire_bytes(sync.codec), sync._fixed_wire_bytes(sync.warmup_codec)
     assert int4 > 1.9 * int2
+    sync.before_boundary(None, next_round_steps=30, steps=900)
     assert sync._propose_local_steps() == 0  # nothing measured
-    sync.before_boundary(0.01, next_round_steps=10)  # into a warm-up round: no proposal
+    sync.before_boundary(0.01, next_round_steps=10, steps=890)  # into a warm-up round: no proposal
     sync.last_completed = ExchangeStats(bytes_sent=int2, exchange_s=0.4)
     assert sync._propose_local_steps() == 0
-    sync.before_boundary(0.01, next_round_steps=30)  # the warm-up's end: int4 takes ~0.78 s = 78 steps
+    sync.before_boundary(0.01, next_round_steps=30)  # the last round of a run (no step count): none
+    assert sync._propose_local_steps() == 0
+    sync.before_boundary(0.01, next_round_steps=30, steps=900)  # the warm-up's end: int4 takes ~0.78 s = 78 steps
     want = math.ceil(1.25 * math.ceil(0.4 * int4 / int2 / 0.01))
     assert sync._propose_local_steps() == want and 95 <= want <= 110
     assert sync._choose_overlap_steps(want) == math.ceil(0.4 * int4 / int2 / 0.01)  # hidden within the round
@@ -984,9 +987,17 @@ def test_auto_local_steps_proposal_from_the_main_codecs_exchange():
     sync.link_bytes_per_s = int4 / 0.05  # 5 steps: the lower bound
     assert sync._propose_local_steps() == 30
     fixed = OuterSync(ShardView([torch.zeros(n)]), DiLoCoXConfig(local_steps=30, **common), None)
-    fixed.before_boundary(0.01, next_round_steps=30)
+    fixed.before_boundary(0.01, next_round_steps=30, steps=900)
     fixed.last_completed = ExchangeStats(bytes_sent=int2, exchange_s=0.4)
     assert fixed._propose_local_steps() == 0
+    # a warm-up whose H0 is the starting H (rounds of 30 up to 300): no proposal inside it, one at its end
+    same = OuterSync(ShardView([torch.zeros(n)]), DiLoCoXConfig(local_steps=30, local_steps_auto=True, **{
+        **common, "warmup_local_steps": 30, "warmup_iters": 300}), None)
+    same.last_completed = ExchangeStats(bytes_sent=int2, exchange_s=0.4)
+    same.before_boundary(0.01, next_round_steps=30, steps=270)
+    assert same._propose_local_steps() == 0
+    same.before_boundary(0.01, next_round_steps=30, steps=300)
+    assert same._propose_local_steps() > 30
 
 
 def _auto_h_worker(rank: int, world: int) -> None:

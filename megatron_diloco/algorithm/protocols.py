@@ -163,8 +163,11 @@ class BoundaryProtocols:
     def _propose_local_steps(self) -> int:
         """``--diloco-x-local-steps auto``: this rank's H for the round this boundary starts
         (:func:`~megatron_diloco.algorithm.schedule.auto_local_steps`), sized by an exchange of the main
-        codec; 0 (no proposal) with a fixed H, into a warm-up round, or while nothing is measured."""
-        if not self.config.local_steps_auto or self.schedule.is_warmup_round(self.next_round_steps):
+        codec; 0 (no proposal) with a fixed H, at a boundary inside the warm-up (even one whose H0 equals
+        the starting H) or whose step count the caller did not give (the last, shorter round of a run),
+        or while nothing is measured."""
+        steps = self.boundary_steps
+        if not self.config.local_steps_auto or steps is None or steps < self.config.warmup_iters:
             return 0
         return auto_local_steps(self._exchange_seconds(self.codec), self.step_time_s)
 
