@@ -47,6 +47,8 @@ CFG = DiLoCoXConfig(local_steps=4, compression="int8", outer_lr=0.7)
      '--diloco-x-compression is int8 here, fp8 in replica 1'),
     (dict(config=dataclasses.replace(CFG, outer_lr=1.0)), "--diloco-x-outer-lr is 0.7 here, 1.0 in replica 1"),
     (dict(config=dataclasses.replace(CFG, local_steps=5)), "--diloco-x-local-steps is 4 here, 5 in replica 1"),
+    (dict(config=dataclasses.replace(CFG, local_steps=30, local_steps_auto=True)),
+     "--diloco-x-local-steps is 4 here, auto in replica 1"),
     (dict(config=dataclasses.replace(CFG, nesterov=False)), "--diloco-x-no-nesterov is off here, on in replica 1"),
     (dict(config=dataclasses.replace(CFG, warmup_local_steps=2, warmup_iters=4)),
      "--diloco-x-warmup-iters is 0 here, 4 in replica 1"),
@@ -58,7 +60,7 @@ CFG = DiLoCoXConfig(local_steps=4, compression="int8", outer_lr=0.7)
      "fp32 main shards of rank 1: 1056 elements here, 1032 in replica 1"),
     (dict(layout=[LAYOUT[0], [((64, 32), 1000, 1024), ((64,), 32, 32)]]),
      "fp32 main shards of rank 1: 1056 elements on both, cut differently"),
-], ids=["codec", "outer-lr", "H", "nesterov", "warmup", "train-iters", "global-batch", "layout", "shard-size",
+], ids=["codec", "outer-lr", "H", "H-auto", "nesterov", "warmup", "train-iters", "global-batch", "layout", "shard-size",
         "shard-cut"])
 def test_a_difference_names_the_flag_and_both_values(theirs, phrase):
     mine = _describe(CFG)
@@ -67,6 +69,14 @@ def test_a_difference_names_the_flag_and_both_values(theirs, phrase):
     # the other launch states the same difference from its side
     back = differences(_describe(**{"config": CFG, **theirs}), mine, 0)
     assert len(back) == len(found) and back
+
+
+def test_auto_h_and_its_starting_value_differ():
+    """``--diloco-x-local-steps auto`` starts at H 30, but a launch with a fixed 30 is another schedule
+    (auto changes H at its boundaries): refused, naming both."""
+    fixed = dataclasses.replace(CFG, local_steps=30)
+    found = differences(_describe(fixed), _describe(dataclasses.replace(fixed, local_steps_auto=True)), 1)
+    assert any("--diloco-x-local-steps is 30 here, auto in replica 1" in f for f in found), found
 
 
 def test_what_may_differ_or_is_unused_is_not_compared():
