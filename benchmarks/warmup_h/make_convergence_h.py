@@ -25,9 +25,10 @@ RUN_FIELDS = ("local_steps", "warmup_local_steps", "warmup_iters", "warmup_overl
               "overlap", "overlap_steps", "last_overlap_steps", "merge", "compression", "link_mbps")
 #: convergence.py's method -> the row of each H it adds to (--add); AllReduce rows ("allreduce*") to every H
 KEYS = {"allreduce": "allreduce", "default": "default", "default_blocking": "blocking",
-        **{f"{m}_lr{lr}": f"{m}_lr{lr}" for m in ("allreduce", "default") for lr in ("5e-4", "2e-3")}}
+        **{f"{m}_lr{lr}": f"{m}_lr{lr}" for m in ("allreduce", "default") for lr in ("5e-4", "2e-3")},
+        "allreduce_lr2.5e-4": "allreduce_lr2.5e-4"}
 #: the inner lrs of the sweep, by the suffix of their rows (1e-3: the common flags', the plain rows)
-LRS = {"5e-4": "_lr5e-4", "1e-3": "", "2e-3": "_lr2e-3"}
+LRS = {"2.5e-4": "_lr2.5e-4", "5e-4": "_lr5e-4", "1e-3": "", "2e-3": "_lr2e-3"}
 SEED1 = {"commit": "bbc6d91", "card": "NVIDIA H200 (a 4 x H200 host, one run per GPU)"}
 
 
