@@ -79,6 +79,12 @@ METHODS: dict[str, dict] = {
     "default_blocking": {"default": True, "flags": ["--diloco-x-overlap", "none"]},
     # --diloco-x-local-steps auto (the H the modelled link and the measured step time allow, within
     # [30, 300]): at 1 Gbit (the common flags' link) and at 100 Mbit, where it chooses a longer H
+    # the outer step at large H: outer momentum at unit gain, eta / (1 - mu) = 1 (the long-run step of
+    # eta 1, mu 0; the papers' 0.7 / 0.9 has gain 7 and diverged here): smoothing across rounds without
+    # amplifying a repeating pseudo-gradient
+    **{f"default_mu{mu}_gain1": {"default": True, "flags": ["--diloco-x-outer-momentum", mu,
+                                                            "--diloco-x-outer-lr", f"{1 - float(mu):g}"]}
+       for mu in ("0.5", "0.9")},
     "default_auto_h": {"default": True, "flags": ["--diloco-x-local-steps", "auto"]},
     "default_auto_h_100mbit": {"default": True, "flags": ["--diloco-x-local-steps", "auto",
                                                           "--diloco-x-bandwidth-mbps", "100"]},
