@@ -980,6 +980,12 @@ def test_auto_local_steps_proposal_from_the_main_codecs_exchange():
     want = math.ceil(1.25 * math.ceil(0.4 * int4 / int2 / 0.01))
     assert sync._propose_local_steps() == want and 95 <= want <= 110
     assert sync._choose_overlap_steps(want) == math.ceil(0.4 * int4 / int2 / 0.01)  # hidden within the round
+    # a shorter H than the current one (agreed earlier: 142) is a round of H, not a warm-up round:
+    # its exchange overlaps (tau hides it), with the main codec
+    sync.config.local_steps = 142
+    assert sync._propose_local_steps() == want and sync._choose_overlap_steps(want) == math.ceil(0.4 * int4 / int2 / 0.01)
+    assert sync._round_codec() is sync.codec and not sync.schedule.is_warmup_round(want)
+    sync.config.local_steps = 30
     sync.link_bytes_per_s = int4 / 2.0  # a known link: 2 s per int4 exchange = 200 steps, x 1.25
     assert sync._propose_local_steps() == 250
     sync.link_bytes_per_s = int4 / 4.0  # 400 steps: the upper bound

@@ -24,7 +24,10 @@ data and global batch (``examples/pretrain_gpt_diloco.py``, one rank per replica
 * ``dilocox-warmup``: the same with the default's auto warm-up (rounds of min(H // 3, 10) for the
   first 30 H steps, at most half the run: here half; blocking at H0 < 10, their exchanges int2), the
   window from the end of its first round: what the warm-up's blocked exchanges cost a run this short;
-* ``dilocox-adaptive`` (optional): as ``dilocox`` with the adaptive low-rank codec, budget = link.
+* ``dilocox-adaptive`` (optional): as ``dilocox`` with the adaptive low-rank codec, budget = link;
+* ``dilocox-auto-h`` (optional): as ``dilocox`` with ``--diloco-x-local-steps auto`` (no bandwidth flag: H
+  from the exchanges the run measures), ``--auto-h-iters`` iterations, the window from the end of the
+  second round of its starting H (the first boundary that knows an exchange's time chooses H there).
 
 Definitions (per run, over a measured window that excludes process start, setup and warm-up:
 from the end of iteration ``w`` to the end of the last iteration; ``w`` = 2 for allreduce, = H
@@ -87,8 +90,9 @@ sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled
 from benchmarks.common import netns  # noqa: E402
 from benchmarks.common.runner import Command, Job, harness_command, load_ranks, run_job, summary_of  # noqa: E402
 from megatron_diloco.megatron_adapter.arguments import resolve_warmup  # noqa: E402
+from megatron_diloco.algorithm.config import AUTO_H_MIN  # noqa: E402
 
-METHODS = ("allreduce", "allreduce-distopt", "diloco", "dilocox", "dilocox-warmup", "dilocox-adaptive")
+METHODS = ("allreduce", "allreduce-distopt", "diloco", "dilocox", "dilocox-warmup", "dilocox-adaptive", "dilocox-auto-h")
 DEFAULT_METHODS = ("allreduce", "allreduce-distopt", "diloco", "dilocox", "dilocox-warmup")
 #: Same model, data and global batch for every method: the example's demo GPT (4 layers, hidden
 #: 192, seq 256, 1.84M parameters, byte-level, Python stdlib corpus), one rank per replica.
@@ -116,6 +120,8 @@ def method_args(method: str, local_steps: int, link_mbps: float) -> list[str]:
         return dx  # the defaults, steady rounds
     if method == "dilocox-warmup":
         return h  # the defaults, the auto warm-up included
+    if method == "dilocox-auto-h":
+        return ["--diloco-x-local-steps", "auto", "--diloco-x-warmup-iters", "0"]
     if method == "dilocox-adaptive":
         return dx + ["--diloco-x-compression", "adaptive",
                      "--diloco-x-bandwidth-mbps", f"{link_mbps:g}"]
@@ -128,8 +134,10 @@ def method_recorders(method: str) -> list[str]:
 
 
 def iterations_for(method: str, link_mbps: float, local_steps: int, rounds: int,
-                   allreduce_steps: dict[float, int]) -> tuple[int, int]:
+                   allreduce_steps: dict[float, int], auto_h_iters: int = 250) -> tuple[int, int]:
     """(train iterations, warm-up iterations excluded from the window) of one run."""
+    if method == "dilocox-auto-h":  # two rounds of the starting H: the second boundary chooses H
+        return auto_h_iters, 2 * AUTO_H_MIN
     if method.startswith("allreduce"):
         nearest = min(allreduce_steps, key=lambda link: abs(link - link_mbps))  # the given link or the closest
         return ALLREDUCE_WARMUP + allreduce_steps[nearest], ALLREDUCE_WARMUP
@@ -489,6 +497,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="DiLoCo(X) rounds per run (the first is warm-up)")
     p.add_argument("--allreduce-steps", default="1000:32,100:16,10:8",
                    help="measured allreduce steps per link (LINK:STEPS,...), after 2 warm-up steps")
+    p.add_argument("--auto-h-iters", type=int, default=250, help="iterations of a dilocox-auto-h run")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1,
                    help="passes over the sweep; per (link, method) the least disturbed repeat is kept")
@@ -522,7 +531,7 @@ def main() -> None:
     plan = []
     for link in a.links:
         for m in a.methods:
-            iters, warmup = iterations_for(m, link, a.local_steps, a.rounds, a.allreduce_steps)
+            iters, warmup = iterations_for(m, link, a.local_steps, a.rounds, a.allreduce_steps, a.auto_h_iters)
             argv = COMMON_ARGS + ["--train-iters", str(iters), "--log-interval", str(iters)] \
                 + method_args(m, a.local_steps, link) + a.extra
             plan.append((link, m, iters, warmup, argv))

@@ -109,9 +109,11 @@ class RoundSchedule:
         return c.warmup_local_steps if steps < c.warmup_iters else c.local_steps
 
     def is_warmup_round(self, round_steps: int) -> bool:
-        """Whether a round of ``round_steps`` is a warm-up round (shorter than H): its exchange takes the
-        warm-up codec and overlaps at most tau_w steps."""
-        return round_steps < self.config.local_steps
+        """Whether a round of ``round_steps`` is a warm-up round (shorter than H: with auto H, than the H
+        it starts at, since the rounds of H it chooses later may be shorter than the current ones): its
+        exchange takes the warm-up codec and overlaps at most tau_w steps."""
+        c = self.config
+        return round_steps < (AUTO_H_MIN if c.local_steps_auto else c.local_steps)
 
     def tau_cap(self, round_steps: int) -> int:
         """The most inner steps an exchange launched into a round of ``round_steps`` may overlap: the
