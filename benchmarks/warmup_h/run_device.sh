@@ -13,6 +13,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv 2>/dev/null
 $PY -c "import torch, megatron.core; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 $PY -c "import sys; sys.path.insert(0, 'examples'); import stdlib_corpus; print(stdlib_corpus.build_environment(${CORPUS_MB:-100}))"
 i=0
+rm -rf /tmp/runs30  # a warm machine keeps the last call's runs: convergence.py would merge them into this call's JSONs
 mkdir -p /tmp/runs30
 for spec in "$@"; do
   IFS=: read -r h gpus methods seeds <<< "$spec"
