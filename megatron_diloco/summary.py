@@ -56,6 +56,29 @@ ROUND_METRICS: dict[str, tuple[str, str, str]] = {
 }
 
 
+#: a warm-up round whose exchange kept the training waiting for more than this share of the round's
+#: compute is reported (once): on a slow link the warm-up's short rounds cannot hide their exchanges
+WARMUP_EXPOSED_WARN_SHARE = 0.5
+
+
+def warmup_exposure_warning(m: dict, warmup_local_steps: int | None, warmup_iters: int) -> str | None:
+    """The warning for round metrics ``m`` (:data:`ROUND_METRICS`) when the round was a warm-up round
+    (rounds of H0 = ``warmup_local_steps`` for the first ``warmup_iters`` steps) whose exchange kept the
+    replica waiting for more than :data:`WARMUP_EXPOSED_WARN_SHARE` of its compute: what the warm-up
+    costs at that rate and the flags that change it. None otherwise."""
+    if not warmup_iters or not warmup_local_steps or m["step"] > warmup_iters or not m["applied"]:
+        return None
+    compute = warmup_local_steps * m["step_s"]
+    if compute <= 0 or m["replica_exposed_s"] <= WARMUP_EXPOSED_WARN_SHARE * compute:
+        return None
+    rounds = warmup_iters // warmup_local_steps
+    return (f"DiLoCoX: the warm-up's exchanges do not hide on this link: round {m['round']} waited "
+            f"{m['replica_exposed_s']:.2f} s for its exchange against {compute:.2f} s of compute ({warmup_local_steps} "
+            f"steps); at that rate its {rounds} rounds wait about {rounds * m['replica_exposed_s']:.0f} s in all. "
+            "A longer --diloco-x-warmup-local-steps (with its --diloco-x-warmup-overlap-steps) hides more of it; "
+            "--diloco-x-warmup-iters 0 drops the warm-up (faster, with a larger loss gap: docs/tuning.md)")
+
+
 def format_round_line(m: dict, lossy: bool) -> str:
     """The ``[DiLoCoX] round`` log line of round metrics ``m`` (rank 0's; bytes and times are the
     replica's: :data:`ROUND_METRICS`)."""

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_diloco.megatron_adapter.arguments import config_from_args, validate_megatron_args
 from megatron_diloco.algorithm.config import CODECS, DiLoCoXConfig
-from megatron_diloco.summary import format_round_line, format_summary, params_digest
+from megatron_diloco.summary import format_round_line, format_summary, params_digest, warmup_exposure_warning
 from megatron_diloco.megatron_adapter.replica_local import install_replica_local_collectives, replica_local_loss_reduction
 
 logger = logging.getLogger(__name__)
@@ -127,6 +127,7 @@ class _Installation:
         self.first_loss = None  # loss of the first iteration this process trained (last PP stage)
         self.last_loss = None
         self.rounds: list[dict] = []
+        self.warned_warmup = False  # the warm-up's exposed exchanges are reported once
         self.membership = None  # separate jobs (--diloco-x-lighthouse): this rank's membership of the run
 
     def patch(self) -> None:
@@ -357,6 +358,11 @@ class _Installation:
         self.rounds.append(m)
         if dist.get_rank() == 0:
             print(format_round_line(m, lossy=self.config.compression != "none"), flush=True)
+            warning = None if self.warned_warmup else warmup_exposure_warning(
+                m, self.config.warmup_local_steps, self.config.warmup_iters)
+            if warning is not None:
+                self.warned_warmup = True
+                logger.warning(warning)
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
         tb, wb = get_tensorboard_writer(), get_wandb_writer()
