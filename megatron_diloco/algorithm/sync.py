@@ -283,9 +283,10 @@ class OuterSync(BoundaryProtocols):
         """What the boundary about to run needs from the caller, and what it may run for it first: the
         inner-step time measured by the caller (None: not measured this
         round, e.g. a resume just before a boundary; the last one, or the checkpoint's, is kept), and
-        the inner steps of the round that boundary starts (``next_round_steps``; default H: it
-        differs during a warm-up of shorter rounds, :attr:`DiLoCoXConfig.warmup_local_steps`) and the
-        inner steps done (``steps``: where an auto H agreed at the boundary starts its rounds): sets
+        the inner steps done (``steps``: where an auto H agreed at the boundary starts its rounds; None:
+        the last, shorter round of a run), which give the inner steps of the round that boundary starts
+        (:meth:`RoundSchedule.round_steps`: H0 during a warm-up, else H; ``next_round_steps`` overrides
+        it, H without either): sets
         the adaptive codec's byte
         budget to link bandwidth x those steps x step time (no-op unless adaptive); auto tau hides
         the exchange within them.
@@ -299,7 +300,8 @@ class OuterSync(BoundaryProtocols):
         checkpointed (:meth:`state_dict`), so a resumed run keeps the same budget."""
         if step_time_s is not None:
             self.step_time_s = step_time_s
-        self.next_round_steps = next_round_steps or self.config.local_steps
+        self.next_round_steps = next_round_steps or (
+            self.schedule.round_steps(steps) if steps is not None else self.config.local_steps)
         self.boundary_steps = steps
         policy = getattr(self.codec, "policy", None)
         if policy is None:

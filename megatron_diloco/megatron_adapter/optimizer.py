@@ -241,7 +241,7 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
         """Take the run's :meth:`position` (a job joining at a boundary), and the round it starts."""
         self.step_calls = int(position["steps"])
         self.iteration_offset = int(position["iteration"]) - self.step_calls
-        self.sync.before_boundary(None, next_round_steps=self.sync.schedule.round_steps(self.step_calls))
+        self.sync.before_boundary(None, steps=self.step_calls)
 
     def join_federation(self) -> dict | None:
         """Separate jobs, before training (every rank): :meth:`FederatedRounds.join`; the position taken,
@@ -280,12 +280,10 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
         mid-round, :meth:`finish`: its exchange goes with the main codec, whatever the warm-up's)."""
         # mean inner-step time of this round (its iterations only: no evaluation, save, landing or
         # boundary work): auto tau, the adaptive byte budget, the derived timeout; and the next
-        # round's length (auto tau and the budget hide the exchange within it)
-        cfg = self.diloco_config
+        # round's length, from the step count (auto tau and the budget hide the exchange within it)
         timed, total = self._round_timed_steps, self._round_step_s
         self._round_step_s, self._round_timed_steps = 0.0, 0
-        self.sync.before_boundary(total / timed if timed > 0 else None, steps=None if final else self.step_calls,
-                                  next_round_steps=cfg.local_steps if final else self.sync.schedule.round_steps(self.step_calls))
+        self.sync.before_boundary(total / timed if timed > 0 else None, steps=None if final else self.step_calls)
         if not self._start_checked:
             self._check_replicas_started_alike()
         report = self.sync.boundary()
