@@ -12,7 +12,7 @@ the r*_h*.json files and logs.tgz unpacked beside them).
 Gaps: ``gap_vs_allreduce`` over the seeds both rows ran (convergence.paired_gap), ``gap_vs_allreduce_mean``
 against the mean of every AllReduce seed, ``gap_vs_blocking`` (the default) over the seeds both ran.
 """
-import argparse, json, glob, statistics, sys
+import argparse, copy, json, glob, statistics, sys
 from megatron_diloco.summary import parse_summaries
 from megatron_diloco.megatron_adapter.arguments import add_diloco_x_args, config_from_args
 sys.path.insert(0, "benchmarks")
@@ -22,11 +22,12 @@ PATH = "benchmarks/results/convergence_h.json"
 FIELDS = ("local_steps", "warmup_local_steps", "warmup_iters", "warmup_overlap_steps", "warmup_compression",
           "overlap", "overlap_steps", "merge", "compression", "outer_lr", "outer_momentum", "nesterov", "bandwidth_mbps")
 RUN_FIELDS = ("local_steps", "warmup_local_steps", "warmup_iters", "warmup_overlap_steps", "warmup_compression",
-              "overlap", "overlap_steps", "last_overlap_steps", "merge", "compression", "link_mbps")
+              "overlap", "overlap_steps", "last_overlap_steps", "last_local_steps", "merge", "compression", "link_mbps")
 #: convergence.py's method -> the row of each H it adds to (--add); AllReduce rows ("allreduce*") to every H
 KEYS = {"allreduce": "allreduce", "default": "default", "default_blocking": "blocking",
         **{f"{m}_lr{lr}": f"{m}_lr{lr}" for m in ("allreduce", "default") for lr in ("5e-4", "2e-3")},
-        "allreduce_lr2.5e-4": "allreduce_lr2.5e-4"}
+        "allreduce_lr2.5e-4": "allreduce_lr2.5e-4", "default_auto_h_100mbit": "auto_h_100mbit",
+        **{f"default_mu{mu}_gain1": f"mu{mu}_gain1" for mu in ("0.5", "0.9")}}
 #: the inner lrs of the sweep, by the suffix of their rows (1e-3: the common flags', the plain rows)
 LRS = {"2.5e-4": "_lr2.5e-4", "5e-4": "_lr5e-4", "1e-3": "", "2e-3": "_lr2e-3"}
 SEED1 = {"commit": "bbc6d91", "card": "NVIDIA H200 (a 4 x H200 host, one run per GPU)"}
@@ -123,9 +124,12 @@ def add(out, folders, commit, card, training_note="the training path unchanged: 
                     continue
                 for s, loss, per_replica in zip(r["seeds"], r["final_val_loss_per_seed"], r["final_val_loss_per_replica"]):
                     ran = as_run(D, H, name, s) if not key.startswith("allreduce") else None
+                    if str(H) not in out["runs"]:  # a new H: AllReduce's rows are the same runs at every H
+                        out["runs"][str(H)] = {k: copy.deepcopy(v) for k, v in next(iter(out["runs"].values())).items()
+                                               if k.startswith("allreduce")}
                     for h in (out["runs"] if key.startswith("allreduce") else [str(H)]):
                         row = out["runs"][h].get(key)
-                        if row is None:  # the blocking reference: a new row
+                        if row is None:  # a row this H has not had (the blocking reference, auto H, ...)
                             row = out["runs"][h][key] = {
                                 "method": name, "final_val_loss_per_seed": [], "seeds": [], "final_val_loss_per_replica": [],
                                 "bytes_total": r["bytes_total"], "rounds": r.get("rounds"),
@@ -189,7 +193,8 @@ def add(out, folders, commit, card, training_note="the training path unchanged: 
           if len(row["seeds"]) < 2 and key != "allreduce"],
         *[f"blocking DiLoCo (default_blocking) at H {H}" for H, rows in out["runs"].items() if "blocking" not in rows],
         *[n for n in out["not_measured"] if not n.startswith(("blocking DiLoCo at each H", "second seeds",
-                                                              "a second seed", "blocking DiLoCo (default_blocking)"))]]
+                                                              "a second seed", "blocking DiLoCo (default_blocking)"))
+           and not (n.startswith("H = 500") and "500" in out["runs"])]]
     return out
 
 
