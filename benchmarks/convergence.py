@@ -88,6 +88,9 @@ METHODS: dict[str, dict] = {
     "default_auto_h": {"default": True, "flags": ["--diloco-x-local-steps", "auto"]},
     "default_auto_h_100mbit": {"default": True, "flags": ["--diloco-x-local-steps", "auto",
                                                           "--diloco-x-bandwidth-mbps", "100"]},
+    # the default at a fixed H over a 100 Mbit link: auto tau overlaps ~40 steps (how the overlap's cost
+    # grows with tau's share of a round, which auto H's rule is sized from)
+    "default_100mbit": {"default": True, "flags": ["--diloco-x-bandwidth-mbps", "100"]},
     # the inner-lr sweep for a fair baseline: the default at the lrs AllReduce is swept at
     # (allreduce_lr5e-4 / allreduce_lr2e-3 below; 1e-3 is the common flags' lr)
     **{f"default_lr{lr}": {"default": True, "flags": ["--lr", lr, "--min-lr", f"{float(lr) / 10:g}"]}

@@ -183,8 +183,8 @@ class PlanConfig:
 
     # ---------------- DiLoCoX ----------------
     local_steps: int | str = 500
-    """H: inner steps per outer round, or ``auto`` (the run's rule: the smallest H that hides the
-    modelled exchange, with a quarter to spare, within the run's bounds)."""
+    """H: inner steps per outer round, or ``auto`` (the run's rule: 8 x the steps that hide the
+    modelled exchange, within the run's bounds)."""
     codec: str = "int4"
     """Pseudo-gradient codec (``--diloco-x-compression``)."""
     compression_ratio: float | None = None

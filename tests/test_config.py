@@ -362,14 +362,14 @@ def test_auto_local_steps_is_refused_for_separate_jobs():
 
 
 def test_auto_local_steps_proposal_bounds():
-    """A rank's proposal: 1.25 x the steps that hide the exchange, rounded up, within [30, 300]; none
-    while the step time or the exchange is unknown."""
+    """A rank's proposal: 8 x the steps that hide the exchange (tau at most an eighth of the round),
+    within [30, 300]; none while the step time or the exchange is unknown."""
     from megatron_diloco.algorithm.schedule import auto_local_steps
 
     assert auto_local_steps(None, 0.1) == auto_local_steps(5.0, None) == 0
-    assert auto_local_steps(0.5, 0.1) == 30  # 5 steps hide it: the lower bound
-    assert auto_local_steps(8.0, 0.1) == 100  # 80 steps, x 1.25
-    assert auto_local_steps(8.05, 0.1) == 102  # 81 steps, x 1.25 = 101.25, up
+    assert auto_local_steps(0.3, 0.1) == 30  # 3 steps hide it, x 8 = 24: the lower bound
+    assert auto_local_steps(1.0, 0.1) == 80  # 10 steps, x 8
+    assert auto_local_steps(1.05, 0.1) == 88  # 10.5 steps: 11 hide it, x 8
     assert auto_local_steps(1e4, 0.1) == 300  # the upper bound
 
 

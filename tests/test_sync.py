@@ -957,7 +957,7 @@ def test_partial_auto_overlap_steps_agreed_by_all_ranks():
 
 
 def test_auto_local_steps_proposal_from_the_main_codecs_exchange():
-    """auto H: a rank proposes 1.25 x the steps that hide an exchange of the main codec: its wire bytes
+    """auto H: a rank proposes 8 x the steps that hide an exchange of the main codec: its wire bytes
     at the known link; else the last exchange's measured time scaled to the main codec's bytes (the
     first round after an int2 warm-up: int4 sends twice its bytes). Nothing with a fixed H, into a
     warm-up round, or before anything is measured; tau is sized within the proposed round."""
@@ -972,34 +972,35 @@ def test_auto_local_steps_proposal_from_the_main_codecs_exchange():
     sync.before_boundary(None, next_round_steps=30, steps=900)
     assert sync._propose_local_steps() == 0  # nothing measured
     sync.before_boundary(0.01, next_round_steps=10, steps=890)  # into a warm-up round: no proposal
-    sync.last_completed = ExchangeStats(bytes_sent=int2, exchange_s=0.4)
+    sync.last_completed = ExchangeStats(bytes_sent=int2, exchange_s=0.06)
     assert sync._propose_local_steps() == 0
     sync.before_boundary(0.01, next_round_steps=30)  # the last round of a run (no step count): none
     assert sync._propose_local_steps() == 0
-    sync.before_boundary(0.01, next_round_steps=30, steps=900)  # the warm-up's end: int4 takes ~0.78 s = 78 steps
-    want = math.ceil(1.25 * math.ceil(0.4 * int4 / int2 / 0.01))
-    assert sync._propose_local_steps() == want and 95 <= want <= 110
-    assert sync._choose_overlap_steps(want) == math.ceil(0.4 * int4 / int2 / 0.01)  # hidden within the round
+    sync.before_boundary(0.01, next_round_steps=30, steps=900)  # the warm-up's end: int4 takes ~0.117 s = 12 steps
+    hide = math.ceil(0.06 * int4 / int2 / 0.01)
+    want = 8 * hide
+    assert sync._propose_local_steps() == want and 90 <= want <= 100
+    assert sync._choose_overlap_steps(want) == hide  # hidden within the round, an eighth of it
     # a shorter H than the current one (agreed earlier: 142) is a round of H, not a warm-up round:
     # its exchange overlaps (tau hides it), with the main codec
     sync.config.local_steps = 142
-    assert sync._propose_local_steps() == want and sync._choose_overlap_steps(want) == math.ceil(0.4 * int4 / int2 / 0.01)
+    assert sync._propose_local_steps() == want and sync._choose_overlap_steps(want) == hide
     assert sync._round_codec() is sync.codec and not sync.schedule.is_warmup_round(want)
     sync.config.local_steps = 30
-    sync.link_bytes_per_s = int4 / 2.0  # a known link: 2 s per int4 exchange = 200 steps, x 1.25
-    assert sync._propose_local_steps() == 250
-    sync.link_bytes_per_s = int4 / 4.0  # 400 steps: the upper bound
+    sync.link_bytes_per_s = int4 / 0.25  # a known link: 0.25 s per int4 exchange = 25 steps, x 8
+    assert sync._propose_local_steps() == 200
+    sync.link_bytes_per_s = int4 / 0.5  # 50 steps, x 8 = 400: the upper bound
     assert sync._propose_local_steps() == 300
-    sync.link_bytes_per_s = int4 / 0.05  # 5 steps: the lower bound
+    sync.link_bytes_per_s = int4 / 0.03  # 3 steps, x 8 = 24: the lower bound
     assert sync._propose_local_steps() == 30
     fixed = OuterSync(ShardView([torch.zeros(n)]), DiLoCoXConfig(local_steps=30, **common), None)
     fixed.before_boundary(0.01, next_round_steps=30, steps=900)
-    fixed.last_completed = ExchangeStats(bytes_sent=int2, exchange_s=0.4)
+    fixed.last_completed = ExchangeStats(bytes_sent=int2, exchange_s=0.06)
     assert fixed._propose_local_steps() == 0
     # a warm-up whose H0 is the starting H (rounds of 30 up to 300): no proposal inside it, one at its end
     same = OuterSync(ShardView([torch.zeros(n)]), DiLoCoXConfig(local_steps=30, local_steps_auto=True, **{
         **common, "warmup_local_steps": 30, "warmup_iters": 300}), None)
-    same.last_completed = ExchangeStats(bytes_sent=int2, exchange_s=0.4)
+    same.last_completed = ExchangeStats(bytes_sent=int2, exchange_s=0.06)
     same.before_boundary(0.01, next_round_steps=30, steps=270)
     assert same._propose_local_steps() == 0
     same.before_boundary(0.01, next_round_steps=30, steps=300)
@@ -1009,13 +1010,13 @@ def test_auto_local_steps_proposal_from_the_main_codecs_exchange():
 def _auto_h_worker(rank: int, world: int) -> None:
     """Two replicas driven as the optimizer drives OuterSync (boundaries from the schedule, the step
     count given at each): rank 1's link share is half rank 0's, so it proposes the longer H."""
-    steps_total = 400
+    steps_total = 385  # the last exchange (launched at 380) still in flight at the end: the drain lands it
     cfg = DiLoCoXConfig(replicas=world, local_steps=30, local_steps_auto=True, overlap="partial", compression="int8",
                         warmup_local_steps=10, warmup_iters=60)
     x = torch.linspace(-1, 1, 4096) + 0.0
     sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
     wire = sync._fixed_wire_bytes(sync.codec)
-    sync.link_bytes_per_s = wire / (0.5 if rank == 0 else 1.0)  # 0.5 s / 1 s per exchange
+    sync.link_bytes_per_s = wire / (0.05 if rank == 0 else 0.1)  # 0.05 s / 0.1 s per exchange
     step_s = 0.01  # the step time a rank reports (the proposals do not depend on this test's pace)
     boundaries, taus, landings = [], [], []
     for step in range(1, steps_total + 1):
@@ -1030,11 +1031,12 @@ def _auto_h_worker(rank: int, world: int) -> None:
             boundaries.append((step, cfg.local_steps))
             taus.append(sync.tau)
     sync.drain()
-    # warm-up: rounds of 10 to 60 (no proposal, H 30 stays); at 60 rank 1 asks ceil(1.25 x 100) = 125,
-    # rank 0 ceil(1.25 x 50) = 63: 125 wins on both ranks, and the tau of the slower link (100 steps)
-    assert boundaries == [(10, 30), (20, 30), (30, 30), (40, 30), (50, 30), (60, 125), (185, 125), (310, 125)], boundaries
-    # (warm-up rounds block: tau_w 0); the exchanges of the rounds of 125 land 100 steps after their launch
-    assert taus == [0] * 5 + [100] * 3 and landings == [160, 285], (taus, landings)
+    # warm-up: rounds of 10 to 60 (no proposal, H 30 stays); at 60 rank 1 asks 8 x 10 = 80, rank 0
+    # 8 x 5 = 40: 80 wins on both ranks, and the tau of the slower link (10 steps)
+    assert boundaries == [(10, 30), (20, 30), (30, 30), (40, 30), (50, 30), (60, 80), (140, 80), (220, 80), (300, 80),
+                          (380, 80)], boundaries
+    # (warm-up rounds block: tau_w 0); the exchanges of the rounds of 80 land 10 steps after their launch
+    assert taus == [0] * 5 + [10] * 5 and landings == [70, 150, 230, 310], (taus, landings)
     got = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(got, x)
     assert torch.equal(got[0], got[1])  # one model at the end

@@ -27,6 +27,7 @@ RUN_FIELDS = ("local_steps", "warmup_local_steps", "warmup_iters", "warmup_overl
 KEYS = {"allreduce": "allreduce", "default": "default", "default_blocking": "blocking",
         **{f"{m}_lr{lr}": f"{m}_lr{lr}" for m in ("allreduce", "default") for lr in ("5e-4", "2e-3")},
         "allreduce_lr2.5e-4": "allreduce_lr2.5e-4", "default_auto_h_100mbit": "auto_h_100mbit",
+        "default_100mbit": "default_100mbit",
         **{f"default_mu{mu}_gain1": f"mu{mu}_gain1" for mu in ("0.5", "0.9")}}
 #: the inner lrs of the sweep, by the suffix of their rows (1e-3: the common flags', the plain rows)
 LRS = {"2.5e-4": "_lr2.5e-4", "5e-4": "_lr5e-4", "1e-3": "", "2e-3": "_lr2e-3"}

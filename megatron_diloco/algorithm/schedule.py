@@ -9,7 +9,7 @@ H. Within that cap tau is ``--diloco-x-overlap-steps``, or (auto) the fewest ste
 hide the exchange: ceil(exchange seconds / step seconds).
 
 ``--diloco-x-local-steps auto`` (:attr:`DiLoCoXConfig.local_steps_auto`): H itself is chosen at every
-boundary after the warm-up, the smallest H that hides the exchange with :data:`AUTO_H_HEADROOM` to spare,
+boundary after the warm-up, :data:`AUTO_H_PER_TAU` x the steps that hide the exchange (tau at most an eighth of a round),
 within [:data:`AUTO_H_MIN`, :data:`AUTO_H_MAX`] (:func:`auto_local_steps`); every rank proposes one and
 the decision all-reduce agrees on the largest (:class:`~megatron_diloco.algorithm.decision.Decision`).
 The rounds of H then start at the boundary of the last change (:attr:`RoundSchedule.anchor`), which a
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_diloco.algorithm.config import AUTO_H_HEADROOM, AUTO_H_MAX, AUTO_H_MIN, DiLoCoXConfig
+from megatron_diloco.algorithm.config import AUTO_H_MAX, AUTO_H_MIN, AUTO_H_PER_TAU, DiLoCoXConfig
 
 
 def steps_to_hide(exchange_s: float, step_s: float) -> int:
@@ -37,11 +37,11 @@ def steps_to_hide(exchange_s: float, step_s: float) -> int:
 
 def auto_local_steps(exchange_s: float | None, step_s: float | None) -> int:
     """``--diloco-x-local-steps auto``: the H a rank proposes for an exchange of ``exchange_s`` seconds at
-    ``step_s`` seconds per inner step: :data:`AUTO_H_HEADROOM` x the steps that hide it, rounded up,
+    ``step_s`` seconds per inner step: :data:`AUTO_H_PER_TAU` x the steps that hide it (auto tau),
     within [:data:`AUTO_H_MIN`, :data:`AUTO_H_MAX`]; 0 (no proposal) while either is unknown."""
     if not step_s or exchange_s is None:
         return 0
-    return min(AUTO_H_MAX, max(AUTO_H_MIN, math.ceil(AUTO_H_HEADROOM * steps_to_hide(exchange_s, step_s))))
+    return min(AUTO_H_MAX, max(AUTO_H_MIN, AUTO_H_PER_TAU * steps_to_hide(exchange_s, step_s)))
 
 
 class RoundSchedule:

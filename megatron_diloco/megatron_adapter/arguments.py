@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_diloco.compat.help import escape_unformattable_help
-from megatron_diloco.algorithm.config import (AUTO_H_MAX, AUTO_H_MIN, BLOCKWISE, CODECS, MERGE_RULES,
+from megatron_diloco.algorithm.config import (AUTO_H_MAX, AUTO_H_MIN, AUTO_H_PER_TAU, BLOCKWISE, CODECS, MERGE_RULES,
                                               OUTER_STATE_ALIASES, OUTER_STATES, OVERLAP_MODES, DiLoCoXConfig)
 
 
@@ -29,8 +29,9 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--diloco-x-local-steps", type=_local_steps, default=defaults["local_steps"].default,
                        metavar="H|auto",
                        help="H: inner optimizer steps per outer round. auto: at every boundary after the "
-                            "warm-up, the smallest H whose exchange the overlap hides, from the measured step "
-                            f"time and link, with a quarter to spare, within [{AUTO_H_MIN}, {AUTO_H_MAX}] "
+                            f"warm-up, {AUTO_H_PER_TAU} x the steps that hide the exchange (from the measured step "
+                            "time and link), so that the exchange overlaps at most an eighth of the round, "
+                            f"within [{AUTO_H_MIN}, {AUTO_H_MAX}] "
                             f"(starting at {AUTO_H_MIN}); needs an overlapping --diloco-x-overlap, not with "
                             "--diloco-x-compression adaptive or --diloco-x-lighthouse.")
     group.add_argument("--diloco-x-warmup-local-steps", type=_int_or_auto, default=None, metavar="H0|auto",
