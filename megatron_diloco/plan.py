@@ -74,7 +74,7 @@ from typing import Any
 
 from megatron_diloco.megatron_adapter.arguments import resolve_warmup, resolve_warmup_compression, resolve_warmup_overlap
 from megatron_diloco.algorithm.config import AUTO_H_MIN, BLOCKWISE, CODECS, DiLoCoXConfig, link_share_bytes_per_s
-from megatron_diloco.algorithm.schedule import RoundSchedule, auto_local_steps, steps_to_hide
+from megatron_diloco.algorithm.schedule import RoundSchedule, auto_local_steps, auto_warmup_iters, steps_to_hide
 
 #: Payload fraction of a TCP/IPv4 stream on Ethernet at MTU 1500 (1448 payload bytes per 1514 on the wire).
 TCP_EFFICIENCY = 1448 / 1514
@@ -523,10 +523,13 @@ def plan(cfg: PlanConfig) -> Plan:
         return sent_bytes / share + collectives * lat if R > 1 else 0.0
 
     exchange = link_s(sent, steps)
-    # the warm-up is resolved from the H a run starts at; auto H then takes the rounds' H from the exchange
+    # the warm-up is resolved from the H a run starts at; auto H then takes the rounds' H from the exchange,
+    # and an auto warm-up lengthens to that H's (never shortens: RoundSchedule.extend_warmup)
     h0, w = resolve_warmup(cfg.warmup_local_steps, cfg.warmup_iters, H, cfg.train_iters, cfg.overlap)
     if auto_h:
         H = auto_local_steps(exchange, t_step)
+        if w and cfg.warmup_iters is None:
+            w = max(w, auto_warmup_iters(H, h0, cfg.train_iters))
     if cfg.overlap == "none":
         exposed = exchange
     else:

@@ -422,6 +422,49 @@ def test_auto_local_steps_rounds_start_where_agreed_and_resume_there():
     assert [s for s in range(880, 1000) if schedule.is_boundary(s)] == [880, 890, 900, 945, 990]
 
 
+def test_an_auto_warmup_lengthens_to_the_h_auto_chooses():
+    """auto H with an auto warm-up: the warm-up starts as the one of H 30 (900 steps of 3000) and may
+    grow to the one of H 300 (1500, half the run); an H agreed inside it lengthens it to that H's
+    (30 x H, capped, a multiple of H0), never shortens it, and is refused outside it. A given warm-up,
+    or a fixed H, does not follow H; the checkpoint's lengthened warm-up comes back on a resume."""
+    auto = config_from_args(parse("--diloco-x-local-steps", "auto"))
+    assert (auto.warmup_local_steps, auto.warmup_iters, auto.warmup_iters_max) == (10, 900, 9000)  # run length unknown
+    args = parse("--diloco-x-local-steps", "auto")
+    args.train_iters = 3000
+    cfg = config_from_args(args)
+    assert (cfg.warmup_iters, cfg.warmup_iters_max) == (900, 1500)
+    args = parse("--diloco-x-local-steps", "auto", "--diloco-x-warmup-iters", "600")
+    args.train_iters = 3000
+    assert config_from_args(args).warmup_iters_max == 0  # a given warm-up stays as given
+    args = parse("--diloco-x-local-steps", "100")
+    args.train_iters = 3000
+    assert config_from_args(args).warmup_iters_max == 0
+    with pytest.raises(ValueError, match="needs --diloco-x-local-steps auto"):
+        DiLoCoXConfig(local_steps=30, warmup_local_steps=10, warmup_iters=900, warmup_auto=True,
+                      warmup_iters_max=1500).validate()
+    with pytest.raises(ValueError, match="multiple of H0"):
+        dataclasses.replace(cfg, warmup_iters_max=1505).validate()
+
+    schedule = RoundSchedule(cfg)
+    assert schedule.warmup_follows_h(890) and not schedule.warmup_follows_h(900)
+    schedule.extend_warmup(20, 40)  # H 40 agreed after 20 steps: its warm-up, 1200 steps
+    assert cfg.warmup_iters == 1200 and schedule.round_steps(890) == 10 and schedule.is_boundary(1190)
+    schedule.extend_warmup(30, 35)  # a shorter H later: the warm-up does not shorten
+    assert cfg.warmup_iters == 1200
+    saved = schedule.state_dict()
+    schedule.extend_warmup(40, 300)  # 9000 capped at half the run
+    assert cfg.warmup_iters == 1500 and not schedule.warmup_follows_h(40)
+    with pytest.raises(RuntimeError, match="lengthens with auto H inside an auto warm-up only"):
+        schedule.extend_warmup(50, 300)
+    cfg.validate()
+    assert [s for s in range(1480, 1600) if schedule.is_boundary(s)] == [1480, 1490, 1500, 1530, 1560, 1590]
+    resumed = RoundSchedule(dataclasses.replace(cfg, warmup_iters=900))
+    assert resumed.load_auto(saved) and resumed.config.warmup_iters == 1200 and resumed.state_dict() == saved
+    fixed = RoundSchedule(DiLoCoXConfig(local_steps=30, local_steps_auto=True, warmup_local_steps=10,
+                                        warmup_iters=900, warmup_auto=True))
+    assert not fixed.warmup_follows_h(10)  # no longest warm-up given: the warm-up is fixed
+
+
 def test_a_resume_keeps_an_auto_local_steps_run_where_it_was(caplog):
     """``DiLoCoXOptimizer._keep_schedule`` with auto H on both sides: the checkpoint's H and anchor,
     logged; with a fixed H now: the flags' H, with the warning that names them."""

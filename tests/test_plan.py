@@ -128,16 +128,17 @@ def test_exposed_time():
 
 def test_auto_local_steps_is_the_runs_rule_on_the_modelled_exchange(capsys):
     """``--local-steps auto``: the H a run would choose for the modelled exchange and step time (the
-    run's own rule, :func:`schedule.auto_local_steps`), its round and exposure computed at that H, the
-    warm-up resolved from the H a run starts at (30); the report says ``auto -> H`` and the flags it
-    implies keep ``auto``."""
+    run's own rule, :func:`schedule.auto_local_steps`), its round and exposure computed at that H, an
+    auto warm-up lengthened to that H's, as the run lengthens it (a given one kept); the report says
+    ``auto -> H`` and the flags it implies keep ``auto``."""
     from megatron_diloco.algorithm.schedule import auto_local_steps
 
     for step in (0.5, 0.25, 0.02):  # ~1.016 s int8 exchange: 3 steps (x 8 -> 30), 5 (-> 40), 51 (-> 300)
         p = plan(cfg(codec="int8", overlap="partial", local_steps="auto", step_time_s=step, train_iters=100000))
         assert p.local_steps == auto_local_steps(p.exchange_s, step) == min(300, max(30, 8 * math.ceil(p.exchange_s / step)))
         assert p.round_s == pytest.approx(p.local_steps * step + p.exposed_s)
-        assert p.warmup == (10, 900)
+        assert p.warmup == (10, 30 * p.local_steps)  # the auto warm-up of the H chosen (30 -> 900 steps)
+    assert plan(cfg(codec="int8", local_steps="auto", step_time_s=0.02, warmup_iters=600)).warmup == (10, 600)  # as given
     assert [plan(cfg(codec="int8", local_steps="auto", step_time_s=s)).local_steps for s in (0.5, 0.25, 0.02)] == [30, 40, 300]
     assert plan(cfg(codec="int8", local_steps="auto", step_time_s=0.02)).exposed_s == 0.0
     assert main(["--preset", "paper", "--local-steps", "auto"]) == 0

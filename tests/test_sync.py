@@ -1049,6 +1049,42 @@ def test_auto_local_steps_agreed_by_all_ranks():
     run_world(_auto_h_worker, 2)
 
 
+def _auto_h_warmup_worker(rank: int, world: int) -> None:
+    """auto H with an auto warm-up that may grow to 200 steps: the ranks' proposals inside the warm-up
+    (80, as in :func:`_auto_h_worker`) lengthen it from 60 to 200 steps; its rounds keep tau_w and the
+    warm-up codec (a proposal inside the warm-up does not size their tau); rounds of 80 follow."""
+    cfg = DiLoCoXConfig(replicas=world, local_steps=30, local_steps_auto=True, overlap="partial", compression="int8",
+                        warmup_local_steps=10, warmup_iters=60, warmup_auto=True, warmup_iters_max=200,
+                        warmup_overlap_steps=1, warmup_compression="int4")
+    x = torch.linspace(-1, 1, 4096) + 0.0
+    sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
+    sync.link_bytes_per_s = sync._fixed_wire_bytes(sync.codec) / (0.05 if rank == 0 else 0.1)
+    boundaries, taus, codecs = [], [], []
+    for step in range(1, 366):
+        since = sync.schedule.steps_since_boundary(step)
+        x.sub_(0.001 * (rank + 1) * torch.sin(x * step))
+        if sync.merge_due(since):
+            sync.merge()
+        elif since == 0:
+            sync.before_boundary(0.01, steps=step)
+            codecs.append(sync._round_codec().name)
+            sync.boundary()
+            boundaries.append(step)
+            taus.append(sync.tau)
+    sync.drain()
+    assert cfg.warmup_iters == 200 and cfg.local_steps == 80, (cfg.warmup_iters, cfg.local_steps)
+    assert boundaries == [*range(10, 201, 10), 280, 360], boundaries
+    # warm-up rounds: tau_w 1 and int4 (the tau of the slower link, 10, only for the rounds of 80), int8 after
+    assert taus == [1] * 19 + [10] * 3 and codecs == ["int4"] * 19 + ["int8"] * 3, (taus, codecs)
+    theta = [torch.empty_like(sync.theta) for _ in range(world)]
+    dist.all_gather(theta, sync.theta)
+    assert torch.equal(theta[0], theta[1])
+
+
+def test_an_auto_warmup_lengthens_with_the_agreed_h():
+    run_world(_auto_h_warmup_worker, 2)
+
+
 @pytest.mark.parametrize("kwargs,flag", [
     (dict(overlap="delayed", overlap_steps=2), "--diloco-x-overlap-steps applies to --diloco-x-overlap partial"),
     (dict(overlap="partial", overlap_steps=11), "--diloco-x-overlap-steps must be"),

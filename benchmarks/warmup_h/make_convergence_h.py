@@ -108,8 +108,12 @@ def build(D):
     return out
 
 
-def add(out, folders, commit, card, training_note="the training path unchanged: the commits between touch separate jobs"):
-    """Merge later runs (one row per method and seed; a seed a row already has must match) into ``out``."""
+def add(out, folders, commit, card, training_note="the training path unchanged: the commits between touch separate jobs",
+        keys=None, notes=None):
+    """Merge later runs (one row per method and seed; a seed a row already has must match) into ``out``.
+    ``keys``: method -> row for these runs, over :data:`KEYS` (a method whose meaning changed between
+    commits gets a row of its own); ``notes``: row -> its note."""
+    keys = {**KEYS, **(keys or {})}
     for H, rows in out["runs"].items():  # seed 1's provenance
         for row in rows.values():
             row.setdefault("per_seed", {str(s): {**SEED1, "method": row["method"], "last_overlap_steps":
@@ -120,7 +124,7 @@ def add(out, folders, commit, card, training_note="the training path unchanged: 
             d = json.load(open(f))
             H = d["regime"]["local_steps"]
             for name, r in d["methods"].items():
-                key = KEYS.get(name)
+                key = keys.get(name)
                 if key is None or not r.get("final_val_loss_per_seed"):
                     continue
                 for s, loss, per_replica in zip(r["seeds"], r["final_val_loss_per_seed"], r["final_val_loss_per_replica"]):
@@ -176,6 +180,10 @@ def add(out, folders, commit, card, training_note="the training path unchanged: 
             dflt["gap_vs_blocking"], dflt["gap_vs_blocking_seeds"] = convergence.paired_gap(dflt, b)
             b["note"] = ("the package default with --diloco-x-overlap none (convergence.py default_blocking): the same H, "
                          "codecs and auto warm-up, its rounds blocking (tau_w 0)")
+    for H, rows in out["runs"].items():
+        for key, note in (notes or {}).items():
+            if key in rows:
+                rows[key]["note"] = note
     lr_sweep(out)
     regime = out["regime"]
     regime["seeds"] = sorted({s for rows in out["runs"].values() for row in rows.values() for s in row["seeds"]})
@@ -230,9 +238,13 @@ if __name__ == "__main__":
     p.add_argument("--card", default=None)
     p.add_argument("--training-note", default="the training path unchanged: the commits between touch separate jobs",
                    help="how the training code at --commit relates to seed 1's (recorded in regime.commit)")
+    p.add_argument("--key", action="append", default=[], metavar="METHOD=ROW",
+                   help="merge this call's runs of METHOD into ROW (a method whose meaning changed between commits)")
+    p.add_argument("--note", action="append", default=[], metavar="ROW=TEXT", help="the row's note")
     a = p.parse_args()
     if a.add:
-        out = add(json.load(open(PATH)), a.add, a.commit, a.card, a.training_note)
+        out = add(json.load(open(PATH)), a.add, a.commit, a.card, a.training_note,
+                  dict(k.split("=", 1) for k in a.key), dict(n.split("=", 1) for n in a.note))
     else:
         (D,) = a.runs
         out = build(D)

@@ -50,10 +50,10 @@ CODECS: dict[str, CodecSpec] = {spec.name: spec for spec in (
 #: ``--diloco-x-warmup-compression``, the codecs ``--diloco-x-outer-state host`` takes besides ``none``.
 BLOCKWISE: tuple[str, ...] = tuple(name for name, spec in CODECS.items() if spec.lossy and not spec.matrix)
 #: ``--diloco-x-local-steps auto``: the bounds of the H it chooses. Below 30 the measured gap to
-#: AllReduce does not shrink (85M GPT: +1.96% at H 30, +1.79% at 100, +1.90% at 300; benchmarks/RESULTS.md
-#: §2.3) while every boundary's fixed costs (the decision all-reduce, the encode and outer-step passes
-#: over the shard) recur more often; above 300 nothing was measured. A run starts at AUTO_H_MIN (its
-#: warm-up is resolved from it).
+#: AllReduce does not shrink (85M GPT, 2 seeds: +1.96% at H 30, +1.79% at 100, +2.24% at 300;
+#: benchmarks/RESULTS.md §2.3) while every boundary's fixed costs (the decision all-reduce, the encode
+#: and outer-step passes over the shard) recur more often; above 300 it grows (+2.62% at H 500, seed 1).
+#: A run starts at AUTO_H_MIN (its warm-up is resolved from it, then follows the H chosen).
 AUTO_H_MIN, AUTO_H_MAX = 30, 300
 #: auto H makes a round at least AUTO_H_PER_TAU x the steps its exchange overlaps (tau): how stale the
 #: merged update may be, not only whether the exchange is hidden. Measured against blocking DiLoCo at the
@@ -61,6 +61,9 @@ AUTO_H_MIN, AUTO_H_MAX = 30, 300
 #: H 100 +0.25%, of H 300 +0.34%; tau 4 of H 20 (0.2) +1.65% (§2.1); a round just long enough to hide
 #: its exchange (tau 38-46 of H 48-58, 0.8) +1.6% over H 30. An eighth keeps tau within the measured 0.13.
 AUTO_H_PER_TAU = 8
+#: The auto warm-up's length: WARMUP_H_MULTIPLE x H inner steps, at most 1 / WARMUP_MAX_SHARE of the run
+#: (:func:`megatron_diloco.algorithm.schedule.auto_warmup_iters`).
+WARMUP_H_MULTIPLE, WARMUP_MAX_SHARE = 30, 2
 
 #: k of the derived outer timeout: an exchange may take k times a round's compute (or k times the
 #: longest exchange seen) before the link counts as hung (see :meth:`DiLoCoXConfig.outer_timeout_s`).
@@ -134,6 +137,13 @@ class DiLoCoXConfig:
     """Whether the warm-up came from the command line's ``auto`` (it depends on ``--train-iters``):
     a resume then keeps the schedule its checkpoint was trained with
     (:meth:`megatron_diloco.megatron_adapter.optimizer.DiLoCoXOptimizer.load_state_dict`)."""
+
+    warmup_iters_max: int = 0
+    """With :attr:`local_steps_auto` and an auto warm-up: the longest the warm-up may grow to (the auto
+    warm-up of H = AUTO_H_MAX for this run; a multiple of H0). The warm-up starts as the one of the
+    starting H; at every warm-up boundary the ranks agree on the H the link asks for, and the warm-up
+    lengthens to that H's (:meth:`megatron_diloco.algorithm.schedule.RoundSchedule.extend_warmup`), so
+    a run whose link takes H to 300 warms up as a run at a fixed H 300 does. 0: the warm-up is fixed."""
 
     outer_lr: float = 1.0
     """eta: outer learning rate applied to the averaged pseudo-gradient. 1.0 with mu = 0 makes the
@@ -294,6 +304,12 @@ class DiLoCoXConfig:
                     f"--diloco-x-warmup-iters must be a positive multiple of --diloco-x-warmup-local-steps "
                     f"({h0}), got {w!r}: the warm-up ends on a boundary"
                 )
+        if self.warmup_iters_max and not (self.local_steps_auto and self.warmup_auto and self.warmup_iters
+                                          and self.warmup_iters <= self.warmup_iters_max
+                                          and self.warmup_iters_max % self.warmup_local_steps == 0):
+            raise ValueError(f"a warm-up that follows auto H (up to {self.warmup_iters_max} steps) needs "
+                             "--diloco-x-local-steps auto, an auto --diloco-x-warmup-iters and a longest warm-up "
+                             f"that is a multiple of H0 and at least the starting one ({self.warmup_iters})")
         if not (self.outer_lr > 0.0) or self.outer_lr != self.outer_lr or self.outer_lr == float("inf"):
             raise ValueError(
                 f"--diloco-x-outer-lr must be a finite number > 0, got {self.outer_lr!r} "

@@ -128,13 +128,17 @@ class BoundaryProtocols:
         auto H), theta compared across replicas (:meth:`BoundaryDecision.decide`; collective over the
         decision groups, bounded). ``local_steps``: this rank's proposed H (:meth:`_propose_local_steps`).
         An agreed H starts its rounds here (:meth:`RoundSchedule.begin_rounds`, at the step count the
-        caller gave :meth:`before_boundary`) and is the :attr:`next_round_steps`."""
+        caller gave :meth:`before_boundary`) and is the :attr:`next_round_steps`; inside a warm-up that
+        follows H it lengthens the warm-up instead (:meth:`RoundSchedule.extend_warmup`)."""
         if self.federated is not None:  # separate jobs (fixed H): None when not every member decided
             return self.federated.decide(sq, tau, theta_fp)
         decision = self.decision.decide(self.rounds, sq, tau, theta_fp, self.timeout_s, local_steps)
         if decision.local_steps and self.boundary_steps is not None:
-            self.schedule.begin_rounds(self.boundary_steps, decision.local_steps)
-            self.next_round_steps = decision.local_steps
+            if self.schedule.warmup_follows_h(self.boundary_steps):
+                self.schedule.extend_warmup(self.boundary_steps, decision.local_steps)
+            else:
+                self.schedule.begin_rounds(self.boundary_steps, decision.local_steps)
+                self.next_round_steps = decision.local_steps
         return decision
 
     def _exchange_seconds(self, codec) -> float | None:
@@ -157,17 +161,21 @@ class BoundaryProtocols:
         round of ``local_steps`` (this rank's auto-H proposal), or of :attr:`next_round_steps`: auto tau
         sized by the exchange's seconds (:meth:`_exchange_seconds`) over the last round's mean step
         time; the cap while either is unknown (the first exchange of a run without a known link)."""
+        if self.boundary_steps is not None and self.boundary_steps < self.config.warmup_iters:
+            local_steps = 0  # a proposal inside the warm-up sizes the warm-up, not the round it starts
         return self.schedule.overlap_steps(local_steps or self.next_round_steps,
                                            self._exchange_seconds(self._round_codec()), self.step_time_s)
 
     def _propose_local_steps(self) -> int:
         """``--diloco-x-local-steps auto``: this rank's H for the round this boundary starts
         (:func:`~megatron_diloco.algorithm.schedule.auto_local_steps`), sized by an exchange of the main
-        codec; 0 (no proposal) with a fixed H, at a boundary inside the warm-up (even one whose H0 equals
-        the starting H) or whose step count the caller did not give (the last, shorter round of a run),
-        or while nothing is measured."""
+        codec; inside a warm-up that follows H (:meth:`RoundSchedule.warmup_follows_h`) the H that sizes
+        the warm-up. 0 (no proposal) with a fixed H, inside a warm-up that does not follow H (even one
+        whose H0 equals the starting H), at a boundary whose step count the caller did not give (the
+        last, shorter round of a run), or while nothing is measured."""
         steps = self.boundary_steps
-        if not self.config.local_steps_auto or steps is None or steps < self.config.warmup_iters:
+        if not self.config.local_steps_auto or steps is None or (
+                steps < self.config.warmup_iters and not self.schedule.warmup_follows_h(steps)):
             return 0
         return auto_local_steps(self._exchange_seconds(self.codec), self.step_time_s)
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import math
 
-from megatron_diloco.algorithm.config import AUTO_H_MAX, AUTO_H_MIN, AUTO_H_PER_TAU, DiLoCoXConfig
+from megatron_diloco.algorithm.config import (AUTO_H_MAX, AUTO_H_MIN, AUTO_H_PER_TAU, WARMUP_H_MULTIPLE,
+                                              WARMUP_MAX_SHARE, DiLoCoXConfig)
 
 
 def steps_to_hide(exchange_s: float, step_s: float) -> int:
@@ -42,6 +43,16 @@ def auto_local_steps(exchange_s: float | None, step_s: float | None) -> int:
     if not step_s or exchange_s is None:
         return 0
     return min(AUTO_H_MAX, max(AUTO_H_MIN, AUTO_H_PER_TAU * steps_to_hide(exchange_s, step_s)))
+
+
+def auto_warmup_iters(local_steps: int, h0: int, train_iters: int | None = None) -> int:
+    """W of the auto warm-up for rounds of ``local_steps`` after it: :data:`WARMUP_H_MULTIPLE` x H inner
+    steps, at most 1 / :data:`WARMUP_MAX_SHARE` of ``train_iters`` (when known), rounded down to a
+    multiple of ``h0`` (0: none)."""
+    w = WARMUP_H_MULTIPLE * local_steps
+    if train_iters:
+        w = min(w, train_iters // WARMUP_MAX_SHARE)
+    return max(0, w - w % h0)
 
 
 class RoundSchedule:
@@ -66,6 +77,24 @@ class RoundSchedule:
                                f"({self.config.warmup_iters} steps)")
         self.config.local_steps, self.anchor = int(local_steps), steps
 
+    def warmup_follows_h(self, steps: int) -> bool:
+        """Whether the warm-up may still lengthen after ``steps`` inner steps: auto H with an auto
+        warm-up (:attr:`DiLoCoXConfig.warmup_iters_max`), inside it, below its longest."""
+        c = self.config
+        return bool(c.local_steps_auto and c.warmup_iters_max) and steps < c.warmup_iters < c.warmup_iters_max
+
+    def extend_warmup(self, steps: int, local_steps: int) -> None:
+        """auto H inside the warm-up (:meth:`warmup_follows_h`): the warm-up lengthens to the one of the
+        agreed ``local_steps`` (:func:`auto_warmup_iters`, at most ``warmup_iters_max``); it never
+        shortens, so the round that starts after ``steps`` stays a warm-up round, as its tau and codec
+        were chosen. Every rank alike (``local_steps`` is the decision's). Local."""
+        c = self.config
+        if not self.warmup_follows_h(steps):
+            raise RuntimeError(f"the warm-up lengthens with auto H inside an auto warm-up only (after {steps} "
+                               f"inner steps of {c.warmup_iters})")
+        c.warmup_iters = max(c.warmup_iters, min(auto_warmup_iters(local_steps, c.warmup_local_steps),
+                                                 c.warmup_iters_max))
+
     def restart(self) -> None:
         """The outer loop starts anew at inner step 0 (its warm-up again); H stays as it is. Local."""
         self.anchor = None
@@ -82,10 +111,15 @@ class RoundSchedule:
 
     def load_auto(self, saved: dict) -> bool:
         """A resume of an auto-H run with auto H (``saved``: a checkpoint's :meth:`state_dict`): take its
-        H and anchor; whether it did. Local."""
-        if not (self.config.local_steps_auto and saved.get("local_steps_auto")):
+        H and anchor, and its warm-up's length where the warm-up follows H (it may have lengthened);
+        whether it did. Local."""
+        c = self.config
+        if not (c.local_steps_auto and saved.get("local_steps_auto")):
             return False
-        self.config.local_steps, self.anchor = int(saved["local_steps"]), saved.get("anchor")
+        c.local_steps, self.anchor = int(saved["local_steps"]), saved.get("anchor")
+        if c.warmup_iters_max and saved.get("warmup_local_steps") == c.warmup_local_steps:
+            c.warmup_iters = int(saved["warmup_iters"])
+            c.warmup_iters_max = max(c.warmup_iters_max, c.warmup_iters)
         return True
 
     def steps_since_boundary(self, steps: int) -> int:

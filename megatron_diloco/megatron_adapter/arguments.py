@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 
 from megatron_diloco.compat.help import escape_unformattable_help
-from megatron_diloco.algorithm.config import (AUTO_H_MAX, AUTO_H_MIN, AUTO_H_PER_TAU, BLOCKWISE, CODECS, MERGE_RULES,
+from megatron_diloco.algorithm.schedule import auto_warmup_iters
+from megatron_diloco.algorithm.config import (AUTO_H_MAX, AUTO_H_MIN, AUTO_H_PER_TAU, WARMUP_H_MULTIPLE,
+                                              WARMUP_MAX_SHARE, BLOCKWISE, CODECS, MERGE_RULES,
                                               OUTER_STATE_ALIASES, OUTER_STATES, OVERLAP_MODES, DiLoCoXConfig)
 
 
@@ -32,7 +34,8 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             f"warm-up, {AUTO_H_PER_TAU} x the steps that hide the exchange (from the measured step "
                             "time and link), so that the exchange overlaps at most an eighth of the round, "
                             f"within [{AUTO_H_MIN}, {AUTO_H_MAX}] "
-                            f"(starting at {AUTO_H_MIN}); needs an overlapping --diloco-x-overlap, not with "
+                            f"(starting at {AUTO_H_MIN}; an auto warm-up lengthens to the one of the H the link "
+                            "asks for during it); needs an overlapping --diloco-x-overlap, not with "
                             "--diloco-x-compression adaptive or --diloco-x-lighthouse.")
     group.add_argument("--diloco-x-warmup-local-steps", type=_int_or_auto, default=None, metavar="H0|auto",
                        help="H0: rounds of H0 inner steps (1..H) during the first --diloco-x-warmup-iters "
@@ -155,9 +158,10 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 #: the auto warm-up (``--diloco-x-warmup-local-steps`` / ``--diloco-x-warmup-iters``): rounds of
 #: min(H // WARMUP_H_DIVISOR, WARMUP_H0_MAX) for the first WARMUP_H_MULTIPLE x H inner steps, at most
-#: 1 / WARMUP_MAX_SHARE of the run (benchmarks/RESULTS.md §2.1: H 30, H0 10, 900 of 3000 steps; §2.3:
-#: H 100 and 300, H0 10 for 1500 of 3000 steps, against H // 3 for 1000 and H0 10 for 900)
-WARMUP_H_DIVISOR, WARMUP_H0_MAX, WARMUP_H_MULTIPLE, WARMUP_MAX_SHARE = 3, 10, 30, 2
+#: 1 / WARMUP_MAX_SHARE of the run (schedule.auto_warmup_iters; benchmarks/RESULTS.md §2.1: H 30, H0 10,
+#: 900 of 3000 steps; §2.3: H 100 and 300, H0 10 for 1500 of 3000 steps, against H // 3 for 1000 and H0
+#: 10 for 900)
+WARMUP_H_DIVISOR, WARMUP_H0_MAX = 3, 10
 
 
 #: the auto warm-up overlap (``--diloco-x-warmup-overlap-steps``): at most H0 // WARMUP_OVERLAP_DIVISOR
@@ -209,10 +213,7 @@ def resolve_warmup(warmup_local_steps: int | None, warmup_iters: int | None, loc
         return h0, warmup_iters
     if not isinstance(h0, int) or h0 < 1:  # auto with H < 3, or a bad H0 (validated as given)
         return (None, 0) if warmup_local_steps is None else (h0, WARMUP_H_MULTIPLE * local_steps)
-    w = WARMUP_H_MULTIPLE * local_steps
-    if train_iters:
-        w = min(w, train_iters // WARMUP_MAX_SHARE)
-    w -= w % h0
+    w = auto_warmup_iters(local_steps, h0, train_iters)
     return (h0, w) if w > 0 else (None, 0)
 
 
@@ -246,6 +247,9 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
         warmup_local_steps=warmup_local_steps,
         warmup_iters=warmup_iters,
         warmup_auto=getattr(args, "diloco_x_warmup_iters", None) is None,
+        # auto H with an auto warm-up: the warm-up may lengthen to the one of the largest H auto chooses
+        warmup_iters_max=auto_warmup_iters(AUTO_H_MAX, warmup_local_steps, getattr(args, "train_iters", None))
+        if auto_h and warmup_iters and getattr(args, "diloco_x_warmup_iters", None) is None else 0,
         warmup_overlap_steps=resolve_warmup_overlap(getattr(args, "diloco_x_warmup_overlap_steps", None),
                                                     warmup_local_steps, args.diloco_x_overlap),
         outer_lr=args.diloco_x_outer_lr,
@@ -280,7 +284,7 @@ def resolve_run_length(config: DiLoCoXConfig, args: argparse.Namespace) -> bool:
     if not config.warmup_auto:
         return False
     fresh = config_from_args(args)
-    fields = ("warmup_local_steps", "warmup_iters", "warmup_overlap_steps", "warmup_compression")
+    fields = ("warmup_local_steps", "warmup_iters", "warmup_overlap_steps", "warmup_compression", "warmup_iters_max")
     if all(getattr(fresh, f) == getattr(config, f) for f in fields):
         return False
     for f in fields:
