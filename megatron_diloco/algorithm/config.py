@@ -57,8 +57,8 @@ BLOCKWISE: tuple[str, ...] = tuple(name for name, spec in CODECS.items() if spec
 AUTO_H_MIN, AUTO_H_MAX = 30, 300
 #: auto H makes a round at least AUTO_H_PER_TAU x the steps its exchange overlaps (tau): how stale the
 #: merged update may be, not only whether the exchange is hidden. Measured against blocking DiLoCo at the
-#: same H and codecs (85M GPT, benchmarks/RESULTS.md §2.3): tau 4 of H 30 (0.13 of a round) +0.42%, of
-#: H 100 +0.25%, of H 300 +0.34%; tau 4 of H 20 (0.2) +1.65% (§2.1); a round just long enough to hide
+#: same H and codecs (85M GPT, benchmarks/RESULTS.md §2.3): tau 4 of H 30 (0.13 of a round) +0.43%, of
+#: H 100 +0.25%, of H 300 +0.34%; tau 4 of H 20 (0.2) +1.75% (§2.1); a round just long enough to hide
 #: its exchange (tau 38-46 of H 48-58, 0.8) +1.6% over H 30. An eighth keeps tau within the measured 0.13.
 AUTO_H_PER_TAU = 8
 #: The auto warm-up's length: WARMUP_H_MULTIPLE x H inner steps, at most 1 / WARMUP_MAX_SHARE of the run
