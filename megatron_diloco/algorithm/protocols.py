@@ -127,18 +127,14 @@ class BoundaryProtocols:
         """This boundary's :class:`~megatron_diloco.algorithm.decision.Decision` (skip, agreed tau and
         auto H), theta compared across replicas (:meth:`BoundaryDecision.decide`; collective over the
         decision groups, bounded). ``local_steps``: this rank's proposed H (:meth:`_propose_local_steps`).
-        An agreed H starts its rounds here (:meth:`RoundSchedule.begin_rounds`, at the step count the
-        caller gave :meth:`before_boundary`) and is the :attr:`next_round_steps`; inside a warm-up that
-        follows H it lengthens the warm-up instead (:meth:`RoundSchedule.extend_warmup`)."""
+        An agreed H is the schedule's from here (:meth:`RoundSchedule.take_agreed_local_steps`, at the
+        step count the caller gave :meth:`before_boundary`: its rounds begin, or a warm-up that follows H
+        lengthens), which gives the :attr:`next_round_steps`."""
         if self.federated is not None:  # separate jobs (fixed H): None when not every member decided
             return self.federated.decide(sq, tau, theta_fp)
         decision = self.decision.decide(self.rounds, sq, tau, theta_fp, self.timeout_s, local_steps)
         if decision.local_steps and self.boundary_steps is not None:
-            if self.schedule.warmup_follows_h(self.boundary_steps):
-                self.schedule.extend_warmup(self.boundary_steps, decision.local_steps)
-            else:
-                self.schedule.begin_rounds(self.boundary_steps, decision.local_steps)
-                self.next_round_steps = decision.local_steps
+            self.next_round_steps = self.schedule.take_agreed_local_steps(self.boundary_steps, decision.local_steps)
         return decision
 
     def _exchange_seconds(self, codec) -> float | None:

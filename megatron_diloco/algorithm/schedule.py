@@ -77,6 +77,16 @@ class RoundSchedule:
                                f"({self.config.warmup_iters} steps)")
         self.config.local_steps, self.anchor = int(local_steps), steps
 
+    def take_agreed_local_steps(self, steps: int, local_steps: int) -> int:
+        """auto H agreed at the boundary after ``steps`` inner steps (every rank alike): inside a warm-up
+        that follows H it lengthens the warm-up (:meth:`extend_warmup`), else its rounds begin there
+        (:meth:`begin_rounds`). Returns the inner steps of the round that boundary starts. Local."""
+        if self.warmup_follows_h(steps):
+            self.extend_warmup(steps, local_steps)
+        else:
+            self.begin_rounds(steps, local_steps)
+        return self.round_steps(steps)
+
     def warmup_follows_h(self, steps: int) -> bool:
         """Whether the warm-up may still lengthen after ``steps`` inner steps: auto H with an auto
         warm-up (:attr:`DiLoCoXConfig.warmup_iters_max`), inside it, below its longest."""
