@@ -8,6 +8,10 @@ two DiLoCoX replicas. Every flag given on the command line overrides the demo's 
 keeps the last occurrence); ``--no-diloco-x`` turns DiLoCoX off. Giving ``--data-path`` (or
 ``--mock-data``) replaces the demo corpus; giving ``--tokenizer-type`` replaces its byte tokenizer.
 
+``--attention-sdpa`` builds the layers with torch's ``scaled_dot_product_attention`` as their core
+attention (flash kernels on a GPU) in place of the local spec's unfused ``DotProductAttention``
+(``megatron_diloco/megatron_adapter/sdpa_attention.py``); with ``--transformer-impl local`` only.
+
 On a machine without CUDA, ``megatron_diloco.compat.cpu`` patches Megatron-Core to run over gloo;
 ``compat.distopt_resume`` fixes resuming the distributed optimizer (fp32, or without TE/Apex).
 """
@@ -51,6 +55,8 @@ from megatron.training.utils import (  # noqa: E402
 
 import megatron_diloco  # noqa: E402
 from megatron_diloco.megatron_adapter.integration import destroy_process_groups_at_exit  # noqa: E402
+from megatron_diloco.megatron_adapter.sdpa_attention import check_args as check_sdpa_args  # noqa: E402
+from megatron_diloco.megatron_adapter.sdpa_attention import get_gpt_layer_sdpa_spec  # noqa: E402
 
 # The demo: ~1M parameters, 16 x 256 tokens per step; falls from ~5.6 to ~2 nats/byte.
 MODEL_ARGS = """
@@ -96,6 +102,15 @@ def add_script_args(parser):
     group = parser.add_argument_group(title="pretrain_gpt_diloco.py")
     group.add_argument("--no-diloco-x", action="store_false", dest="diloco_x",
                        help="Turn DiLoCoX off (plain Megatron training with the same settings).")
+    group.add_argument("--attention-sdpa", action="store_true",
+                       help="Core attention through torch.nn.functional.scaled_dot_product_attention "
+                            "(flash or memory-efficient kernels on a GPU, causal mask) instead of the "
+                            "local spec's unfused DotProductAttention; same results within rounding, "
+                            "less memory, so larger micro-batches fit. The data loader's attention mask "
+                            "is not read (causal attention): add --no-create-attention-mask-in-dataloader "
+                            "to stop building it. Needs --transformer-impl local; refuses context "
+                            "parallelism, --reset-attention-mask, sliding windows and "
+                            "--multi-latent-attention.")
     return parser
 
 
@@ -104,13 +119,15 @@ def add_script_args(parser):
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
                    pg_collection=None):
-    """One pipeline stage (or virtual stage) of a GPT built from Megatron-Core's local modules."""
+    """One pipeline stage (or virtual stage) of a GPT built from Megatron-Core's local modules (with
+    ``--attention-sdpa``, SDPA as the core attention)."""
     args = get_args()
     config = config or core_transformer_config_from_args(args)
     print_rank_0(f"> building GPT stage (pre_process={pre_process}, post_process={post_process})")
+    layer_spec = get_gpt_layer_sdpa_spec if args.attention_sdpa else get_gpt_layer_local_spec
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        transformer_layer_spec=layer_spec(normalization=args.normalization),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -213,6 +230,8 @@ def main() -> None:
     destroy_process_groups_at_exit()
     sys.argv[1:] = demo_argv(sys.argv[1:])
     args = parse_and_validate_args(extra_args_provider=add_script_args)
+    if args.attention_sdpa:
+        check_sdpa_args(args, flag="--attention-sdpa")
     if args.diloco_x:
         megatron_diloco.install(args)  # validates the flags, sets the replica topology
     pretrain(

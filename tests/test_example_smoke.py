@@ -74,3 +74,13 @@ def test_save_and_resume_torch_dist_matches_uninterrupted_run(reference, tmp_pat
     assert resumed.loss[4] == reference.loss[4]
     assert resumed.grad_norm == {k: reference.grad_norm[k] for k in (4, 5)}
     assert resumed.valid_loss == reference.valid_loss
+
+
+def test_attention_sdpa_trains_as_the_local_spec(reference):
+    """``--attention-sdpa`` (SDPA core attention, ``megatron_adapter/sdpa_attention.py``) on the same
+    run: the same losses within fp32 rounding (the attention differs in summation order only)."""
+    sdpa = run_example("--attention-sdpa")
+    assert sorted(sdpa.loss) == sorted(reference.loss)
+    for it, loss in reference.loss.items():
+        assert sdpa.loss[it] == pytest.approx(loss, rel=1e-4), it
+    assert sdpa.valid_loss == pytest.approx(reference.valid_loss, rel=1e-4)

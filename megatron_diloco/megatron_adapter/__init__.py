@@ -5,5 +5,6 @@
 ``MegatronOptimizer`` facade, parameter publishing, checkpoints), ``topology`` (replica index and
 process groups from Megatron's parallel state, or from separate launches), ``handshake`` (separate
 launches compare their configurations), ``replica_local`` (Megatron's per-step collectives kept inside
-a replica).
+a replica), ``sdpa_attention`` (the local layer spec with torch's SDPA as its core attention: the fast
+path without Transformer Engine, not part of DiLoCoX).
 """
