@@ -33,6 +33,8 @@ Each writes its keys into the rank's record ``rank{R}.json``; what they hold:
   cumulative ``[wire bytes sent, modelled link s, waited s]`` of this rank;
 * ``wan``: per-iteration timing of the CPU WAN benchmark (:class:`WanRecorder`);
 * ``codec_capture``: real pseudo-gradients saved to files (:class:`CodecCaptureRecorder`).
+* ``profile``: a window of steps under ``torch.profiler``: the top ops and kernels by device time
+  (:class:`ProfileRecorder`).
 """
 
 from __future__ import annotations
@@ -638,7 +640,44 @@ class CodecCaptureRecorder(Recorder):
             return report
 
 
+class ProfileRecorder(Recorder):
+    """``profile``: ``train_step`` calls FIRST..LAST (1-based, ``BENCH_PROFILE_STEPS=FIRST:LAST``,
+    default 12:13) under ``torch.profiler`` (CPU and CUDA): ``profile_steps``, ``profile_table`` (the
+    ops and kernels by self device time, ``key_averages().table``, 40 rows) and
+    ``profile_device_ms_per_step`` (the sum of self device time over every event, per step)."""
+
+    name = "profile"
+    keys = ("profile_steps", "profile_table", "profile_device_ms_per_step")
+
+    def install(self) -> None:
+        import megatron.training.training as training
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        first, last = (int(x) for x in os.environ.get("BENCH_PROFILE_STEPS", "12:13").split(":"))
+        rec, calls, prof = self.record, [0], []
+        rec["profile_steps"] = [first, last]
+
+        @wrap(training, "train_step")
+        def train_step(orig, *a, **k):
+            calls[0] += 1
+            if calls[0] == first:
+                _sync()
+                prof.append(profile(activities=[ProfilerActivity.CPU]
+                                    + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])))
+                prof[0].__enter__()
+            out = orig(*a, **k)
+            if calls[0] == last and prof:
+                _sync()
+                prof[0].__exit__(None, None, None)
+                events = prof[0].key_averages()
+                key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+                rec["profile_table"] = events.table(sort_by=key, row_limit=40, max_name_column_width=70)
+                rec["profile_device_ms_per_step"] = sum(getattr(e, key) for e in events) / 1e3 / (last - first + 1)
+            return out
+
+
 #: The catalogue the harness looks bare ``--record`` names up in.
 RECORDERS: dict[str, type[Recorder]] = {r.name: r for r in (
     TimersRecorder, LossesRecorder, MemoryRecorder, RoundsRecorder, BoundaryCheckRecorder, FixedEvalRecorder,
-    PlainDDPRecorder, LinkRecorder, WanRecorder, CodecCaptureRecorder)}
+    PlainDDPRecorder, LinkRecorder, WanRecorder, CodecCaptureRecorder, ProfileRecorder)}

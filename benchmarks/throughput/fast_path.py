@@ -29,6 +29,7 @@ Models: ``85M`` (12 x 768, 12 heads), ``302M`` (24 x 1024, 16 heads), ``cpu`` (2
 
     python benchmarks/throughput/fast_path.py --out DIR [--runs 85M:local:16,...] [--iters 30]
         [--results benchmarks/results/convergence_scale.json --commit SHA]
+    python benchmarks/throughput/fast_path.py --out DIR --runs 85M:fast:256 --profile 12:13   # where the time goes
     python benchmarks/throughput/fast_path.py --out DIR --cpu-smoke
 
 Writes ``DIR/fast_path.json`` (every run, and per model the best of each path) and, with
@@ -93,14 +94,17 @@ def analyze(name: str, model: str, path: str, mbs: int, a: argparse.Namespace) -
         tail = log.read_text(errors="replace")[-400:] if log.exists() else ""
         return {**run, "ok": False, "why": "out of memory" if "out of memory" in tail.lower() else tail}
     r = recs[0]
-    step = statistics.median(r["iter_s"][a.skip:])
+    first, last = (int(x) for x in a.profile.split(":")) if a.profile else (0, -1)
+    steps = [t for i, t in enumerate(r["iter_s"], start=1) if i > a.skip and not first <= i <= last]
+    step = statistics.median(steps)
     tokens_per_s = mbs * seq / step
     n = r["params_on_rank"]
     flops = 6 * n + 6 * layers * seq * hidden
     return {**run, "ok": True, "params": n, "step_ms": 1e3 * step, "tokens_per_s": tokens_per_s,
             "mfu": 6 * n * tokens_per_s / (a.peak_tflops * 1e12),
             "mfu_with_attention": flops * tokens_per_s / (a.peak_tflops * 1e12),
-            "step_ms_spread": [1e3 * min(r["iter_s"][a.skip:]), 1e3 * max(r["iter_s"][a.skip:])],
+            "step_ms_spread": [1e3 * min(steps), 1e3 * max(steps)],
+            **({"profile_device_ms_per_step": r.get("profile_device_ms_per_step")} if a.profile else {}),
             "max_mem_gb": (r.get("max_mem_bytes") or 0) / 2**30, "device": r.get("device")}
 
 
@@ -141,13 +145,16 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=540, help="start no run past this (seconds)")
     p.add_argument("--results", type=Path, help="also write card / commit / fast_path into this JSON")
     p.add_argument("--commit", help="the commit measured (stored with --results)")
+    p.add_argument("--profile", metavar="FIRST:LAST", help="profile these steps of every run (recorder "
+                   "``profile``: its table printed and kept in the run's record); timings then exclude them")
     p.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny model, 2 runs")
     a = p.parse_args()
     if a.cpu_smoke:
         a.runs, a.iters, a.skip = "cpu:local:2,cpu:fast_workers:4", 4, 1
     plan = [(f"{m}_{path}_mbs{mbs}", m, path, int(mbs)) for m, path, mbs in (r.split(":") for r in a.runs.split(","))]
-    jobs = [ExampleJob(name, run_args(m, path, mbs, a), 1, record=["timers"], estimate_s=40 if a.cpu_smoke else 45,
-                       timeout_s=150) for name, m, path, mbs in plan]
+    env, record = ({"BENCH_PROFILE_STEPS": a.profile}, ["timers", "profile"]) if a.profile else ({}, ["timers"])
+    jobs = [ExampleJob(name, run_args(m, path, mbs, a), 1, env=env, record=record, timeout_s=150,
+                       estimate_s=40 if a.cpu_smoke else 45) for name, m, path, mbs in plan]
     run_jobs(jobs, a.out, budget_s=a.budget_s)
     runs = [analyze(name, m, path, mbs, a) for name, m, path, mbs in plan]
     card = next((r["device"] for r in runs if r.get("device")), None) or "cpu"
@@ -169,6 +176,10 @@ def main() -> None:
         else:
             print(f"{r['name']:24} failed: {r['why'][-160:]!r}")
     print(json.dumps(result["summary"], indent=1))
+    for name, *_ in plan if a.profile else ():
+        for r in (load_ranks(a.out, name) if (done(a.out, name) or {}).get("ok") else []):
+            print(f"\n--- {name}: steps {a.profile}, device ms per step "
+                  f"{r.get('profile_device_ms_per_step', 0):.1f}\n{r.get('profile_table', '')}")
 
 
 if __name__ == "__main__":
