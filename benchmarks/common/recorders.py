@@ -644,7 +644,8 @@ class ProfileRecorder(Recorder):
     """``profile``: ``train_step`` calls FIRST..LAST (1-based, ``BENCH_PROFILE_STEPS=FIRST:LAST``,
     default 12:13) under ``torch.profiler`` (CPU and CUDA): ``profile_steps``, ``profile_table`` (the
     ops and kernels by self device time, ``key_averages().table``, 40 rows) and
-    ``profile_device_ms_per_step`` (the sum of self device time over every event, per step)."""
+    ``profile_device_ms_per_step`` (the kernels' device time per step, the table's "Self CUDA time
+    total" over the steps; on CPU the ops' CPU time)."""
 
     name = "profile"
     keys = ("profile_steps", "profile_table", "profile_device_ms_per_step")
@@ -652,6 +653,7 @@ class ProfileRecorder(Recorder):
     def install(self) -> None:
         import megatron.training.training as training
         import torch
+        from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
 
         first, last = (int(x) for x in os.environ.get("BENCH_PROFILE_STEPS", "12:13").split(":"))
@@ -671,9 +673,12 @@ class ProfileRecorder(Recorder):
                 _sync()
                 prof[0].__exit__(None, None, None)
                 events = prof[0].key_averages()
-                key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+                cuda = torch.cuda.is_available()
+                key = "self_device_time_total" if cuda else "self_cpu_time_total"
                 rec["profile_table"] = events.table(sort_by=key, row_limit=40, max_name_column_width=70)
-                rec["profile_device_ms_per_step"] = sum(getattr(e, key) for e in events) / 1e3 / (last - first + 1)
+                # kernels only: an op's own row repeats its kernels' time (as the table's total counts)
+                counted = [e for e in events if e.device_type == DeviceType.CUDA] if cuda else events
+                rec["profile_device_ms_per_step"] = sum(getattr(e, key) for e in counted) / 1e3 / (last - first + 1)
             return out
 
 
