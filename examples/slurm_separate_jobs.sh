@@ -3,6 +3,8 @@
 # the other jobs at every round boundary through torchft's lighthouse. A template: adapt the #SBATCH
 # lines, the paths and the Megatron flags; it is checked for syntax only (bash -n), not run as is.
 #
+# Once, make the run's secret and copy it to every cluster over a channel you trust (scp, your vault):
+#   head -c 32 /dev/urandom | base64 > run.secret && chmod 600 run.secret
 # Once, where every cluster reaches it (a small always-on host), start the coordinator:
 #   torchft_lighthouse --bind [::]:29510 --min_replicas 1 --join_timeout_ms 600000
 # (--join_timeout_ms: longer than one round plus a heal; --min_replicas 2 makes the first job wait for
@@ -11,9 +13,10 @@
 #   cluster B:  REPLICA_INDEX=1 SITE=siteB LIGHTHOUSE=lh.example.org:29510 sbatch examples/slurm_separate_jobs.sh
 # A job that dies is resubmitted the same way: it resumes from its own --save and joins at the next boundary.
 #
-# Reachable from the other clusters, in clear and unauthenticated (a heal unpickles peer data: use a VPN):
-# the lighthouse; this job's first node on FEDERATION_PORT and TORCHFT_MANAGER_PORT; every rank's
-# ephemeral gloo and HTTP ports. Inside the job NCCL uses the cluster's fast network as usual.
+# Reachable from the other clusters: the lighthouse; this job's first node on FEDERATION_PORT and
+# TORCHFT_MANAGER_PORT; every rank's ephemeral gloo and heal ports. Handshakes and heals are authenticated
+# with the secret; nothing crosses encrypted (docs/federation.md, threat model: a VPN for confidentiality).
+# Inside the job NCCL uses the cluster's fast network as usual.
 #
 #SBATCH --job-name=diloco-x-site
 #SBATCH --nodes=8
@@ -28,6 +31,7 @@ set -euo pipefail
 : "${LIGHTHOUSE:?HOST:PORT of torchft_lighthouse}"
 REPLICAS=${REPLICAS:-2}                     # the data slots of the run (the clusters you plan to have)
 RUN=${RUN:-my-run}                          # the same on every cluster; another run's jobs are refused
+SECRET=${SECRET:-$HOME/run.secret}          # the run's secret file, the same bytes on every cluster
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 MASTER_PORT=${MASTER_PORT:-29500}           # this job's own torchrun rendezvous, inside the cluster
 FEDERATION_PORT=${FEDERATION_PORT:-29520}   # the job's meeting point for the other jobs (rank 0)
@@ -54,7 +58,7 @@ TRAIN_ARGS=(
     # --- DiLoCoX: the same on every cluster but the slot, the id and the address ---
     --diloco-x --diloco-x-replicas "$REPLICAS" --diloco-x-local-steps 100
     --diloco-x-bandwidth-mbps 956              # this site's line to the others (python -m megatron_diloco.plan)
-    --diloco-x-lighthouse "$LIGHTHOUSE" --diloco-x-run "$RUN"
+    --diloco-x-lighthouse "$LIGHTHOUSE" --diloco-x-run "$RUN" --diloco-x-secret-file "$SECRET"
     --diloco-x-replica-index "$REPLICA_INDEX" --diloco-x-replica-id "$SITE"
     --diloco-x-advertise-host "$ADVERTISE" --diloco-x-federation-port "$FEDERATION_PORT"
 )

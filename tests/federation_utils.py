@@ -23,6 +23,16 @@ LIGHTHOUSE = shutil.which("torchft_lighthouse") or str(Path(sys.executable).pare
 ROUND_LINE = re.compile(r"\[DiLoCoX\] round\s+(\d+) \|")
 
 
+def run_secret(folder: Path, text: str = "the test run's shared secret, 32+ bytes") -> Path:
+    """The run's secret file in ``folder`` (created once, mode 600): every job of a test shares it."""
+    path = folder / "run.secret"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        path.chmod(0o600)
+    return path
+
+
 class Lighthouse:
     """``torchft_lighthouse`` on 127.0.0.1 (a context manager). ``join_timeout_ms`` must exceed a round
     (docs/federation.md); ``heartbeat_timeout_ms``: how long a silent job stays a member."""
@@ -53,9 +63,11 @@ class Job:
 
     def __init__(self, out: Path, name: str, index: int, lighthouse: str, flags: list[str], nproc: int = 2,
                  recorders: tuple[str, ...] = ("tests.recorders:federation",), run: str = "test-run",
-                 env: dict[str, str] | None = None, model: list[str] = TINY) -> None:
+                 env: dict[str, str] | None = None, model: list[str] = TINY, secret: Path | None = None) -> None:
         self.name, self.index, self.nproc, self.recorders = name, index, nproc, recorders
+        secret = secret or run_secret(out.parent)
         self.flags = [*model, *flags, "--diloco-x-lighthouse", lighthouse, "--diloco-x-run", run,
+                      "--diloco-x-secret-file", str(secret),
                       "--diloco-x-replica-id", name, "--diloco-x-replica-index", str(index),
                       "--diloco-x-advertise-host", "127.0.0.1"]
         self.env = {**os.environ, **_ENV, **(env or {})}

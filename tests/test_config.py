@@ -313,6 +313,9 @@ def test_defaults_have_no_ineffective_settings():
     (dict(diloco_x_run="r", diloco_x_replica_index=0), dict(compression="lowrank"), "--diloco-x-compression"),
     (dict(diloco_x_run="r", diloco_x_replica_index=0, rampup_batch_size=[4, 4, 100]), {}, "--rampup-batch-size"),
     (dict(diloco_x_run="r", diloco_x_replica_index=0, diloco_x_outer_store="h:1"), {}, "--diloco-x-outer-store"),
+    (dict(diloco_x_run="r", diloco_x_replica_index=0), {}, "needs --diloco-x-secret-file"),  # no secret: refused
+    (dict(diloco_x_run="r", diloco_x_replica_index=0, diloco_x_secret_file="/nonexistent/run.secret"), {},
+     "--diloco-x-secret-file /nonexistent/run.secret: cannot read"),
 ])
 def test_separate_jobs_flags_are_checked_before_training(kw, cfg, flag):
     """``--diloco-x-lighthouse`` without what a job of a run needs, or with what it cannot run, is

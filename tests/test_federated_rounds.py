@@ -115,3 +115,88 @@ def _worker(rank: int, world: int, overlap: str, case: str, out) -> None:
 @pytest.mark.parametrize("overlap", ["partial", "none"])
 def test_failed_round_resolves_to_the_undisturbed_run(overlap, case):
     run_world(_worker, 2, overlap, case, None)
+
+
+# ---------------- lossy codecs: the residual after every failure case ----------------
+def _run_lossy(rank: int, overlap: str, case: str) -> dict:
+    """2 jobs, int8 with error feedback; round 2 (the boundary at step 8) fails as ``case`` says. Returns
+    the residual before that launch, right after it, and right after the failure's resolution."""
+    from megatron_diloco.algorithm.bounds import OuterGroupError
+
+    cfg = DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=1.0, outer_momentum=0.0, overlap=overlap,
+                        compression="int8", **({"overlap_steps": 1} if overlap == "partial" else {}))
+    x = torch.zeros(N)
+    sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
+    steps = {"steps": 0}
+    refuse = {"one_job_commits": {(1, 2)}, "nobody_commits": {(0, 2), (1, 2)}}.get(case, set())
+    membership = ScriptedMembership(refuse)
+    sync.federated = fed = FederatedRounds(sync, membership, lambda: dict(steps), lambda p: steps.update(p))
+    membership.fed = fed
+    decide, complete, resolve = sync.decision.decide, sync._complete, fed._resolve_failed_round
+    out: dict = {"saved": None}
+
+    def failing_decide(rounds, *args, **kw):
+        if case == "decision_fails" and rounds == 2:
+            raise OuterGroupError("injected: the decision of round 2 failed")
+        return decide(rounds, *args, **kw)
+
+    def failing_complete(handle, *args, **kw):  # the save finds the exchange failed on job 1
+        if case == "save_finds_it_failed" and rank == 1 and handle.round == 2 and not args:
+            raise OuterGroupError("injected: the exchange of round 2 failed")
+        return complete(handle, *args, **kw)
+
+    def resolving(healed):
+        resolve(healed)
+        out["resolved"], out["healed"] = sync.residual.clone(), healed
+
+    sync.decision.decide, sync._complete, fed._resolve_failed_round = failing_decide, failing_complete, resolving
+    schedule = RoundSchedule(cfg)
+    for step in range(1, STEPS + 1):
+        x.sub_(torch.arange(N, dtype=torch.float32).mul_(2.0 ** -8 * (rank + 1)).add_(2.0 ** -6 * step))
+        steps["steps"] = step
+        since = schedule.steps_since_boundary(step)
+        if since:
+            if sync.merge_due(since):
+                sync.merge()
+            continue
+        sync.before_boundary(0.01)
+        if step == 8:
+            out["before"] = sync.residual.clone()
+        sync.boundary()
+        if step == 8:
+            out["after"] = sync.residual.clone()
+            if case == "save_finds_it_failed":
+                state = sync.state_dict()
+                out["saved"] = (state["pending_delta"] is None, sync.committed_residual.clone())
+    sync.drain()
+    out["theta"] = sync.theta.clone()
+    out["summary"] = fed.summary()
+    return out
+
+
+def _lossy_worker(rank: int, world: int, overlap: str, case: str) -> None:
+    got = _run_lossy(rank, overlap, case)
+    failed = case in ("nobody_commits", "decision_fails") or rank == 1
+    assert got["summary"]["failed_rounds"] == int(failed), (case, rank, got["summary"])
+    if failed:
+        assert not torch.equal(got["before"], got["after"]) or case == "decision_fails"
+        # healed (another job committed that round with this payload): e_new; else the residual before it
+        want = got["after"] if got["healed"] else got["before"]
+        assert got["healed"] == (case in ("one_job_commits", "save_finds_it_failed")), (case, rank)
+        assert torch.equal(got["resolved"], want), (case, rank, (got["resolved"] - want).abs().max())
+    if got["saved"] is not None and rank == 1:  # the checkpoint: no pending mean, the residual before the launch
+        no_pending, residual = got["saved"]
+        assert no_pending and torch.equal(residual, got["before"])
+    thetas = [torch.empty(N), torch.empty(N)]
+    dist.all_gather(thetas, got["theta"])
+    assert torch.equal(thetas[0], thetas[1])
+
+
+@pytest.mark.parametrize("case", ["one_job_commits", "nobody_commits", "decision_fails", "save_finds_it_failed"])
+@pytest.mark.parametrize("overlap", ["partial", "none"])
+def test_the_residual_is_exact_after_every_failure_case(overlap, case):
+    """int8 with error feedback: after a failed round's resolution the residual is bit for bit the one
+    before that launch (nobody committed it, or it never launched) or the one it left (another job
+    committed it, with this payload); a checkpoint written while it is unresolved holds no pending mean
+    and the residual before the launch; the jobs end with the same theta."""
+    run_world(_lossy_worker, 2, overlap, case)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.federation_utils import Job, Lighthouse, wait_until
+from tests.federation_utils import Job, Lighthouse, run_secret, wait_until
 
 pytestmark = pytest.mark.megatron
 
@@ -114,15 +114,17 @@ def test_killed_job_others_go_on_then_it_rejoins(tmp_path):
 
 
 def test_frozen_job_is_left_behind_and_leaves_cleanly(tmp_path):
-    """SIGSTOP one of 2 jobs past the bound: the other goes on alone; SIGCONT: the frozen job finds it
-    is behind the run and exits with a message saying how to rejoin, without touching the other."""
+    """One of 2 jobs freezes (SIGSTOP, heartbeats too) with its exchange of round 8 in flight: the other's
+    exchange fails at the bound and it goes on alone; SIGCONT: the frozen job's stale collective fails, it
+    finds it is behind the run and exits with a message saying how to rejoin, without touching the other
+    (which never aborts: no collective is issued again on the group that broke)."""
     flags = [*BASE, "--train-iters", "150"]
     with Lighthouse(tmp_path / "lighthouse.txt", heartbeat_timeout_ms=2000) as lh:
-        jobs = [Job(tmp_path / n, n, i, lh.address, flags, env=ENV) for i, n in enumerate("AB")]
-        a, b = jobs
+        a = Job(tmp_path / "A", "A", 0, lh.address, flags, env=ENV)
+        b = Job(tmp_path / "B", "B", 1, lh.address, flags, env={**ENV, "DILOCO_X_FAULT": "exchange:stop:8"})
+        jobs = [a, b]
         with _closing(jobs):
-            wait_until(lambda: all(j.rounds() >= 8 for j in jobs), 240, "8 rounds on every job", jobs)
-            b.signal(signal.SIGSTOP)
+            wait_until(lambda: "[fault drill] stop at exchange" in b.log(), 240, "B's freeze", jobs)
             seen = a.rounds()
             wait_until(lambda: a.rounds() >= seen + 4, 120, "4 rounds of the other job", [a])
             b.signal(signal.SIGCONT)
@@ -130,6 +132,7 @@ def test_frozen_job_is_left_behind_and_leaves_cleanly(tmp_path):
     assert "behind the run" in b.log(), b.log()[-4000:]
     members = [m for _, (_, m) in sorted(_rounds(a).items())]
     assert members.count(1) >= 4, members
+    assert a.summary()["federation"]["failed_rounds"] >= 1
     _losses_fall(a)
 
 
@@ -144,9 +147,9 @@ def test_job_lost_with_an_exchange_in_flight(tmp_path, flags):
     flags = [*BASE, *flags, "--train-iters", "90"]
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:
         a = Job(tmp_path / "A", "A", 0, lh.address, flags)
-        b = Job(tmp_path / "B", "B", 1, lh.address, flags, env={"DILOCO_TEST_DIE_BEFORE_LAUNCH": "14"})
+        b = Job(tmp_path / "B", "B", 1, lh.address, flags, env={"DILOCO_X_FAULT": "decision:kill:14"})
         _end([a, b], failing=(b,))
-    assert "this job dies before launching round" in b.log(), b.log()[-3000:]
+    assert "[fault drill] kill at decision, round" in b.log(), b.log()[-3000:]
     rounds = _rounds(a)
     died_at = max(step for step, (_, members) in rounds.items() if members == 2)
     assert max(rounds) == 90 and rounds[max(rounds)][1] == 1 and died_at < 90
@@ -156,19 +159,25 @@ def test_job_lost_with_an_exchange_in_flight(tmp_path, flags):
 
 
 def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
-    """A job started while the run is under way joins at the next boundary and ends with the others;
-    a job with another outer learning rate is refused naming the flag, and the run goes on."""
-    flags = [*BASE, "--train-iters", "240"]  # B starts (~10-15 s) while A still has ~200 steps to go
-    with Lighthouse(tmp_path / "lighthouse.txt") as lh:
-        a = Job(tmp_path / "A", "A", 0, lh.address, flags, env=ENV)
+    """A job started while the run is under way joins at the next boundary (its heal sealed with the
+    run's secret) and ends with the others; a job with another outer learning rate is refused naming the
+    flag, one with another secret naming --diloco-x-secret-file, and the run goes on."""
+    flags = [*BASE, "--train-iters", "240"]
+    with Lighthouse(tmp_path / "lighthouse.txt") as lh:  # A at 0.3 s per step: B and X start (~40-50 s on two
+        # busy cores) while A still has ~200 steps (~60 s) to go
+        a = Job(tmp_path / "A", "A", 0, lh.address, flags, env={"DILOCO_TEST_STEP_SLEEP_S": "0.3"})
         jobs = [a]
         with _closing(jobs):
             wait_until(lambda: a.rounds() >= 12, 240, "12 rounds of the first job", jobs)
             jobs.append(Job(tmp_path / "B", "B", 1, lh.address, flags, env=ENV))
             jobs.append(Job(tmp_path / "X", "X", 1, lh.address, [*flags, "--diloco-x-outer-lr", "0.5"], env=ENV))
-            b, x = jobs[1:]
-        _end(jobs, failing=(x,))
-    assert "--diloco-x-outer-lr is 0.5 here, 1.0 in job 'A'" in x.log(), x.log()[-3000:]
+            jobs.append(Job(tmp_path / "Y", "Y", 1, lh.address, flags, env=ENV,
+                            secret=run_secret(tmp_path / "elsewhere", "a secret that is not the run's")))
+            b, x, y = jobs[1:]
+        _end(jobs, failing=(x, y))
+    assert "--diloco-x-outer-lr is 0.5 here, 1.0 in job" in x.log(), x.log()[-3000:]
+    assert "this job ('Y'" in y.log() and "--diloco-x-secret-file" in y.log(), y.log()[-3000:]
+    assert b.summary()["federation"]["heals"] == 1
     assert "joined run 'test-run' under way at iteration" in b.log(), b.log()[-3000:]
     _assert_identical_at_every_boundary([a, b])
     assert _final(a) == _final(b) and _final(a)[0][0] == 240

@@ -175,7 +175,7 @@ def frozen(tmp: Path, iters: int) -> dict:
 def exchange_in_flight(tmp: Path, iters: int) -> dict:
     round_ = iters // 16 // 3
     with Lighthouse(tmp / "lighthouse.txt") as lh:
-        jobs = _jobs(tmp, lh, iters, env={"B": {"DILOCO_TEST_DIE_BEFORE_LAUNCH": str(round_)}})
+        jobs = _jobs(tmp, lh, iters, env={"B": {"DILOCO_X_FAULT": f"decision:kill:{round_}"}})
         a = jobs["A"]
         try:
             codes = {n: j.wait(1800) for n, j in jobs.items()}

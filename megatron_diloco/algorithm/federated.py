@@ -50,6 +50,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_diloco.algorithm import faults
 from megatron_diloco.algorithm.bounds import OuterGroupError
 from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle
 from megatron_diloco.algorithm.link import bounded_all_reduce
@@ -82,6 +83,9 @@ class Meeting:
     """Jobs present."""
     seconds: float = 0.0
     """Wall time of the meeting (the coordinator's quorum, the heal when there is one)."""
+    met: bool = True
+    """False: the meeting failed within its bound (the coordinator unreachable, a member stuck): this job
+    trains the round alone and its round fails (nothing is committed without a meeting)."""
 
 
 class Membership(Protocol):
@@ -113,6 +117,8 @@ class FederatedRounds:
                  set_position: Callable[[dict], None]) -> None:
         self.sync = sync
         self.membership = membership
+        if membership is not None:
+            membership.rounds = lambda: sync.rounds
         self.position = position
         self.set_position = set_position
         if (why := sync.config.separate_jobs_problem()) is not None:
@@ -126,9 +132,14 @@ class FederatedRounds:
         #: members contributing at this boundary (the mean is over them)
         self.contributors = 1
         self.members = 1
-        #: the rollback buffer (module doc), (N,) fp32 with the outer state; None when not needed
         lossy = sync.residual is not None
-        self.rollback = sync.store.empty() if (sync.config.overlap == "none" or lossy) else None
+        #: ``none``: x before the pseudo-gradient, (N,) fp32 with the outer state (a failed round restores it)
+        self.x_rollback = sync.store.empty() if sync.config.overlap == "none" else None
+        #: lossy codecs: the residual before this round's launch, (N,) fp32 with the outer state (``partial``:
+        #: rotated in at the launch; ``none``: copied before it); what a round nobody committed restores
+        self.rollback = sync.store.empty() if lossy else None
+        #: this round's exchange was launched (with a lossy codec its residual moved on)
+        self.launched = False
         self._healed: dict | None = None
         self._healed_pending: torch.Tensor | None = None
         self._joining = False
@@ -136,13 +147,18 @@ class FederatedRounds:
         self.identity: str | None = None
         self.last_meeting: Meeting | None = None
         #: the meetings, failed rounds and heals so far (summary and metrics)
-        self.stats = {"meetings": 0, "membership_changes": 0, "failed_rounds": 0, "heals": 0,
+        self.stats = {"meetings": 0, "failed_meetings": 0, "membership_changes": 0, "failed_rounds": 0, "heals": 0,
                       "meeting_s": 0.0, "last_meeting_s": 0.0}
 
     # ---------------- progress, heal ----------------
     def progress(self) -> int:
         """This job's progress: inner steps x :data:`PROGRESS_RADIX` + rounds committed."""
         return int(self.position()["steps"]) * PROGRESS_RADIX + self.committed
+
+    def heal_bytes(self) -> int:
+        """The largest heal this rank accepts (bytes): theta, the momentum and a pending mean as fp32, plus
+        1 MiB for the metadata and the codec state."""
+        return 3 * 4 * self.sync.theta.numel() + (1 << 20)
 
     def state_dict(self) -> dict:
         """What a member that is behind receives from this rank (its shard's outer state and the run's
@@ -160,16 +176,11 @@ class FederatedRounds:
                 "pending": sync.exchange_buffer if self._joining and sync.pending is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
-        """Take a peer's :meth:`state_dict` (called during :meth:`meet` when this job is behind)."""
+        """Take a peer's :meth:`state_dict` (called during :meth:`meet` when this job is behind), once
+        :meth:`check_heal` accepts it (nothing is taken otherwise)."""
         sync = self.sync
-        if state["meta"].get("identity") != self.identity:
-            raise ForeignStateError("a member of another run, or with other flags, was ahead; its state was not "
-                                    "taken (the handshake names the difference)")
-        theta = state["theta"]
-        if theta.numel() != sync.theta.numel():
-            raise ValueError(f"a peer job sent an outer shard of {theta.numel()} elements for this rank's "
-                             f"{sync.theta.numel()}: every job must use the same TP/PP/DP layout")
-        sync.outer.load_state_dict({"theta": theta, "momentum_buffer": state["momentum_buffer"]})
+        self.check_heal(state)
+        sync.outer.load_state_dict({"theta": state["theta"], "momentum_buffer": state["momentum_buffer"]})
         if hasattr(sync.codec, "load_state_dict") and state.get("codec") is not None:
             sync.codec.load_state_dict(state["codec"])
         meta = state["meta"]
@@ -182,6 +193,48 @@ class FederatedRounds:
         self._healed_pending = state.get("pending")
         self.stats["heals"] += 1
 
+    def check_heal(self, state: Any) -> None:
+        """Refuse (ValueError; :class:`ForeignStateError` for another run or configuration) a heal that is
+        not this rank's outer state: its identity, theta / momentum / pending as fp32 vectors of this
+        shard's length and finite (the momentum present exactly when this run keeps one), the counters
+        and the position as non-negative integers."""
+        sync = self.sync
+        if not isinstance(state, dict) or not isinstance(state.get("meta"), dict):
+            raise ValueError("a peer job sent a heal without its metadata")
+        meta = state["meta"]
+        if meta.get("identity") != self.identity:
+            raise ForeignStateError("a member of another run, or with other flags, was ahead; its state was not "
+                                    "taken (the handshake names the difference)")
+        n = sync.theta.numel()
+
+        def vector(name: str, value: Any, required: bool) -> None:
+            if value is None:
+                if required:
+                    raise ValueError(f"a peer job sent a heal without {name}")
+                return
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.numel() != n:
+                what = (f"{value.dtype} x {value.numel()}" if isinstance(value, torch.Tensor)
+                        else type(value).__name__)
+                raise ValueError(f"a peer job sent {name} as {what} for this rank's float32 x {n}: every job must "
+                                 "use the same TP/PP/DP layout and model")
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"a peer job sent a non-finite {name}; not taken")
+
+        vector("theta", state.get("theta"), True)
+        vector("the outer momentum", state.get("momentum_buffer"), sync.outer.momentum_buffer is not None)
+        if sync.outer.momentum_buffer is None and state.get("momentum_buffer") is not None:
+            raise ValueError("a peer job sent an outer momentum this run does not keep (--diloco-x-outer-momentum)")
+        vector("the pending exchange", state.get("pending"), False)
+        for name in ("rounds", "skipped_rounds", "tau", "committed"):
+            if not isinstance(meta.get(name), int) or isinstance(meta[name], bool) or meta[name] < 0:
+                raise ValueError(f"a peer job sent a heal whose {name} is {meta.get(name)!r}")
+        position = meta.get("position")
+        if (not isinstance(position, dict) or not isinstance(position.get("steps"), int) or
+                not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in position.values())):
+            raise ValueError(f"a peer job sent a heal whose position is {position!r}")
+        if not isinstance(meta.get("timings"), dict):
+            raise ValueError("a peer job sent a heal without its timings")
+
     # ---------------- the boundary ----------------
     def meet(self) -> Meeting:
         """Step 1 of the module doc: meet, regroup when the members changed, resolve a failed round.
@@ -189,12 +242,15 @@ class FederatedRounds:
         sync = self.sync
         self._healed = None
         before = self.position()
+        faults.point("meeting", sync.rounds)
         meeting = self.membership.meet(self.progress())
         self.last_meeting = meeting
         self.stats["meetings"] += 1
         self.stats["meeting_s"] += meeting.seconds
         self.stats["last_meeting_s"] = meeting.seconds
         self.members = meeting.members
+        if not meeting.met:
+            self.stats["failed_meetings"] += 1
         if meeting.changed:
             self.stats["membership_changes"] += 1
             sync.regroup(meeting.group, self._decision_groups(meeting.group))
@@ -218,7 +274,7 @@ class FederatedRounds:
         sync = self.sync
         self.failed = False
         if healed:  # another job committed it, with this replica's payload: x <- theta + (x - x_L)
-            anchor = sync.launch_point if sync.config.overlap == "partial" else self.rollback
+            anchor = sync.launch_point if sync.config.overlap == "partial" else self.x_rollback
             for lo, hi, (th, a) in sync.store.stream(sync.theta, anchor):
                 xs = sync.view.pieces(lo, hi)
                 if xs:
@@ -227,27 +283,42 @@ class FederatedRounds:
             logger.warning("DiLoCoX round %d: the last round failed on this job and another job committed it; "
                            "took its theta (this replica's payload is in it), kept the progress since", sync.rounds)
         else:
-            if self.rollback is not None and sync.config.overlap == "partial":
-                sync.residual.copy_(self.rollback)  # the residual before that launch
+            if self.launched and self.rollback is not None:
+                sync.residual.copy_(self.rollback)  # the residual before that launch (untouched if none was)
             logger.warning("DiLoCoX round %d: the last round was committed by no job; theta unchanged, this "
                            "boundary's pseudo-gradient covers both rounds", sync.rounds)
         sync.params_shared = False
 
     def before_pseudo_gradient(self) -> None:
-        """``none``: keep x (the rollback of a failed round)."""
-        if self.sync.config.overlap == "none":
-            self.sync.x_into(self.rollback)
+        """``none``: keep x and, with a lossy codec, the residual (the rollback of a failed round)."""
+        sync = self.sync
+        if sync.config.overlap == "none":
+            sync.x_into(self.x_rollback)
+            if self.rollback is not None:
+                self.rollback.copy_(sync.residual)
+
+    def committed_residual(self) -> torch.Tensor | None:
+        """The residual of the committed state (what a checkpoint holds): while a failed round is unresolved
+        and it had launched, the one before that launch (as if nobody committed it); else the residual."""
+        if self.failed and self.launched and self.rollback is not None:
+            return self.rollback
+        return self.sync.residual
 
     def decide(self, sq: float, tau: int, theta_fp: torch.Tensor | None):
         """The boundary's decision (:meth:`BoundaryDecision.decide`), or None when not every member
         decided (a member lost here fails the round; it does not end the run)."""
         sync = self.sync
+        self.launched = False
         try:
             decision = sync.decision.decide(sync.rounds, sq, tau, theta_fp, sync.timeout_s)
         except OuterGroupError as err:
             logger.warning("%s", err)
             decision = None
-        return decision if self.agree(decision is not None) else None
+        if not self.agree(decision is not None):
+            return None
+        faults.point("decision", sync.rounds)
+        self.launched = not decision.skip  # the caller launches now (a skip leaves the residual untouched)
+        return decision
 
     def agree(self, decided: bool) -> bool:
         """Step 2 of the module doc: the contributing members (SUM over the outer group) and whether
@@ -279,8 +350,8 @@ class FederatedRounds:
         sync = self.sync
         self.failed = True
         self.stats["failed_rounds"] += 1
-        if sync.config.overlap == "none" and self.rollback is not None:
-            sync.x_from(self.rollback)  # x as before the pseudo-gradient
+        if sync.config.overlap == "none":
+            sync.x_from(self.x_rollback)  # x as before the pseudo-gradient
             sync.params_shared = False
         logger.warning("DiLoCoX round %d failed on this job: %s; theta and m unchanged, resolved at the next "
                        "boundary", sync.rounds, why)
@@ -297,15 +368,21 @@ class FederatedRounds:
         into its pass) only when committed. Returns whether it was applied."""
         sync = self.sync
         ok = True
+        faults.point("exchange", handle.round)
         try:
             sync._complete(handle)  # the mean into the exchange buffer (bounded)
         except OuterGroupError as err:
             ok = False
             why = str(err).split(". Nothing of this round")[0]
+            # a collective that timed out is never cancelled (gloo): it may still write into the buffer it
+            # was given. Leave that buffer to it and take a fresh one (no operation on that group follows:
+            # the failed commit makes the coordinator form a new quorum, a new group)
+            sync.exchange_buffer = sync.store.empty()
         if ok and not handle.restored and 0 < self.contributors < self.members:  # a joiner's zero row, weight 0
             scale = self.members / self.contributors
             for _, _, (d,) in sync.store.stream(sync.exchange_buffer, write=[sync.exchange_buffer]):
                 d.mul_(scale)
+        faults.point("commit", handle.round)
         committed = self.membership.commit(ok)
         if not committed:
             self.fail(why if not ok else "another rank of this job did not complete its exchange")
@@ -333,6 +410,8 @@ class FederatedRounds:
         self.set_position(healed)
         sync = self.sync
         sync.x_from(sync.theta)
+        if sync.residual is not None:  # its error feedback belonged to another theta: the run's round sends 0
+            sync.residual.zero_()
         sync.params_shared = True
         sync.pending = None
         if not healed["in_boundary"]:  # the run's jobs are starting too (resumed): start with them
@@ -349,6 +428,37 @@ class FederatedRounds:
         finally:
             self.contributing = True
         return healed
+
+    def before_save(self) -> bool:
+        """A checkpoint is being written (every rank of the job, the same save). With an exchange in flight:
+        complete it, bounded, and agree job-wide whether every rank did. If so the checkpoint holds
+        the mean, applied tau steps into a resume as in this run; if not, the round fails here on every rank
+        of the job (as at its landing) and the checkpoint holds the committed state (no pending exchange,
+        :meth:`committed_residual`). Returns whether the exchange stays pending. Collective over the job."""
+        sync = self.sync
+        faults.point("save", sync.rounds)
+        handle = sync.pending
+        if handle is None:
+            return False
+        ok = True
+        try:
+            sync._complete(handle)
+        except OuterGroupError as err:
+            ok = False
+            why = str(err).split(". Nothing of this round")[0]
+            sync.exchange_buffer = sync.store.empty()  # (settle's reason: the stale collective keeps the old one)
+        job = self.membership.job_group
+        if job is not None and dist.get_world_size(job) > 1:
+            flag = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
+            bounded_all_reduce(flag, dist.ReduceOp.MIN, job, sync.timeout_s())
+            if ok and not bool(flag.item()):
+                ok, why = False, "another rank of this job did not complete its exchange"
+        if ok:
+            return True
+        sync.pending = None
+        self.membership.commit(False)
+        self.fail(f"{why} (found while saving a checkpoint)")
+        return False
 
     def summary(self) -> dict[str, Any]:
         return {**self.stats, "committed_rounds": self.committed, "members": self.members}

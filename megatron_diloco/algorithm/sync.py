@@ -360,7 +360,9 @@ class OuterSync(BoundaryProtocols):
         boundary exactly as the uninterrupted run does.
         """
         has_pending = self.pending is not None
-        if has_pending:
+        if self.federated is not None:  # separate jobs: a failed exchange is a failed round
+            has_pending = self.federated.before_save()
+        elif has_pending:
             self._complete(self.pending)  # bounded: a hung link raises before anything is written
         return {
             "rounds": self.rounds,
@@ -380,6 +382,12 @@ class OuterSync(BoundaryProtocols):
             # state, which a resume restores: DiLoCoXOptimizer._replica_meta)
             **self.timings(),
         }
+
+    @property
+    def committed_residual(self) -> torch.Tensor | None:
+        """The error-feedback residual a checkpoint holds: :attr:`residual`, or with separate jobs while a
+        failed round is unresolved, the one before its launch (:meth:`FederatedRounds.committed_residual`)."""
+        return self.federated.committed_residual() if self.federated is not None else self.residual
 
     def timings(self) -> dict:
         """This rank's own measurements that auto tau, the adaptive budget and the derived timeout are

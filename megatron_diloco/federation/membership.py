@@ -5,28 +5,41 @@ world, ``replica_id`` = the job's ``--diloco-x-replica-id``): rank 0 runs the jo
 which heartbeats the lighthouse (``--diloco-x-lighthouse``) every 100 ms and asks it for a quorum once
 every rank of the job reached the boundary. The quorum's members are the jobs that asked and still
 heartbeat. Each rank's reconfigurable gloo group then spans rank k of every member: exactly this
-rank's outer group (the jobs sorted by replica id). A job whose progress is below the most advanced
-member's receives, per rank from rank k of an up-to-date job, the state the algorithm gives
-(:meth:`megatron_diloco.algorithm.federated.FederatedRounds.state_dict`), over HTTP.
+rank's outer group (the jobs sorted by replica id). When the members changed, they authenticate and
+compare each other (:mod:`megatron_diloco.federation.handshake`). A job whose progress is below the most
+advanced member's receives, per rank from rank k of an up-to-date job, the state the algorithm gives
+(:meth:`megatron_diloco.algorithm.federated.FederatedRounds.state_dict`), sealed with the run's key
+(:mod:`megatron_diloco.federation.transport`; no pickle crosses between jobs).
+
+A meeting is bounded (``meeting_timeout_s``): a lighthouse that is down or a member stuck in it costs
+this job the meeting, and it trains the round alone (a failed round, as in a partition); it meets again
+at the next boundary. After ``alone_timeout_s`` without a meeting the job stops with an error naming the
+lighthouse.
 
 Ports: the lighthouse's; on rank 0 of each job the federation store (``--diloco-x-federation-port``,
-0: any free one) and the manager server (``TORCHFT_MANAGER_PORT``, default any); on every rank a gloo
-port per outer group and an HTTP port for heals (any free ones). Everything is sent in clear and
-unauthenticated; the heal unpickles what a peer sends: run the jobs inside one VPN.
+0: any free one) and the manager server (``TORCHFT_MANAGER_PORT``, default any), both bound on every
+interface by torch / torchft; on every rank a gloo port per outer group and the heal server (bound to
+the rank's advertised address). ``docs/federation.md`` has the threat model.
 """
 
 from __future__ import annotations
 
 import datetime
+import http.client
 import logging
 import os
+import queue
 import socket
+import threading
 import time
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
-from megatron_diloco.algorithm.federated import ForeignStateError, Meeting
+from megatron_diloco.algorithm import faults
+from megatron_diloco.algorithm.federated import Meeting
+from megatron_diloco.algorithm.link import bounded_all_reduce
 from megatron_diloco.megatron_adapter.topology import register_group
 
 logger = logging.getLogger(__name__)
@@ -44,6 +57,45 @@ def unregister_group(group: dist.ProcessGroup | None) -> None:
         table.pop(group, None)
 
 
+_retired: queue.SimpleQueue = queue.SimpleQueue()
+_reaper: threading.Thread | None = None
+
+
+def retire_group(group: dist.ProcessGroup | None) -> None:
+    """Drop ``group`` from torch's tables and release it on a daemon thread: a gloo group's destructor waits
+    for the operations still queued on it (a collective that timed out is never cancelled) up to its
+    timeout, which must not stall training (it releases the GIL while it waits: measured, 3.9 s for a
+    4 s timeout on the thread that dropped it, other threads running)."""
+    global _reaper
+    if group is None:
+        return
+    unregister_group(group)
+    if _reaper is None:
+        def reap() -> None:
+            while True:
+                item = _retired.get()
+                del item  # the group's destructor runs here
+
+        _reaper = threading.Thread(target=reap, name="diloco_x_group_reaper", daemon=True)
+        _reaper.start()
+    _retired.put(group)
+
+
+def reconfigurable_gloo(timeout: datetime.timedelta):
+    """torchft's reconfigurable gloo group, except that a superseded group is never aborted in place: torchft
+    0.2.0 aborts it inside ``configure`` (on the quorum thread the training thread waits for), and a gloo
+    abort waits for a collective still queued on it up to its timeout. It is retired instead
+    (:func:`retire_group`): its destructor waits on a daemon thread."""
+    from torchft import ProcessGroupGloo
+
+    class RetiringGloo(ProcessGroupGloo):
+        def abort(self, errored: bool = True) -> None:
+            old, self._pg = self._pg, None
+            retire_group(old)
+
+    return RetiringGloo(timeout=timeout)
+
+
 class TorchftMembership:
     """A :class:`megatron_diloco.algorithm.federated.Membership` on torchft (module doc). Construct on
     every rank of the job, at the same point (collective over the job's world: rank 0 starts the
@@ -55,86 +107,216 @@ class TorchftMembership:
         advertise_host: the address other jobs reach this job's rank 0 at (its federation store and
             manager); None: rank 0's fully qualified name, shared with the job's ranks.
         store_port: the federation store's port (0: any free one).
+        key: the run's key (:class:`megatron_diloco.federation.auth.RunKey`): heals and handshakes are sealed.
         timeout_s: bound on a collective or a heal (``--diloco-x-outer-timeout-minutes``).
-        quorum_timeout_s: how long a meeting may wait for the run's other jobs (they reach the
-            boundary at different times; a job waiting for its first peer waits this long).
+        meeting_timeout_s: bound on one meeting (the quorum, the handshake and a heal).
+        alone_timeout_s: how long the job trains without meeting anyone (the lighthouse unreachable, or every
+            meeting failing) before it stops with an error.
         min_replicas: meet only when at least this many jobs are present.
         job_group: this job's world (gloo; None with one rank).
         state_dict / load_state_dict: what a behind job receives, and how it takes it.
+        heal_bytes: the largest heal body this rank accepts.
     """
 
     def __init__(self, lighthouse: str, replica_id: str, advertise_host: str | None, store_port: int,
-                 timeout_s: float, quorum_timeout_s: float, min_replicas: int,
+                 key, timeout_s: float, meeting_timeout_s: float, alone_timeout_s: float, min_replicas: int,
                  job_group: dist.ProcessGroup | None, state_dict: Callable[[], dict],
-                 load_state_dict: Callable[[dict], None]) -> None:
+                 load_state_dict: Callable[[dict], None], heal_bytes: Callable[[], int]) -> None:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's manager server logs every quorum at info
         for name in ("torchft", "torchft_commits", "torchft_quorums", "torchft_errors"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-        from torchft import Manager, ProcessGroupGloo
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # its failures are reported here, once
+        from torchft import Manager
+
+        from megatron_diloco.federation.transport import SealedTransport
 
         self.job_group = job_group
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.replica_id = replica_id
+        self.lighthouse = lighthouse
+        self.timeout_s = timeout_s
+        self.meeting_timeout_s = meeting_timeout_s
+        self.alone_timeout_s = alone_timeout_s
         self._store = None
         where = [advertise_host, store_port]
         if self.rank == 0:  # the federation store: torchft's manager keys and the outer groups' rendezvous
+            warn_if_unreachable(lighthouse)
             self._store = dist.TCPStore("0.0.0.0", store_port, is_master=True, wait_for_workers=False,
                                         timeout=datetime.timedelta(seconds=timeout_s))
             where = [advertise_host or default_advertise_host(), self._store.port]
         if self.world > 1:  # rank 0's address and port, as every rank of the job must use them
-            dist.broadcast_object_list(where, src=0, group=job_group)
+            dist.broadcast_object_list(where, src=0, group=job_group)  # inside the job: not between jobs
         advertise_host, port = where
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.pg = ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(
-            pg=self.pg, load_state_dict=load_state_dict, state_dict=state_dict,
-            min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout,
-            quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s),
-            connect_timeout=datetime.timedelta(seconds=max(60.0, timeout_s)),
-            rank=self.rank, world_size=self.world, store_addr=advertise_host, store_port=int(port),
-            lighthouse_addr=_lighthouse_url(lighthouse), replica_id=replica_id, hostname=advertise_host,
-            init_sync=False)
+        self.pg = reconfigurable_gloo(timeout)
+        own_host = advertise_host if self.rank == 0 else os.environ.get("DILOCO_X_RANK_HOST", advertise_host)
+        self.transport = SealedTransport(key, own_host, self.rank, timeout=timeout)
+        self.state_dict, self.load_state_dict, self.heal_bytes = state_dict, load_state_dict, heal_bytes
+        connect_s = max(60.0, meeting_timeout_s)
+        try:
+            self.manager = Manager(  # torchft heals nothing itself (allow_heal=False): the heal follows the handshake
+                pg=self.pg, load_state_dict=lambda _: None, state_dict=lambda: {},
+                min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout,
+                quorum_timeout=datetime.timedelta(seconds=meeting_timeout_s),
+                connect_timeout=datetime.timedelta(seconds=connect_s),
+                rank=self.rank, world_size=self.world, store_addr=advertise_host, store_port=int(port),
+                lighthouse_addr=_lighthouse_url(lighthouse), replica_id=replica_id, hostname=advertise_host,
+                init_sync=False, checkpoint_transport=self.transport)
+        except RuntimeError as err:  # rank 0's manager server connects to the lighthouse once, at its start
+            if "failed to connect" not in str(err):
+                raise
+            raise SystemExit(f"megatron-diloco: error: this job could not reach the lighthouse at {lighthouse} "
+                             f"within {connect_s:.0f} s of its start (--diloco-x-meeting-timeout-minutes); start "
+                             "torchft_lighthouse there (or fix --diloco-x-lighthouse), then restart the job") from None
         self._quorum_id: int | None = None
+        self._broken_quorum: int | None = None
+        self._met_at = time.monotonic()
+        self.meetings = 0
+        #: the outer round this job is in (set by the rounds it serves: the fault drills' clock)
+        self.rounds: Callable[[], int] = lambda: 0
         self.group: dist.ProcessGroup | None = None
-        #: ``handshake(group, progress) -> bool``: whether every member agrees (False: meet again);
-        #: raises SystemExit on the member that differs (:func:`megatron_diloco.federation.handshake.agree`)
-        self.handshake: Callable[[dist.ProcessGroup, int], bool] | None = None
+        #: ``handshake(group, progress, quorum, heal_url, first) -> Agreement``: whether every member is verified
+        #: and agrees, and who heals from whom; raises SystemExit on the member that leaves, HandshakeBroken
+        #: when the group breaks (:func:`megatron_diloco.federation.handshake.agree`)
+        self.handshake: Callable[..., object] | None = None
 
     def meet(self, progress: int) -> Meeting:
-        """The quorum at this boundary (module doc; blocking, collective over this job's ranks). When
-        the members changed, they compare what must agree (:mod:`megatron_diloco.federation.handshake`):
-        a job that differs from the run leaves with the differing flag named, the others meet again
-        without it."""
+        """The quorum at this boundary (module doc; blocking but bounded, collective over this job's ranks).
+        When the members changed, they authenticate and compare each other
+        (:mod:`megatron_diloco.federation.handshake`): a job that is refused or differs leaves, the others
+        meet again without it. A meeting that does not succeed within ``meeting_timeout_s`` returns this job
+        alone (``Meeting.met`` False)."""
+        from megatron_diloco.federation.handshake import HandshakeBroken
+
         started = time.perf_counter()
+        deadline = started + self.meeting_timeout_s
         changed = False
+        why = "no meeting within the bound"
         while True:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return self._alone(started, why)
             self.manager.load_state_dict({"step": int(progress), "batches_committed": 0})
-            foreign = False
+            err = None
             try:
-                self.manager.start_quorum()
-            except ForeignStateError as err:  # a member of another run, or configured otherwise, is ahead
-                logger.warning("DiLoCoX: %s", err)
-                foreign = True
-            err = self.manager.errored()
-            if err is not None and not foreign:
-                raise RuntimeError(f"megatron-diloco: the meeting with the other jobs failed: {err}") from err
+                self.manager.start_quorum(allow_heal=False, timeout=datetime.timedelta(seconds=left))
+            except Exception as e:  # the lighthouse unreachable, the quorum timed out
+                err = e
+            err = err or self.manager.errored()
+            if self._job_any(err is not None):  # (a configure may fail on one rank only)
+                why = _reason(err) if err is not None else "another rank of this job could not join the quorum"
+                self._reset_after_failure()
+                logger.warning("DiLoCoX: the meeting at the lighthouse %s failed (%s); %s", self.lighthouse, why,
+                               "trying again" if deadline - time.perf_counter() > 1.0 else "training this round alone")
+                time.sleep(min(1.0, max(0.0, deadline - time.perf_counter())))
+                continue
             quorum = self.manager._quorum_id  # torchft 0.2.0 has no public getter
-            if quorum == self._quorum_id and not foreign:
+            if quorum == self._quorum_id:
                 break
+            if quorum == self._broken_quorum:  # never again a collective on a group that broke: wait for a new quorum
+                why = "the meeting's group broke and no new quorum formed"
+                time.sleep(min(0.5, max(0.0, deadline - time.perf_counter())))
+                continue
             changed = True
-            unregister_group(self.group)
+            self._retire()
             parent = self.pg.parent
             labels = [i * self.world + self.rank for i in range(parent.size())]
             self.group = register_group(parent, GROUP_NAME.format(quorum=quorum, rank=self.rank), labels)
             self._quorum_id = quorum
-            if self.handshake is None or self.handshake(self.group, progress):
+            try:
+                ok = self._agree_and_heal(progress, quorum)
+                broken = False
+            except HandshakeBroken as e:
+                logger.warning("DiLoCoX: %s; meeting again", e)
+                ok, broken, why = False, True, str(e)
+            ok, broken = not self._job_any(not ok), self._job_any(broken)
+            if broken:  # never again a collective on this quorum's groups
+                self._broken_quorum = quorum
+            if ok:
                 logger.warning("DiLoCoX: %d job%s present (quorum %d); this job is member %d",
                                parent.size(), "s" if parent.size() > 1 else "", quorum, parent.rank())
                 break
-            self.commit(False)  # a member that differs leaves; meet again without it
+            self.commit(False)  # a member was refused, differs or broke the group: meet again without it
             self._quorum_id = None
+        self.meetings += 1
+        self._met_at = time.monotonic()
         return Meeting(self.group, changed, self.group.size(), time.perf_counter() - started)
+
+    def _agree_and_heal(self, progress: int, quorum: int) -> bool:
+        """The members' handshake, then the heal of the members behind the most advanced one: its rank k offers
+        a snapshot, rank k of each member behind fetches it (sealed, checked, :meth:`load_state_dict`); a
+        bounded all-reduce over the group tells the source when every fetch is done. Raises
+        :class:`HandshakeBroken` when the group breaks or a heal fails."""
+        from megatron_diloco.federation.handshake import HandshakeBroken
+
+        if self.handshake is None or self.group.size() <= 1:
+            return True
+        faults.point("handshake", self.rounds())
+        agreement = self.handshake(self.group, progress, quorum, self.transport.url, self.meetings == 0)
+        if not agreement.ok or not agreement.behind:
+            return agreement.ok
+        me = self.group.rank()
+        ok = True
+        try:
+            if me == agreement.source:
+                self.transport.offer(quorum, agreement.source_progress, self.state_dict())
+                faults.point("heal-source", self.rounds())
+            barrier = torch.zeros(1, dtype=torch.float64)  # the offer is up before anyone fetches it
+            bounded_all_reduce(barrier, dist.ReduceOp.SUM, self.group, self.timeout_s)
+            if me in agreement.behind:
+                faults.point("heal-target", self.rounds())
+                try:
+                    state = self.transport.fetch(agreement.source_url, quorum, agreement.source_progress,
+                                                 self.heal_bytes())
+                    self.load_state_dict(state)
+                except (OSError, ValueError, http.client.HTTPException) as err:  # the source went, or sent what
+                    # this rank refuses (another identity, length, dtype, a non-finite value)
+                    logger.warning("DiLoCoX: the heal from member %d failed: %s", agreement.source, err)
+                    ok = False
+            flag = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
+            bounded_all_reduce(flag, dist.ReduceOp.MIN, self.group, self.timeout_s)
+        except (RuntimeError, TimeoutError) as err:
+            raise HandshakeBroken(f"the heal's group broke ({err})") from err
+        finally:
+            self.transport.withdraw()
+        if not bool(flag.item()):
+            raise HandshakeBroken("a member's heal failed")
+        return True
+
+    def _job_any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of this job (a bounded MAX over the job's world): every rank of
+        the job leaves each step of a meeting the same way, though its ranks sit in different outer groups,
+        whose quorum configuration, handshake and heal may end differently."""
+        if self.job_group is None or self.world <= 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
+        bounded_all_reduce(t, dist.ReduceOp.MAX, self.job_group, self.timeout_s)
+        return bool(t.item())
+
+    def _alone(self, started: float, why: str) -> Meeting:
+        """A meeting that failed: this job trains the round alone (its round fails: nothing to commit with)."""
+        alone_s = time.monotonic() - self._met_at
+        if alone_s > self.alone_timeout_s:
+            raise SystemExit(
+                f"megatron-diloco: error: this job met no other job for {alone_s / 60:.1f} minutes (the last "
+                f"meeting at the lighthouse {self.lighthouse} failed: {why}); it stops with its state intact "
+                "(--diloco-x-alone-timeout-minutes). Check that the lighthouse runs at that address and that "
+                "this host reaches it, then restart the job (--load resumes it).")
+        changed = self.group is not None
+        self._retire()
+        self._quorum_id = None
+        self.manager.report_error(RuntimeError(f"the meeting failed: {why}"))
+        self.meetings += 1
+        return Meeting(None, changed, 1, time.perf_counter() - started, met=False)
+
+    def _reset_after_failure(self) -> None:
+        """After a failed quorum torchft keeps the failed future and re-raises it at the next quorum: drop it."""
+        self.manager._quorum_future = None
+
+    def _retire(self) -> None:
+        """Retire the current group (:func:`retire_group`; torchft has already configured the next one)."""
+        group, self.group = self.group, None
+        retire_group(group)
 
     def commit(self, ok: bool) -> bool:
         """Job-wide AND of ``ok`` (torchft's ``should_commit``)."""
@@ -148,8 +330,28 @@ class TorchftMembership:
             self.manager.shutdown(wait=False)
         except Exception as err:  # leaving must not fail the run that just ended
             logger.warning("DiLoCoX: leaving the run: %s", err)
-        unregister_group(self.group)
-        self.group = None
+        self._retire()
+
+
+def _reason(err: BaseException) -> str:
+    """A one-line reason for a failed meeting (torchft wraps its errors with their tracebacks)."""
+    inner = getattr(err, "original_exception", None) or err
+    text = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {text[0] if text else ''}"[:300]
+
+
+def warn_if_unreachable(lighthouse: str) -> None:
+    """Say at once, naming the address, when nothing listens at the lighthouse's address (the job still
+    starts: meetings fail until it comes up)."""
+    url = _lighthouse_url(lighthouse).split("://", 1)[1].rstrip("/")
+    host, _, port = url.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5.0):
+            return
+    except (OSError, ValueError) as err:
+        logger.warning("DiLoCoX: cannot reach the lighthouse at %s (%s); this job trains alone until it can "
+                       "(--diloco-x-alone-timeout-minutes bounds how long)", lighthouse, err)
+        print(f"megatron-diloco: warning: cannot reach the lighthouse at {lighthouse} ({err})", flush=True)
 
 
 def _lighthouse_url(address: str) -> str:

@@ -141,6 +141,22 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "the job; default: this host's fully qualified name). The other ranks' gloo and "
                             "heal connections use their own host names (GLOO_SOCKET_IFNAME selects the "
                             "interface).")
+    group.add_argument("--diloco-x-secret-file", default=None, metavar="PATH",
+                       help="With --diloco-x-lighthouse (required): a file holding the run's secret, the same "
+                            "on every job (at least 16 bytes; e.g. head -c 32 /dev/urandom | base64 > "
+                            "run.secret, chmod 600, copied to each site over a channel you trust). Every "
+                            "handshake and heal between jobs is authenticated with it; a job without it "
+                            "is refused.")
+    group.add_argument("--diloco-x-meeting-timeout-minutes", type=float, default=15.0,
+                       help="With --diloco-x-lighthouse: the longest one boundary's meeting may take (the "
+                            "quorum, the handshake, a heal); past it the job trains the round alone and "
+                            "meets again at the next boundary. Must exceed the lighthouse's "
+                            "--join_timeout_ms plus a heal (default 15).")
+    group.add_argument("--diloco-x-alone-timeout-minutes", type=float, default=60.0,
+                       help="With --diloco-x-lighthouse: a job that meets no other job for this long (the "
+                            "lighthouse unreachable, every meeting failing) stops with an error naming the "
+                            "lighthouse; until then it trains alone and meets again at each boundary "
+                            "(default 60).")
     group.add_argument("--diloco-x-federation-port", type=int, default=0,
                        help="With --diloco-x-lighthouse: the port of this job's federation store on its "
                             "rank 0, which the other jobs connect to (default 0: any free port).")
@@ -339,7 +355,7 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
     if not separate and index is not None:
         raise ValueError("--diloco-x-replica-index applies to separate jobs only (--diloco-x-lighthouse); "
                          "drop it when all replicas run in one world")
-    for flag in ("run", "replica_id", "advertise_host"):
+    for flag in ("run", "replica_id", "advertise_host", "secret_file"):  # (the timeouts have defaults)
         if not federated and getattr(args, f"diloco_x_{flag}", None) is not None:
             raise ValueError(f"--diloco-x-{flag.replace('_', '-')} applies with --diloco-x-lighthouse only")
     if federated:
@@ -351,6 +367,16 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
         if getattr(args, "rampup_batch_size", None):
             raise ValueError("--diloco-x-lighthouse cannot be used with --rampup-batch-size (a job that joins "
                              "takes its data position from the run's iteration)")
+        if not getattr(args, "diloco_x_secret_file", None):
+            raise ValueError("--diloco-x-lighthouse needs --diloco-x-secret-file PATH: the jobs of a run "
+                             "authenticate each other with a shared secret (make one with head -c 32 "
+                             "/dev/urandom | base64 > run.secret; chmod 600; copy it to every site)")
+        from megatron_diloco.federation.auth import RunKey
+
+        RunKey.from_file(args.diloco_x_secret_file, args.diloco_x_run)  # refused here, before training
+        for flag in ("meeting", "alone"):
+            if getattr(args, f"diloco_x_{flag}_timeout_minutes", 1.0) <= 0:
+                raise ValueError(f"--diloco-x-{flag}-timeout-minutes must be > 0")
     if store and (args.save or args.load):
         raise ValueError("--save / --load cannot be used with --diloco-x-outer-store yet (the DiLoCoX "
                          "checkpoint layout spans the replicas of one world); run the replicas in one "

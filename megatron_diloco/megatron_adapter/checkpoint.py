@@ -81,7 +81,7 @@ class CheckpointMixin:
             raise RuntimeError(f"optimizer state {uneven} exists for some main shards only; cannot checkpoint "
                                "it per replica (is the inner optimizer initialized?)")
         if self.sync.residual is not None:
-            kinds["residual"] = [(0, self.sync.residual)]
+            kinds["residual"] = [(0, self.sync.committed_residual)]
         if self.sync.eager_anchor is not None:
             kinds["anchor"] = [(0, self.sync.eager_anchor)]
         if self.sync.launch_point is not None:

@@ -232,9 +232,11 @@ class _Installation:
         manager per rank; collective over the job's world), attached to the optimizer's boundaries."""
         from megatron_diloco.algorithm.federated import FederatedRounds
         from megatron_diloco.federation import handshake
+        from megatron_diloco.federation.auth import RunKey
         from megatron_diloco.federation.membership import TorchftMembership
 
         args = self.args
+        key = RunKey.from_file(args.diloco_x_secret_file, args.diloco_x_run)
         description = {**description, handshake.RUN: args.diloco_x_run}
         fed = opt.sync.federated = FederatedRounds(opt.sync, None, opt.position, opt.set_position)
         fed.identity = handshake.identity(description)
@@ -242,11 +244,13 @@ class _Installation:
         timeout_s = 60.0 * (self.config.outer_timeout_minutes or self.config.distributed_timeout_minutes)
         job = opt.topology.decision_group[0] if opt.topology.decision_group else None
         membership = TorchftMembership(
-            args.diloco_x_lighthouse, name, args.diloco_x_advertise_host,
-            args.diloco_x_federation_port, timeout_s=timeout_s, quorum_timeout_s=24 * 3600.0,
-            min_replicas=1, job_group=job, state_dict=fed.state_dict, load_state_dict=fed.load_state_dict)
-        membership.handshake = lambda group, progress: handshake.agree(
-            group, progress, description, args.diloco_x_replica_index, name)
+            args.diloco_x_lighthouse, name, args.diloco_x_advertise_host, args.diloco_x_federation_port,
+            key=key, timeout_s=timeout_s, meeting_timeout_s=60.0 * args.diloco_x_meeting_timeout_minutes,
+            alone_timeout_s=60.0 * args.diloco_x_alone_timeout_minutes, min_replicas=1, job_group=job,
+            state_dict=fed.state_dict, load_state_dict=fed.load_state_dict, heal_bytes=fed.heal_bytes)
+        membership.handshake = lambda group, progress, quorum, heal_url, first: handshake.agree(
+            group, key, quorum, progress, description, args.diloco_x_replica_index, name, heal_url, first, timeout_s)
+        membership.rounds = lambda: opt.sync.rounds  # (the fault drills' clock)
         fed.membership = membership
         return membership
 

@@ -1,0 +1,175 @@
+"""Every failure kind at every point of the round protocol, on this CPU machine: writes
+``benchmarks/results/fault_matrix.json``.
+
+    python benchmarks/federation/fault_matrix.py [--kinds kill,stop,stall_within,stall_past,lighthouse]
+        [--points meeting,...] [--out JSON]
+
+A cell: a real ``torchft_lighthouse`` and three jobs of the TINY test model (one rank each, H 6, int4,
+``partial``, the package's defaults otherwise), one of which is given ``DILOCO_X_FAULT`` for the cell's
+point (:mod:`megatron_diloco.algorithm.faults`) from round 6 on. Which job: ``C`` for most points;
+``heal-target``: C, started late (it heals); ``heal-source``: A (the most advanced member, first in the
+quorum's order), with C started late so that a heal happens; ``save``: C, saving every 12 iterations.
+
+Failure kinds:
+
+* ``kill``: kill -9 of every rank of the job at the point;
+* ``stop``: SIGSTOP at the point (heartbeats stop), SIGCONT once the outer bound has passed: the job then
+  finds the run ahead and leaves, or rejoins;
+* ``stall_within``: the job's training thread sleeps 3 s at the point (heartbeats go on), well inside the
+  bound: the others wait, nothing fails;
+* ``stall_past``: it sleeps past the bound while heartbeating (a job stuck in its work, or whose link to the
+  others is cut while the coordinator still hears it);
+* ``lighthouse``: the lighthouse is killed when the jobs are a third into the run and restarted at the same
+  address 20 s later (no job faulted; point ``meeting``).
+
+Per cell: ``survived`` (every job not faulted ends at --train-iters with exit 0), ``survivors_identical``
+(their final fp32 main shards and theta at every boundary they share are bit-identical), ``aborted`` (a
+survivor ended by a signal, SIGABRT included), ``max_wait_s`` (the longest meeting, and the longest
+exchange of a survivor) against ``bound_s`` (the meeting bound; an exchange's bound is the outer bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from megatron_diloco.algorithm.faults import POINTS  # noqa: E402
+from tests.federation_utils import Job, Lighthouse, wait_until  # noqa: E402
+
+ITERS = 150
+H = 6
+FAULT_ROUND = 6
+OUTER_BOUND_S = 15.0  # --diloco-x-outer-timeout-minutes 0.25
+MEETING_BOUND_S = 75.0  # --diloco-x-meeting-timeout-minutes 1.25 (> the lighthouse's 30 s join timeout + a heal)
+KINDS = ("kill", "stop", "stall_within", "stall_past", "lighthouse")
+FLAGS = ["--pipeline-model-parallel-size", "1", "--global-batch-size", "4", "--diloco-x-replicas", "3",
+         "--diloco-x-local-steps", str(H), "--train-iters", str(ITERS),
+         "--diloco-x-outer-timeout-minutes", str(OUTER_BOUND_S / 60),
+         "--diloco-x-meeting-timeout-minutes", str(MEETING_BOUND_S / 60)]
+STEP_ENV = {"DILOCO_TEST_STEP_SLEEP_S": "0.05"}
+
+
+def _action(kind: str) -> str:
+    return {"kill": "kill", "stop": "stop", "stall_within": "stall=3",
+            "stall_past": f"stall={OUTER_BOUND_S + 10:g}"}[kind]
+
+
+def _fed_rounds(job: Job) -> list:
+    recs = job.records()
+    return recs[0]["fed_rounds"] if recs else []
+
+
+def _identical(jobs: list[Job]) -> bool:
+    finals = [[r.get("final_fp") for r in j.records()] for j in jobs]
+    if not finals or any(None in f or not f for f in finals) or any(f != finals[0] for f in finals):
+        return False
+    tables = [{r[0]: r[1] for r in _fed_rounds(j)} for j in jobs]
+    common = set(tables[0]).intersection(*tables[1:])
+    return bool(common) and all(len({str(t[s]) for t in tables}) == 1 for s in common)
+
+
+def cell(tmp: Path, kind: str, point: str) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
+    late = point in ("handshake", "heal-target", "heal-source")  # C starts late: a membership change and a heal
+    faulted = "A" if point == "heal-source" else ("C" if kind != "lighthouse" else None)
+    env = {n: dict(STEP_ENV) for n in "ABC"}
+    if faulted:  # the late job's own handshake and heal come before its first round
+        at = 0 if point in ("handshake", "heal-target") else FAULT_ROUND
+        env[faulted]["DILOCO_X_FAULT"] = f"{point}:{_action(kind)}:{at}"
+    extra = {n: [] for n in "ABC"}
+    if point == "save":
+        extra["C"] = ["--save", str(tmp / "ckptC"), "--save-interval", "12", "--no-load-rng"]
+    started = time.time()
+    with Lighthouse(tmp / "lighthouse.txt", join_timeout_ms=30000, heartbeat_timeout_ms=3000) as lh:
+        def job(n: str, i: int) -> Job:
+            return Job(tmp / n, n, i, lh.address, [*FLAGS, *extra[n]], nproc=1, env=env[n], run="fault-matrix")
+
+        jobs = {"A": job("A", 0), "B": job("B", 1)}
+        try:
+            if late:
+                wait_until(lambda: jobs["A"].rounds() >= FAULT_ROUND + 2, 600, "A's rounds", list(jobs.values()))
+            jobs["C"] = job("C", 2)
+            if kind == "stop":  # SIGCONT once the bound passed
+                target = jobs[faulted]
+                wait_until(lambda: "[fault drill]" in target.log(), 900, "the fault", list(jobs.values()))
+                time.sleep(MEETING_BOUND_S + 5)
+                target.signal(signal.SIGCONT)
+            if kind == "lighthouse":
+                wait_until(lambda: jobs["A"].rounds() >= ITERS // H // 3, 900, "a third of the run", list(jobs.values()))
+                os.killpg(lh.proc.pid, signal.SIGKILL)
+                lh.proc.wait()
+                time.sleep(20)
+                port = lh.address.rsplit(":", 1)[1]
+                lh.proc = subprocess.Popen([lh.proc.args[0], "--bind", f"127.0.0.1:{port}", *lh.proc.args[3:]],
+                                           stdout=lh.log, stderr=subprocess.STDOUT, start_new_session=True)
+            codes = {}
+            for n, j in jobs.items():
+                try:
+                    codes[n] = j.proc.wait(timeout=1200)
+                except subprocess.TimeoutExpired:
+                    codes[n] = None
+        finally:
+            for j in jobs.values():
+                j.close()
+    survivors = [j for n, j in jobs.items() if n != faulted]
+    finals = {n: [r.get("final_fp", {}).get("steps") for r in j.records()] for n, j in jobs.items()}
+    waits = [r[6] for j in survivors for r in _fed_rounds(j) if r[6] is not None]
+    exchanges = [r[7] for j in survivors for r in _fed_rounds(j) if len(r) > 7 and r[7] is not None]
+    fired = faulted is None or "[fault drill]" in jobs[faulted].log()
+    return {"failure": kind, "point": point, "faulted_job": faulted, "fired": fired,
+            "survived": all(codes[j.name] == 0 and finals[j.name] and all(s == ITERS for s in finals[j.name])
+                            for j in survivors),
+            "survivors_identical": _identical(survivors),
+            "aborted": any(codes[j.name] is None or codes[j.name] < 0 or codes[j.name] == 134 for j in survivors),
+            "max_wait_s": round(max(waits, default=0.0), 3), "max_exchange_s": round(max(exchanges, default=0.0), 3),
+            "bound_s": MEETING_BOUND_S, "outer_bound_s": OUTER_BOUND_S, "exit_codes": codes,
+            "faulted_outcome": None if faulted is None else _outcome(jobs[faulted], codes[faulted]),
+            "wall_s": round(time.time() - started, 1)}
+
+
+def _outcome(job: Job, code: int | None) -> str:
+    log = job.log()
+    if code == 0:
+        return "finished"
+    if "behind the run" in log:
+        return "left: behind the run"
+    return f"exit {code}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--points", default=",".join(POINTS))
+    ap.add_argument("--tmp", type=Path, default=Path("/tmp/fault_matrix"))
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/fault_matrix.json")
+    args = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    result = {"commit": commit, "machine": "CPU, 2 cores, gloo over loopback", "iters": ITERS, "H": H,
+              "cells": []}
+    if args.out.exists():
+        old = json.loads(args.out.read_text())
+        if old.get("commit") == commit:
+            result["cells"] = old["cells"]
+    done = {(c["failure"], c["point"]) for c in result["cells"]}
+    for kind in args.kinds.split(","):
+        for point in (["meeting"] if kind == "lighthouse" else args.points.split(",")):
+            if (kind, point) in done:
+                continue
+            got = cell(args.tmp / f"{kind}-{point}", kind, point)
+            print(json.dumps(got), flush=True)
+            result["cells"].append(got)
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
