@@ -305,6 +305,7 @@ class TorchftMembership:
         changed = self.group is not None
         self._retire()
         self._quorum_id = None
+        self._broken_quorum = None  # a restarted lighthouse numbers its quorums from 1 again
         self.manager.report_error(RuntimeError(f"the meeting failed: {why}"))
         self.meetings += 1
         return Meeting(None, changed, 1, time.perf_counter() - started, met=False)
