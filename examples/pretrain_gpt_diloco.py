@@ -124,7 +124,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     args = get_args()
     config = config or core_transformer_config_from_args(args)
     print_rank_0(f"> building GPT stage (pre_process={pre_process}, post_process={post_process})")
-    layer_spec = get_gpt_layer_sdpa_spec if args.attention_sdpa else get_gpt_layer_local_spec
+    # (a script that imports this provider without the example's flags gets the local spec)
+    layer_spec = get_gpt_layer_sdpa_spec if getattr(args, "attention_sdpa", False) else get_gpt_layer_local_spec
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(normalization=args.normalization),

@@ -8,7 +8,6 @@ Public API::
 argument parsing, before ``pretrain``) turns the flags into a running DiLoCoX setup.
 """
 
-from megatron_diloco.megatron_adapter.arguments import add_diloco_x_args
 from megatron_diloco.algorithm.config import DiLoCoXConfig
 
 __all__ = ["DiLoCoXConfig", "add_diloco_x_args", "install", "DiLoCoXOptimizer"]
@@ -16,7 +15,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # Megatron-dependent pieces are imported lazily so that the core stays importable without it.
+    # The adapter is imported lazily, so that the algorithm and the federation load without it.
+    if name == "add_diloco_x_args":
+        from megatron_diloco.megatron_adapter.arguments import add_diloco_x_args
+
+        return add_diloco_x_args
     if name == "install":
         from megatron_diloco.megatron_adapter.integration import install
 

@@ -267,7 +267,8 @@ def _retire(rank: int, world: int, out: str) -> None:
     import datetime
     import time
 
-    from megatron_diloco.federation.membership import reconfigurable_gloo, retire_group
+    from megatron_diloco.algorithm.groups import retire_group
+    from megatron_diloco.federation.membership import reconfigurable_gloo
 
     store = dist.PrefixStore("retire", dist.distributed_c10d._get_default_store())
     pg = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=6))

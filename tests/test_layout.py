@@ -1,5 +1,5 @@
-"""The package's layout keeps its promises: the algorithm imports nothing from Megatron, and no module
-or class grows past what one reading holds."""
+"""The package's layout keeps its promises: the algorithm imports nothing from Megatron, the federation
+nothing from the Megatron adapter, and no module or class grows past what one reading holds."""
 
 from __future__ import annotations
 
@@ -36,6 +36,23 @@ def test_the_algorithm_imports_nothing_from_megatron():
     names = [".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__") for p in modules]
     code = ("import sys\n" + "".join(f"import {n}\n" for n in names)
             + "print(sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_the_federation_depends_on_the_algorithm_only():
+    """``megatron_diloco/federation`` imports nothing from the Megatron adapter (nor Megatron): it stands on
+    the algorithm, torch and torchft; importing it loads no adapter module."""
+    modules = sorted((PACKAGE / "federation").rglob("*.py"))
+    for path in modules:
+        bad = [n for n in _imports(path) if n == "megatron" or n.startswith("megatron.")
+               or n.startswith("megatron_diloco.megatron_adapter")]
+        assert not bad, (path, bad)
+    names = [".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__") for p in modules]
+    code = ("import sys\n" + "".join(f"import {n}\n" for n in names)
+            + "print(sorted(m for m in sys.modules if m.startswith('megatron_diloco.megatron_adapter')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=PACKAGE.parent)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -4,7 +4,8 @@
     python benchmarks/federation/fault_matrix.py [--kinds kill,stop,stall_within,stall_past,lighthouse]
         [--points meeting,...] [--out JSON]
 
-A cell: a real ``torchft_lighthouse`` and three jobs of the TINY test model (one rank each, H 6, int4,
+A cell: a real ``torchft_lighthouse`` (join timeout 10 s, heartbeat timeout 3 s) and three jobs of the TINY
+test model (one rank each, 240 iterations of 0.1 s more each, H 6, int4,
 ``partial``, the package's defaults otherwise), one of which is given ``DILOCO_X_FAULT`` for the cell's
 point (:mod:`megatron_diloco.algorithm.faults`) from round 6 on. Which job: ``C`` for most points;
 ``heal-target``: C, started late (it heals); ``heal-source``: A (the most advanced member, first in the
@@ -45,17 +46,17 @@ sys.path.insert(0, str(REPO))
 from megatron_diloco.algorithm.faults import POINTS  # noqa: E402
 from tests.federation_utils import Job, Lighthouse, wait_until  # noqa: E402
 
-ITERS = 150
+ITERS = 240
 H = 6
 FAULT_ROUND = 6
 OUTER_BOUND_S = 15.0  # --diloco-x-outer-timeout-minutes 0.25
-MEETING_BOUND_S = 75.0  # --diloco-x-meeting-timeout-minutes 1.25 (> the lighthouse's 30 s join timeout + a heal)
+MEETING_BOUND_S = 30.0  # --diloco-x-meeting-timeout-minutes 0.5 (> the lighthouse's 10 s join timeout + a heal)
 KINDS = ("kill", "stop", "stall_within", "stall_past", "lighthouse")
 FLAGS = ["--pipeline-model-parallel-size", "1", "--global-batch-size", "4", "--diloco-x-replicas", "3",
          "--diloco-x-local-steps", str(H), "--train-iters", str(ITERS),
          "--diloco-x-outer-timeout-minutes", str(OUTER_BOUND_S / 60),
          "--diloco-x-meeting-timeout-minutes", str(MEETING_BOUND_S / 60)]
-STEP_ENV = {"DILOCO_TEST_STEP_SLEEP_S": "0.05"}
+STEP_ENV = {"DILOCO_TEST_STEP_SLEEP_S": "0.1"}  # ~35 s of training: a late job (~20 s to start) joins
 
 
 def _action(kind: str) -> str:
@@ -89,14 +90,14 @@ def cell(tmp: Path, kind: str, point: str) -> dict:
     if point == "save":
         extra["C"] = ["--save", str(tmp / "ckptC"), "--save-interval", "12", "--no-load-rng"]
     started = time.time()
-    with Lighthouse(tmp / "lighthouse.txt", join_timeout_ms=30000, heartbeat_timeout_ms=3000) as lh:
+    with Lighthouse(tmp / "lighthouse.txt", join_timeout_ms=10000, heartbeat_timeout_ms=3000) as lh:
         def job(n: str, i: int) -> Job:
             return Job(tmp / n, n, i, lh.address, [*FLAGS, *extra[n]], nproc=1, env=env[n], run="fault-matrix")
 
         jobs = {"A": job("A", 0), "B": job("B", 1)}
         try:
             if late:
-                wait_until(lambda: jobs["A"].rounds() >= FAULT_ROUND + 2, 600, "A's rounds", list(jobs.values()))
+                wait_until(lambda: jobs["A"].rounds() >= 1, 600, "A's first round", list(jobs.values()))
             jobs["C"] = job("C", 2)
             if kind == "stop":  # SIGCONT once the bound passed
                 target = jobs[faulted]

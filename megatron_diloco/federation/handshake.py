@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from megatron_diloco.algorithm.link import wait_within
 from megatron_diloco.federation.auth import FLAG, AuthenticationError, RunKey, dump_json
-from megatron_diloco.megatron_adapter.handshake import MAY_DIFFER, differences
+from megatron_diloco.algorithm.description import MAY_DIFFER, differences
 
 logger = logging.getLogger(__name__)
 

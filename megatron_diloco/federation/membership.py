@@ -28,9 +28,7 @@ import datetime
 import http.client
 import logging
 import os
-import queue
 import socket
-import threading
 import time
 from typing import Callable
 
@@ -40,45 +38,12 @@ import torch.distributed as dist
 from megatron_diloco.algorithm import faults
 from megatron_diloco.algorithm.federated import Meeting
 from megatron_diloco.algorithm.link import bounded_all_reduce
-from megatron_diloco.megatron_adapter.topology import register_group
+from megatron_diloco.algorithm.groups import register_group, retire_group
 
 logger = logging.getLogger(__name__)
 
 #: the name under which torch's group tables list a federation group (one per quorum)
 GROUP_NAME = "diloco_x_federation_{quorum}_{rank}"
-
-
-def unregister_group(group: dist.ProcessGroup | None) -> None:
-    """Drop ``group`` from torch's group tables (a superseded quorum's)."""
-    if group is None:
-        return
-    tables = dist.distributed_c10d._world
-    for table in (tables.pg_map, tables.pg_names, tables.pg_group_ranks):
-        table.pop(group, None)
-
-
-_retired: queue.SimpleQueue = queue.SimpleQueue()
-_reaper: threading.Thread | None = None
-
-
-def retire_group(group: dist.ProcessGroup | None) -> None:
-    """Drop ``group`` from torch's tables and release it on a daemon thread: a gloo group's destructor waits
-    for the operations still queued on it (a collective that timed out is never cancelled) up to its
-    timeout, which must not stall training (it releases the GIL while it waits: measured, 3.9 s for a
-    4 s timeout on the thread that dropped it, other threads running)."""
-    global _reaper
-    if group is None:
-        return
-    unregister_group(group)
-    if _reaper is None:
-        def reap() -> None:
-            while True:
-                item = _retired.get()
-                del item  # the group's destructor runs here
-
-        _reaper = threading.Thread(target=reap, name="diloco_x_group_reaper", daemon=True)
-        _reaper.start()
-    _retired.put(group)
 
 
 def reconfigurable_gloo(timeout: datetime.timedelta):

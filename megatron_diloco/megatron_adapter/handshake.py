@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from megatron_diloco.algorithm.config import CODECS, DiLoCoXConfig
+from megatron_diloco.algorithm.description import MAY_DIFFER, SHARD_FLAGS, SHARDS, differences  # noqa: F401
 
 #: bumped when the description's layout changes (compared first: launches of other formats refuse)
 HANDSHAKE_FORMAT = 1
@@ -112,25 +113,13 @@ MUST_AGREE_MEGATRON: tuple[tuple[str, str], ...] = (
     ("padded vocabulary size (tokenizer, --make-vocab-size-divisible-by)", "padded_vocab_size"),
 )
 
-#: What launches may set apiece (named in the refusal): the same bits or agreed at run time.
-MAY_DIFFER = ("--diloco-x-outer-state", "--diloco-x-outer-chunk-mb", "--diloco-x-bandwidth-mbps",
-              "--diloco-x-outer-timeout-minutes", "--distributed-timeout-minutes", "data paths",
-              "precision (--bf16 / --fp16)", "logging")
-
 #: the longest the store's host waits, on a refusal, for every rank to have read (they read at once)
 READ_WAIT_S = 60.0
-
-SHARDS = "fp32 main shards"
-"""The description's key for the per-rank shards: a list (by rank) of ``[numel, digest]``."""
-#: what decides the shards, named when they differ
-SHARD_FLAGS = ("--tensor-model-parallel-size, --pipeline-model-parallel-size, --context-parallel-size, the "
-               "data-parallel size, the model-shape flags, --ddp-bucket-size")
-
 
 def package_source_digest() -> str:
     """sha256 (hex, first 16 digits) over megatron_diloco's Python source files, in path order: two
     launches with the same digest run the same package code."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parents[1]  # the whole package, not this subpackage
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode())
@@ -163,43 +152,6 @@ def describe_launch(args: argparse.Namespace, config: DiLoCoXConfig, shards: lis
         out[flag] = list(value) if isinstance(value, tuple) else value
     out[SHARDS] = shards
     return json.loads(json.dumps(out))  # the form the other launches read back
-
-
-_MISSING = object()
-
-
-def _value(v: Any) -> str:
-    """A described value as the refusal prints it (as the flag is written where it is one)."""
-    if v is _MISSING:
-        return "(not used)"
-    if v is None:
-        return "unset"
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    return v if isinstance(v, str) else json.dumps(v)
-
-
-def differences(mine: dict[str, Any], theirs: dict[str, Any], other: int) -> list[str]:
-    """Where the description ``theirs`` (replica ``other``'s) differs from ``mine``, one phrase per
-    label: ``'<label> is <mine> here, <theirs> in replica <other>'`` (the shards per rank)."""
-    out = []
-    for label in [*mine, *(k for k in theirs if k not in mine)]:
-        a, b = mine.get(label, _MISSING), theirs.get(label, _MISSING)
-        if a == b:
-            continue
-        if label == SHARDS and isinstance(a, list) and isinstance(b, list):
-            if len(a) != len(b):
-                out.append(f"{SHARDS}: {len(a)} ranks here, {len(b)} in replica {other} ({SHARD_FLAGS})")
-                continue
-            for rank, (x, y) in enumerate(zip(a, b)):
-                if x != y:
-                    size = (f"{x[0]} elements here, {y[0]} in replica {other}" if x[0] != y[0] else
-                            f"{x[0]} elements on both, cut differently")
-                    out.append(f"{SHARDS} of rank {rank}: {size} ({SHARD_FLAGS})")
-                    break  # the first rank says enough
-            continue
-        out.append(f"{label} is {_value(a)} here, {_value(b)} in replica {other}")
-    return out
 
 
 def refusal(address: str, replica_index: int, replicas: int, found: dict[int, list[str]]) -> str:

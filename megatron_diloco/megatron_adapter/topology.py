@@ -12,6 +12,8 @@ import datetime
 
 import torch.distributed as dist
 
+from megatron_diloco.algorithm.groups import register_group
+
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
@@ -134,19 +136,6 @@ def _gloo_group(store, rank: int, size: int, timeout: datetime.timedelta, name: 
     for device in ("cpu", "cuda"):
         group._register_backend(torch.device(device), kind, backend)
     return register_group(group, name, labels, store)
-
-
-def register_group(group: dist.ProcessGroup, name: str, labels: list[int], store=None) -> dist.ProcessGroup:
-    """Enter a gloo ``group`` built outside ``torch.distributed``'s world (:func:`_gloo_group`, or a
-    torchft quorum's) into its group tables, so that ``dist.*`` collectives, ``dist.get_world_size``,
-    ``dist.get_process_group_ranks`` and ``dist.set_timeout`` accept it. Its "ranks" are ``labels``
-    (only errors print them)."""
-    group._set_group_name(name)
-    tables = dist.distributed_c10d._world
-    tables.pg_map[group] = ("gloo", store)
-    tables.pg_names[group] = name
-    tables.pg_group_ranks[group] = {label: i for i, label in enumerate(labels)}
-    return group
 
 
 def from_outer_store(replicas: int, replica_index: int, address: str, timeout_minutes: float,
