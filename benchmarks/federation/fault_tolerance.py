@@ -59,7 +59,8 @@ JOB_FLAGS = ["--global-batch-size", "8", "--diloco-x-replicas", "2", "--log-inte
              "--diloco-x-outer-timeout-minutes", "0.5"]
 
 
-#: --gpus: each job one GPU (one rank, PP 1); else two CPU ranks (PP 2) per job
+#: --gpus N: each job one rank (PP 1) on GPU (its index mod N): N 1 puts both jobs on one GPU (separate
+#: processes, each its own world); 0: two CPU ranks (PP 2) per job
 GPUS = 0
 
 
@@ -69,7 +70,7 @@ def _jobs(tmp: Path, lh: Lighthouse, iters: int, extra: dict[str, list[str]] | N
     layout = ["--pipeline-model-parallel-size", "1"] if GPUS else []
     return {n: Job(tmp / n, n, i, lh.address, [*JOB_FLAGS, *layout, "--train-iters", str(iters), *extra.get(n, [])],
                    model=[], run="fault-tolerance", nproc=1 if GPUS else 2,
-                   env={**({"CUDA_VISIBLE_DEVICES": str(i)} if GPUS else {}), **(env.get(n) or {})})
+                   env={**({"CUDA_VISIBLE_DEVICES": str(i % GPUS)} if GPUS else {}), **(env.get(n) or {})})
             for i, n in enumerate("AB")}
 
 
@@ -273,7 +274,7 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=REPO / ".cache" / "fault_tolerance")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "fault_tolerance.json")
     p.add_argument("--only", default="", help="comma-separated scenarios (default: all)")
-    p.add_argument("--gpus", type=int, default=0, help="2: each job on its own GPU (one rank each)")
+    p.add_argument("--gpus", type=int, default=0, help="2: each job on its own GPU (one rank each); 1: both jobs on one GPU")
     a = p.parse_args()
     global GPUS
     GPUS = a.gpus
@@ -287,10 +288,11 @@ def main() -> None:
     if a.gpus:
         import torch
 
-        machine = f"{a.gpus} x {torch.cuda.get_device_name(0)}, one job per GPU, gloo over loopback"
+        machine = (f"{a.gpus} x {torch.cuda.get_device_name(0)}, "
+                   f"{'one job per GPU' if a.gpus > 1 else 'both jobs on one GPU'}, gloo over loopback")
     result.update({"machine": machine, "commit": commit, "iters": a.iters,
                    "model": "the demo (examples/pretrain_gpt_diloco.py defaults), each job one replica, "
-                            + ("one rank (PP 1) on its own GPU" if a.gpus else "PP 2")})
+                            + ("one rank (PP 1) on a GPU" if a.gpus else "PP 2")})
     scenarios = result.setdefault("scenarios", {})
 
     def want(name):
