@@ -56,6 +56,9 @@ class ScriptedMembership:
         changed, self.first = self.first, False
         return Meeting(dist.group.WORLD, changed, world)
 
+    def abandon(self) -> None:  # the world group stays (the test's jobs never lose a member)
+        pass
+
     def commit(self, ok: bool) -> bool:
         self.commits += 1
         return ok and (dist.get_rank(), self.commits) not in self.refuse

@@ -102,6 +102,10 @@ class Membership(Protocol):
     def commit(self, ok: bool) -> bool:
         """Whether this job commits the round: ``ok`` on every rank of the job (collective over it)."""
 
+    def abandon(self) -> None:
+        """A round failed on this job: never use the current outer group again (a collective that failed on it
+        may still be queued there; the next meeting forms a new one). Local."""
+
 
 class FederatedRounds:
     """The membership side of one rank's boundaries (module doc). Owned by ``OuterSync``.
@@ -145,7 +149,6 @@ class FederatedRounds:
         self._joining = False
         #: what this job's run and configuration are (a digest); a heal from a peer with another is refused
         self.identity: str | None = None
-        self.last_meeting: Meeting | None = None
         #: the meetings, failed rounds and heals so far (summary and metrics)
         self.stats = {"meetings": 0, "failed_meetings": 0, "membership_changes": 0, "failed_rounds": 0, "heals": 0,
                       "meeting_s": 0.0, "last_meeting_s": 0.0}
@@ -244,7 +247,6 @@ class FederatedRounds:
         before = self.position()
         faults.point("meeting", sync.rounds)
         meeting = self.membership.meet(self.progress())
-        self.last_meeting = meeting
         self.stats["meetings"] += 1
         self.stats["meeting_s"] += meeting.seconds
         self.stats["last_meeting_s"] = meeting.seconds
@@ -253,6 +255,7 @@ class FederatedRounds:
             self.stats["failed_meetings"] += 1
         if meeting.changed:
             self.stats["membership_changes"] += 1
+        if meeting.changed or sync.group is not meeting.group:
             sync.regroup(meeting.group, self._decision_groups(meeting.group))
         healed = self._healed
         if healed is not None and not self._joining and int(healed["steps"]) != int(before["steps"]):
@@ -350,6 +353,8 @@ class FederatedRounds:
         sync = self.sync
         self.failed = True
         self.stats["failed_rounds"] += 1
+        self.membership.abandon()  # no operation is ever issued again on the group this round failed on
+        sync.regroup(None, self._decision_groups(None))
         if sync.config.overlap == "none":
             sync.x_from(self.x_rollback)  # x as before the pseudo-gradient
             sync.params_shared = False

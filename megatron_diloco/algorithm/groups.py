@@ -3,8 +3,9 @@ separate launches, or a torchft quorum's), and retiring one off the training thr
 
 from __future__ import annotations
 
-import queue
+import sys
 import threading
+import time
 
 import torch.distributed as dist
 
@@ -31,25 +32,36 @@ def unregister_group(group: dist.ProcessGroup | None) -> None:
         table.pop(group, None)
 
 
-_retired: queue.SimpleQueue = queue.SimpleQueue()
+_held: list[dist.ProcessGroup] = []  # retired groups some other object may still hold
+_lock = threading.Lock()
 _reaper: threading.Thread | None = None
 
 
 def retire_group(group: dist.ProcessGroup | None) -> None:
-    """Drop ``group`` from torch's tables and release it on a daemon thread: a gloo group's destructor waits
-    for the operations still queued on it (a collective that timed out is never cancelled) up to its
-    timeout, which must not stall training (it releases the GIL while it waits: measured, 3.9 s for a
-    4 s timeout on the thread that dropped it, other threads running)."""
+    """Drop ``group`` from torch's tables and release it on a daemon thread: a gloo group's destructor joins
+    its threads, which wait for the operations still queued on it (a collective that timed out is never
+    cancelled; a peer that froze mid-transfer) up to its timeout, which must not stall training (it releases
+    the GIL while it waits: measured, 3.9 s for a 4 s timeout on the thread that dropped it, other threads
+    running). The thread holds its reference until it is the last one, so the destructor runs there
+    whoever else held the group."""
     global _reaper
     if group is None:
         return
     unregister_group(group)
-    if _reaper is None:
-        def reap() -> None:
-            while True:
-                item = _retired.get()
-                del item  # the group's destructor runs here
+    with _lock:
+        if any(g is group for g in _held):
+            return
+        _held.append(group)
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap, name="diloco_x_group_reaper", daemon=True)
+            _reaper.start()
 
-        _reaper = threading.Thread(target=reap, name="diloco_x_group_reaper", daemon=True)
-        _reaper.start()
-    _retired.put(group)
+
+def _reap() -> None:
+    """Every 50 ms, destroy (here) the retired groups nobody else holds any more."""
+    while True:
+        time.sleep(0.05)
+        with _lock:
+            free = [i for i in range(len(_held)) if sys.getrefcount(_held[i]) <= 2]  # the list's and the argument
+            items = [_held.pop(i) for i in reversed(free)]
+        del items  # the destructors run here, outside the lock

@@ -284,6 +284,17 @@ class TorchftMembership:
         group, self.group = self.group, None
         retire_group(group)
 
+    def abandon(self) -> None:
+        """A round failed on this job: the current group is retired at once (torchft's wrapper lets it go to the
+        reaper, :func:`reconfigurable_gloo`), and the next meeting configures a new one even if the coordinator
+        repeats the quorum's number."""
+        if self.group is None:
+            return
+        self.pg.abort()
+        self._retire()
+        self._quorum_id = None
+        self.manager._quorum_id = -1  # torchft 0.2.0 reconfigures only when the number changes
+
     def commit(self, ok: bool) -> bool:
         """Job-wide AND of ``ok`` (torchft's ``should_commit``)."""
         if not ok:
