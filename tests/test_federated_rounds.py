@@ -203,3 +203,46 @@ def test_the_residual_is_exact_after_every_failure_case(overlap, case):
     committed it, with this payload); a checkpoint written while it is unresolved holds no pending mean
     and the residual before the launch; the jobs end with the same theta."""
     run_world(_lossy_worker, 2, overlap, case)
+
+
+# ---------------- a job that joins by a heal sends a zero row ----------------
+def _joiner_worker(rank: int, world: int) -> None:
+    """Both jobs train round 1 together (int8, ``none``); job 1 then restarts from its checkpoint of step H
+    with the stale error-feedback residual a checkpoint holds, and joins while job 0 runs its boundary at 2H:
+    it takes job 0's state and runs that boundary contributing nothing. Its row must be exactly zero: its
+    residual after the launch is all zeros (a stale residual would have left e - D(C(e))), and both jobs
+    hold the same theta after the landing."""
+
+    def make(steps: dict) -> tuple[OuterSync, FederatedRounds, torch.Tensor]:
+        cfg = DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=1.0, outer_momentum=0.0, overlap="none",
+                            compression="int8")
+        x = torch.zeros(N)
+        sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
+        membership = ScriptedMembership(set())
+        sync.federated = fed = FederatedRounds(sync, membership, lambda: dict(steps), lambda p: steps.update(p))
+        membership.fed = fed
+        fed.identity = "run"
+        return sync, fed, x
+
+    steps = {"steps": 0}
+    sync, fed, x = make(steps)
+    last = 2 * H if rank == 0 else H
+    for step in range(1, last + 1):
+        x.sub_(torch.arange(N, dtype=torch.float32).mul_(2.0 ** -8 * (rank + 1)).add_(2.0 ** -6 * step))
+        steps["steps"] = step
+        if step % H == 0:
+            sync.before_boundary(0.01)
+            sync.boundary()
+    if rank == 1:  # restarted from its checkpoint at step H: a stale residual, then joins the run
+        steps = {"steps": H}
+        sync, fed, x = make(steps)
+        sync.residual.copy_(torch.linspace(-0.3, 0.3, N))
+        assert fed.join() is not None and steps["steps"] == 2 * H
+        assert torch.count_nonzero(sync.residual) == 0, sync.residual
+    thetas = [torch.empty(N), torch.empty(N)]
+    dist.all_gather(thetas, sync.theta.clone())
+    assert torch.equal(thetas[0], thetas[1])
+
+
+def test_a_job_that_joins_by_a_heal_sends_a_zero_row():
+    run_world(_joiner_worker, 2)
