@@ -64,19 +64,24 @@ class ScriptedMembership:
         return ok and (dist.get_rank(), self.commits) not in self.refuse
 
 
-def _run(rank: int, refuse: set, overlap: str) -> list[tuple[int, list[float], list[float]]]:
+def _job(overlap: str, compression: str, refuse: set = frozenset(), steps: dict | None = None):
+    """One job's rank: ``(sync, fed, x, steps)`` over the world group, with a scripted membership."""
     cfg = DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=1.0, outer_momentum=0.0, overlap=overlap,
-                        compression="none", **({"overlap_steps": 1} if overlap == "partial" else {}))
+                        compression=compression, **({"overlap_steps": 1} if overlap == "partial" else {}))
     x = torch.zeros(N)
     sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
-    steps = {"steps": 0}
+    steps = {"steps": 0} if steps is None else steps
     membership = ScriptedMembership(refuse)
     sync.federated = fed = FederatedRounds(sync, membership, lambda: dict(steps), lambda p: steps.update(p))
     membership.fed = fed
-    schedule = RoundSchedule(cfg)
-    seen = []
-    for step in range(1, STEPS + 1):
-        # a local step that does not depend on x, dyadic (exact in fp32), different per job
+    return sync, fed, x, steps
+
+
+def _boundaries(sync: OuterSync, x: torch.Tensor, rank: int, steps: dict, last: int):
+    """The inner steps 1..``last`` (``partial``'s landings included); yields each boundary's step before the
+    caller runs it. A local step that does not depend on x, dyadic (exact in fp32), different per job."""
+    schedule = RoundSchedule(sync.config)
+    for step in range(1, last + 1):
         x.sub_(torch.arange(N, dtype=torch.float32).mul_(2.0 ** -8 * (rank + 1)).add_(2.0 ** -6 * step))
         steps["steps"] = step
         since = schedule.steps_since_boundary(step)
@@ -85,6 +90,13 @@ def _run(rank: int, refuse: set, overlap: str) -> list[tuple[int, list[float], l
                 sync.merge()
             continue
         sync.before_boundary(0.01)
+        yield step
+
+
+def _run(rank: int, refuse: set, overlap: str) -> list[tuple[int, list[float], list[float]]]:
+    sync, fed, x, steps = _job(overlap, "none", refuse)
+    seen = []
+    for step in _boundaries(sync, x, rank, steps, STEPS):
         sync.boundary()
         seen.append((step, sync.theta.tolist(), x.tolist()))
     sync.drain()
@@ -126,15 +138,8 @@ def _run_lossy(rank: int, overlap: str, case: str) -> dict:
     the residual before that launch, right after it, and right after the failure's resolution."""
     from megatron_diloco.algorithm.bounds import OuterGroupError
 
-    cfg = DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=1.0, outer_momentum=0.0, overlap=overlap,
-                        compression="int8", **({"overlap_steps": 1} if overlap == "partial" else {}))
-    x = torch.zeros(N)
-    sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
-    steps = {"steps": 0}
     refuse = {"one_job_commits": {(1, 2)}, "nobody_commits": {(0, 2), (1, 2)}}.get(case, set())
-    membership = ScriptedMembership(refuse)
-    sync.federated = fed = FederatedRounds(sync, membership, lambda: dict(steps), lambda p: steps.update(p))
-    membership.fed = fed
+    sync, fed, x, steps = _job(overlap, "int8", refuse)
     decide, complete, resolve = sync.decision.decide, sync._complete, fed._resolve_failed_round
     out: dict = {"saved": None}
 
@@ -153,16 +158,7 @@ def _run_lossy(rank: int, overlap: str, case: str) -> dict:
         out["resolved"], out["healed"] = sync.residual.clone(), healed
 
     sync.decision.decide, sync._complete, fed._resolve_failed_round = failing_decide, failing_complete, resolving
-    schedule = RoundSchedule(cfg)
-    for step in range(1, STEPS + 1):
-        x.sub_(torch.arange(N, dtype=torch.float32).mul_(2.0 ** -8 * (rank + 1)).add_(2.0 ** -6 * step))
-        steps["steps"] = step
-        since = schedule.steps_since_boundary(step)
-        if since:
-            if sync.merge_due(since):
-                sync.merge()
-            continue
-        sync.before_boundary(0.01)
+    for step in _boundaries(sync, x, rank, steps, STEPS):
         if step == 8:
             out["before"] = sync.residual.clone()
         sync.boundary()
@@ -213,29 +209,11 @@ def _joiner_worker(rank: int, world: int) -> None:
     residual after the launch is all zeros (a stale residual would have left e - D(C(e))), and both jobs
     hold the same theta after the landing."""
 
-    def make(steps: dict) -> tuple[OuterSync, FederatedRounds, torch.Tensor]:
-        cfg = DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=1.0, outer_momentum=0.0, overlap="none",
-                            compression="int8")
-        x = torch.zeros(N)
-        sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
-        membership = ScriptedMembership(set())
-        sync.federated = fed = FederatedRounds(sync, membership, lambda: dict(steps), lambda p: steps.update(p))
-        membership.fed = fed
-        fed.identity = "run"
-        return sync, fed, x
-
-    steps = {"steps": 0}
-    sync, fed, x = make(steps)
-    last = 2 * H if rank == 0 else H
-    for step in range(1, last + 1):
-        x.sub_(torch.arange(N, dtype=torch.float32).mul_(2.0 ** -8 * (rank + 1)).add_(2.0 ** -6 * step))
-        steps["steps"] = step
-        if step % H == 0:
-            sync.before_boundary(0.01)
-            sync.boundary()
+    sync, fed, x, steps = _job("none", "int8")
+    for _ in _boundaries(sync, x, rank, steps, 2 * H if rank == 0 else H):
+        sync.boundary()
     if rank == 1:  # restarted from its checkpoint at step H: a stale residual, then joins the run
-        steps = {"steps": H}
-        sync, fed, x = make(steps)
+        sync, fed, x, steps = _job("none", "int8", steps={"steps": H})
         sync.residual.copy_(torch.linspace(-0.3, 0.3, N))
         assert fed.join() is not None and steps["steps"] == 2 * H
         assert torch.count_nonzero(sync.residual) == 0, sync.residual

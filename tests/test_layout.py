@@ -24,39 +24,34 @@ def _imports(path: Path) -> list[str]:
     return names
 
 
-def test_the_algorithm_imports_nothing_from_megatron():
-    """No ``import megatron...`` anywhere under ``megatron_diloco/algorithm`` (also inside functions),
-    nor of the adapter; and importing every algorithm module loads no ``megatron`` module."""
-    modules = sorted(ALGORITHM.rglob("*.py"))
-    assert len(modules) > 10
+def _imports_nothing_from(folder: Path, forbidden: tuple[str, ...]) -> list[Path]:
+    """Assert that no module under ``folder`` imports (also inside functions) a module named or under
+    ``forbidden``, and that importing them all loads none; returns the modules."""
+    modules = sorted(folder.rglob("*.py"))
+    hit = lambda n: any(n == f or n.startswith(f + ".") for f in forbidden)  # noqa: E731
     for path in modules:
-        bad = [n for n in _imports(path) if n == "megatron" or n.startswith("megatron.")
-               or n.startswith("megatron_diloco.megatron_adapter")]
+        bad = [n for n in _imports(path) if hit(n)]
         assert not bad, (path, bad)
     names = [".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__") for p in modules]
     code = ("import sys\n" + "".join(f"import {n}\n" for n in names)
-            + "print(sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')))")
+            + f"print(sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') for f in {forbidden!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=PACKAGE.parent)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+    return modules
+
+
+def test_the_algorithm_imports_nothing_from_megatron():
+    """No ``import megatron...`` anywhere under ``megatron_diloco/algorithm`` (also inside functions),
+    nor of the adapter; and importing every algorithm module loads neither."""
+    assert len(_imports_nothing_from(ALGORITHM, ("megatron", "megatron_diloco.megatron_adapter"))) > 10
 
 
 def test_the_federation_depends_on_the_algorithm_only():
     """``megatron_diloco/federation`` imports nothing from the Megatron adapter (nor Megatron): it stands on
-    the algorithm, torch and torchft; importing it loads no adapter module."""
-    modules = sorted((PACKAGE / "federation").rglob("*.py"))
-    for path in modules:
-        bad = [n for n in _imports(path) if n == "megatron" or n.startswith("megatron.")
-               or n.startswith("megatron_diloco.megatron_adapter")]
-        assert not bad, (path, bad)
-    names = [".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__") for p in modules]
-    code = ("import sys\n" + "".join(f"import {n}\n" for n in names)
-            + "print(sorted(m for m in sys.modules if m.startswith('megatron_diloco.megatron_adapter')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=PACKAGE.parent)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+    the algorithm, torch and torchft; importing it loads neither."""
+    _imports_nothing_from(PACKAGE / "federation", ("megatron", "megatron_diloco.megatron_adapter"))
 
 
 def test_no_module_or_class_past_one_reading():

@@ -20,8 +20,9 @@ Failure kinds:
   bound: the others wait, nothing fails;
 * ``stall_past``: it sleeps past the bound while heartbeating (a job stuck in its work, or whose link to the
   others is cut while the coordinator still hears it);
-* ``lighthouse``: the lighthouse is killed when the jobs are a third into the run and restarted at the same
-  address 20 s later (no job faulted; point ``meeting``).
+* ``lighthouse`` (600 iterations): the lighthouse is killed after 20 rounds and restarted at the same
+  address 20 s later, within the meeting bound (no job faulted; point ``meeting``); ``lighthouse_past``: 45 s
+  later, past it (meetings fail, the jobs train rounds alone, then meet again).
 
 Per cell: ``survived`` (every job not faulted ends at --train-iters with exit 0), ``survivors_identical``
 (their final fp32 main shards and theta at every boundary they share are bit-identical), ``aborted`` (a
@@ -51,9 +52,11 @@ H = 6
 FAULT_ROUND = 6
 OUTER_BOUND_S = 15.0  # --diloco-x-outer-timeout-minutes 0.25
 MEETING_BOUND_S = 30.0  # --diloco-x-meeting-timeout-minutes 0.5 (> the lighthouse's 10 s join timeout + a heal)
-KINDS = ("kill", "stop", "stall_within", "stall_past", "lighthouse")
+KINDS = ("kill", "stop", "stall_within", "stall_past", "lighthouse", "lighthouse_past")
+#: how long the lighthouse stays down: within the meeting bound, or past it (the jobs then train rounds alone)
+LIGHTHOUSE_DOWN_S = {"lighthouse": 20.0, "lighthouse_past": MEETING_BOUND_S + 15.0}
 FLAGS = ["--pipeline-model-parallel-size", "1", "--global-batch-size", "4", "--diloco-x-replicas", "3",
-         "--diloco-x-local-steps", str(H), "--train-iters", str(ITERS),
+         "--diloco-x-local-steps", str(H),
          "--diloco-x-outer-timeout-minutes", str(OUTER_BOUND_S / 60),
          "--diloco-x-meeting-timeout-minutes", str(MEETING_BOUND_S / 60)]
 STEP_ENV = {"DILOCO_TEST_STEP_SLEEP_S": "0.1"}  # ~35 s of training: a late job (~20 s to start) joins
@@ -81,14 +84,15 @@ def _identical(jobs: list[Job]) -> bool:
 def cell(tmp: Path, kind: str, point: str) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     late = point in ("handshake", "heal-target", "heal-source")  # C starts late: a membership change and a heal
-    faulted = "A" if point == "heal-source" else ("C" if kind != "lighthouse" else None)
+    faulted = "A" if point == "heal-source" else ("C" if not kind.startswith("lighthouse") else None)
     env = {n: dict(STEP_ENV) for n in "ABC"}
     if faulted:  # the late job's own handshake and heal come before its first round
         at = 0 if point in ("handshake", "heal-target") else FAULT_ROUND
         env[faulted]["DILOCO_X_FAULT"] = f"{point}:{_action(kind)}:{at}"
-    extra = {n: [] for n in "ABC"}
+    iters = 600 if kind.startswith("lighthouse") else ITERS  # (training outlasts the lighthouse's absence)
+    extra = {n: ["--train-iters", str(iters)] for n in "ABC"}
     if point == "save":
-        extra["C"] = ["--save", str(tmp / "ckptC"), "--save-interval", "12", "--no-load-rng"]
+        extra["C"] += ["--save", str(tmp / "ckptC"), "--save-interval", "12", "--no-load-rng"]
     started = time.time()
     with Lighthouse(tmp / "lighthouse.txt", join_timeout_ms=10000, heartbeat_timeout_ms=3000) as lh:
         def job(n: str, i: int) -> Job:
@@ -104,11 +108,11 @@ def cell(tmp: Path, kind: str, point: str) -> dict:
                 wait_until(lambda: "[fault drill]" in target.log(), 900, "the fault", list(jobs.values()))
                 time.sleep(MEETING_BOUND_S + 5)
                 target.signal(signal.SIGCONT)
-            if kind == "lighthouse":
-                wait_until(lambda: jobs["A"].rounds() >= ITERS // H // 3, 900, "a third of the run", list(jobs.values()))
+            if kind.startswith("lighthouse"):
+                wait_until(lambda: jobs["A"].rounds() >= 20, 900, "20 rounds", list(jobs.values()))
                 os.killpg(lh.proc.pid, signal.SIGKILL)
                 lh.proc.wait()
-                time.sleep(20)
+                time.sleep(LIGHTHOUSE_DOWN_S[kind])
                 port = lh.address.rsplit(":", 1)[1]
                 lh.proc = subprocess.Popen([lh.proc.args[0], "--bind", f"127.0.0.1:{port}", *lh.proc.args[3:]],
                                            stdout=lh.log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -126,8 +130,8 @@ def cell(tmp: Path, kind: str, point: str) -> dict:
     waits = [r[6] for j in survivors for r in _fed_rounds(j) if r[6] is not None]
     exchanges = [r[7] for j in survivors for r in _fed_rounds(j) if len(r) > 7 and r[7] is not None]
     fired = faulted is None or "[fault drill]" in jobs[faulted].log()
-    return {"failure": kind, "point": point, "faulted_job": faulted, "fired": fired,
-            "survived": all(codes[j.name] == 0 and finals[j.name] and all(s == ITERS for s in finals[j.name])
+    return {"failure": kind, "point": point, "faulted_job": faulted, "fired": fired, "iters": iters,
+            "survived": all(codes[j.name] == 0 and finals[j.name] and all(s == iters for s in finals[j.name])
                             for j in survivors),
             "survivors_identical": _identical(survivors),
             "aborted": any(codes[j.name] is None or codes[j.name] < 0 or codes[j.name] == 134 for j in survivors),
@@ -163,7 +167,7 @@ def main() -> None:
             result["cells"] = old["cells"]
     done = {(c["failure"], c["point"]) for c in result["cells"]}
     for kind in args.kinds.split(","):
-        for point in (["meeting"] if kind == "lighthouse" else args.points.split(",")):
+        for point in (["meeting"] if kind.startswith("lighthouse") else args.points.split(",")):
             if (kind, point) in done:
                 continue
             got = cell(args.tmp / f"{kind}-{point}", kind, point)
