@@ -124,3 +124,23 @@ def test_launches_that_disagree_refuse_alike_through_the_store():
     address = f"127.0.0.1:{free_port()}"
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         assert list(pool.map(lambda r: _join(address, r, mine), range(2))) == [None, None]
+
+
+def test_megatron_version_keeps_a_checkouts_commit_only(tmp_path):
+    """megatron-core appends the hash of whatever git repository holds its files: a Megatron-LM checkout's
+    commit is kept (launches of other Megatron code differ); the hash of an unrelated repository around a
+    virtual environment (its own project's commit) is not, so two sites' wheels compare equal."""
+    import types
+
+    from megatron_diloco.megatron_adapter.integration import megatron_version
+
+    def info(root, version):
+        (root / "megatron" / "core").mkdir(parents=True)
+        return types.SimpleNamespace(__version__=version, __file__=str(root / "megatron/core/package_info.py"))
+
+    wheel = info(tmp_path / "site-packages", "0.19.2+3f0c1cb")
+    checkout = info(tmp_path / "Megatron-LM", "0.19.2+5edf013")
+    (tmp_path / "Megatron-LM" / ".git").mkdir()
+    assert megatron_version(wheel) == "0.19.2"
+    assert megatron_version(checkout) == "0.19.2+5edf013"
+    assert megatron_version(info(tmp_path / "plain", "0.19.2")) == "0.19.2"

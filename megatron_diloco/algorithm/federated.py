@@ -434,6 +434,23 @@ class FederatedRounds:
             self.contributing = True
         return healed
 
+    def finish(self) -> None:
+        """The end of training (after the drain, every rank of every job that had company at its last meeting,
+        or whose last round failed): one more meeting resolves a last round that failed anywhere, as any
+        failed round is resolved (a job that committed it heals the others), and every job ends with the run's
+        committed theta: x <- theta, so the jobs that end together end identical (jobs in step reach the end
+        together; the meeting is bounded)."""
+        if not self.failed and self.members <= 1:
+            return
+        sync = self.sync
+        failed = self.failed
+        self.meet()
+        sync.x_from(sync.theta)
+        sync.params_shared = True
+        if failed:
+            logger.warning("DiLoCoX: the last round failed on this job; after a last meeting it ends with the "
+                           "run's committed outer parameters")
+
     def before_save(self) -> bool:
         """A checkpoint is being written (every rank of the job, the same save). With an exchange in flight:
         complete it, bounded, and agree job-wide whether every rank did. If so the checkpoint holds

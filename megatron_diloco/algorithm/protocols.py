@@ -447,18 +447,19 @@ class BoundaryProtocols:
     def drain(self) -> ExchangeStats | None:
         """Wait for the exchange in flight (if any), apply it, and set x <- theta. Collective. With
         nothing in flight (``none``, or no boundary yet) it does nothing: x keeps the local progress
-        since the last boundary."""
-        if self.pending is None:
-            return None
-        with record_function("megatron_diloco::drain"):
-            stats = self.pending.stats
-            landed = self._land(self.pending)
-            self.pending = None
-            if not landed:  # separate jobs: the last exchange failed; this replica keeps its own params
-                logger.warning("DiLoCoX: the last exchange failed; this job ends with its own parameters")
-                return stats
-            if self.eager_anchor is not None:  # the look-ahead is now part of theta
-                self.eager_anchor.copy_(self.theta)
-            self.x_from(self.theta)
-            self.params_shared = True
+        since the last boundary. Separate jobs whose last round failed: a last meeting resolves it
+        (:meth:`FederatedRounds.finish`), and every job ends with the run's committed theta."""
+        stats = None
+        if self.pending is not None:
+            with record_function("megatron_diloco::drain"):
+                stats = self.pending.stats
+                landed = self._land(self.pending)
+                self.pending = None
+            if landed:
+                if self.eager_anchor is not None:  # the look-ahead is now part of theta
+                    self.eager_anchor.copy_(self.theta)
+                self.x_from(self.theta)
+                self.params_shared = True
+        if self.federated is not None:
+            self.federated.finish()
         return stats

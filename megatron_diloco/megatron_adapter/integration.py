@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -292,7 +293,7 @@ class _Installation:
         mine = shard_digest(_shard_layout(distributed_optimizers(inner)))
         shards: list = [None] * dist.get_world_size()
         dist.all_gather_object(shards, mine)
-        return describe_launch(self.args, self.config, shards, package_info.__version__)
+        return describe_launch(self.args, self.config, shards, megatron_version(package_info))
 
     def run_length_known(self) -> None:
         """Megatron built the LR scheduler, so ``args.train_iters`` is set (under ``--train-samples`` it
@@ -454,6 +455,18 @@ class _Installation:
             print(format_summary(summary), flush=True)
         if self.membership is not None:
             self.membership.shutdown()
+
+
+def megatron_version(package_info) -> str:
+    """megatron-core's version as the launches compare it. Its ``package_info`` appends the short hash of the
+    git repository that holds its files: the real Megatron commit in a Megatron-LM checkout, but the hash of
+    an unrelated repository when a wheel is installed in a virtual environment that lies inside one (two
+    sites would then differ by their own projects' commits): that suffix is kept only for a checkout."""
+    version = package_info.__version__
+    root = Path(package_info.__file__).resolve().parents[2]  # the folder that holds megatron/
+    if "+" in version and not (root / ".git").exists():
+        version = version.split("+", 1)[0]
+    return version
 
 
 def _shard_layout(dist_opts: list) -> list[tuple[tuple[int, ...], int, int]]:
