@@ -171,8 +171,7 @@ def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
             wait_until(lambda: a.rounds() >= 12, 240, "12 rounds of the first job", jobs)
             jobs.append(Job(tmp_path / "B", "B", 1, lh.address, flags, env=ENV))
             jobs.append(Job(tmp_path / "X", "X", 1, lh.address, [*flags, "--diloco-x-outer-lr", "0.5"], env=ENV))
-            jobs.append(Job(tmp_path / "Y", "Y", 1, lh.address, [*flags, "--pipeline-model-parallel-size", "1"],
-                            env=ENV, nproc=1,  # (one rank: it is refused before its layout is compared)
+            jobs.append(Job(tmp_path / "Y", "Y", 1, lh.address, flags, env=ENV,
                             secret=run_secret(tmp_path / "elsewhere", "a secret that is not the run's")))
             b, x, y = jobs[1:]
         _end(jobs, failing=(x, y))
