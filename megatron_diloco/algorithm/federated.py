@@ -338,15 +338,20 @@ class FederatedRounds:
                 ok = False
         else:
             self.contributors = 1 if self.contributing else 0
-        job = self.membership.job_group
-        if job is not None and dist.get_world_size(job) > 1:
-            flag = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
-            bounded_all_reduce(flag, dist.ReduceOp.MIN, job, sync.timeout_s())
-            ok = bool(flag.item())
+        ok = self._job_all(ok)
         if not ok:
             self.fail("the decision did not reach every member")
             self.membership.commit(False)
         return ok
+
+    def _job_all(self, ok: bool) -> bool:
+        """``ok`` on every rank of this job (a bounded MIN over its world; collective over it)."""
+        job = self.membership.job_group
+        if job is None or dist.get_world_size(job) <= 1:
+            return ok
+        flag = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
+        bounded_all_reduce(flag, dist.ReduceOp.MIN, job, self.sync.timeout_s())
+        return bool(flag.item())
 
     def fail(self, why: str) -> None:
         """Mark this round failed on this rank (resolved at the next meeting)."""
@@ -469,12 +474,8 @@ class FederatedRounds:
             ok = False
             why = str(err).split(". Nothing of this round")[0]
             sync.exchange_buffer = sync.store.empty()  # (settle's reason: the stale collective keeps the old one)
-        job = self.membership.job_group
-        if job is not None and dist.get_world_size(job) > 1:
-            flag = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
-            bounded_all_reduce(flag, dist.ReduceOp.MIN, job, sync.timeout_s())
-            if ok and not bool(flag.item()):
-                ok, why = False, "another rank of this job did not complete its exchange"
+        if not self._job_all(ok) and ok:
+            ok, why = False, "another rank of this job did not complete its exchange"
         if ok:
             return True
         sync.pending = None
