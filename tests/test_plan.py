@@ -16,9 +16,10 @@ import torch
 
 from megatron_diloco.algorithm.link import ring_allreduce_bytes
 from megatron_diloco.algorithm.compression import get_codec
+from megatron_diloco.algorithm.compression.codecs import payload_bytes
 from megatron_diloco.algorithm.outer_store import SLOTS
 import megatron_diloco.plan as plan_mod
-from megatron_diloco.plan import PlanConfig, blockwise_payload_bytes, main, plan
+from megatron_diloco.plan import PlanConfig, main, plan
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,7 +43,7 @@ def test_memory_hand_computed():
     assert not p.activations_estimated and p.memory_gib["activations"] == 0
     # mu = 0 drops the momentum; a lossy codec adds the residual and the payload + gather buffers.
     q = plan(cfg(params=8e9, tp=2, pp=2, dp=4, codec="int8", outer_momentum=0.0))
-    payload = blockwise_payload_bytes(500_000_000, "int8")
+    payload = payload_bytes("int8", 500_000_000)
     assert q.memory_gib["outer"] * gib == pytest.approx(12 * 0.5e9 + 3 * payload)
     # partial (the package default) keeps the launch point x_L: 4 B more per shard element; its
     # exposure is the delayed one (auto tau <= H)
@@ -56,7 +57,7 @@ def test_host_outer_state_memory_hand_computed():
     buffer leave the GPU for the host, and so does ``none``'s all-reduce buffer (its all-reduce runs
     in host memory over gloo); the quantized payload buffers and the fixed staging stay."""
     gib, shard = 2**30, 0.5e9
-    payload = blockwise_payload_bytes(500_000_000, "int8")
+    payload = payload_bytes("int8", 500_000_000)
     kw = dict(params=8e9, tp=2, pp=2, dp=4, codec="int8", outer_momentum=0.9, overlap="eager")
     on_gpu, on_host = plan(cfg(**kw)), plan(cfg(**kw, outer_state="host", outer_chunk_mb=16.0))
     assert on_gpu.memory_gib["outer"] * gib == pytest.approx(20 * shard + 3 * payload)  # 5 vectors + anchor
@@ -83,13 +84,17 @@ def test_paper_preset_prints_both_outer_states_and_which_fits(capsys):
     assert [(o["outer_state"], o["fits"]) for o in options] == [("device", False), ("host", False)]
 
 
-@pytest.mark.parametrize("fmt, numel", [("int8", 1000), ("int8", 4096), ("int4", 1001), ("int4", 300)])
+@pytest.mark.parametrize("fmt, numel", [("int8", 1000), ("int8", 4096), ("int4", 1001), ("int4", 300),
+                                       ("int2", 1003)])
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_exchange_bytes_equal_the_codec_payload(fmt, numel, replicas):
+    """The planner counts a payload with the codec registry's arithmetic, which the codec's own count
+    and its real encoded payload agree with."""
     codec = get_codec(fmt)
     residual = torch.zeros(numel)
     payload = codec.encode(residual, pseudo_grad=torch.randn(numel), residual_out=residual)
-    assert blockwise_payload_bytes(numel, fmt) == payload.numel() == codec.payload_bytes(numel)
+    assert plan_mod.payload_bytes(fmt, numel) == payload_bytes(fmt, numel) == payload.numel() == \
+        codec.payload_bytes(numel)
     p = plan(cfg(params=numel, replicas=replicas, codec=fmt))
     assert p.bytes_sent_per_rank_per_round == (replicas - 1) * payload.numel()  # all-gather accounting
     assert p.compression_ratio == pytest.approx(4 * numel / payload.numel())
@@ -98,6 +103,8 @@ def test_exchange_bytes_equal_the_codec_payload(fmt, numel, replicas):
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_uncompressed_exchange_is_the_ring_allreduce(replicas):
     numel = 12_000
+    raw = get_codec("none").encode(pseudo_grad=torch.randn(numel))
+    assert raw.numel() == payload_bytes("none", numel) == get_codec("none").payload_bytes(numel) == 4 * numel
     p = plan(cfg(params=numel, replicas=replicas, codec="none"))
     assert p.bytes_sent_per_rank_per_round == ring_allreduce_bytes(4 * numel, replicas)
 

@@ -3,7 +3,8 @@ adaptive codecs, with byte accounting.
 
 Every codec has ``exchange(residual, allgather, *, anchor, x | pseudo_grad, out, ...) -> Delta``:
 encode with error feedback, all-gather the payloads over the outer group, decode in replica order
-(so every rank gets the same bits), and ``payload_bytes()`` (bytes one replica sends per round).
+(so every rank gets the same bits), and ``payload_bytes()`` (bytes one replica sends per round; for
+``none`` and the blockwise codecs :func:`payload_bytes` of the name, which the planner asks too).
 The blockwise codecs (``int8``, ``int4``, ``fp8``) also expose the two halves, ``encode`` and
 ``decode(..., outer=)``, which :func:`megatron_diloco.algorithm.exchange.start_exchange` runs around one
 asynchronous all-gather (the decode fused with the outer step). Training sends ``none`` as an fp32
@@ -22,6 +23,20 @@ from megatron_diloco.algorithm.compression.lowrank import AllGather, Layout, Low
 from megatron_diloco.algorithm.compression.policy import AdaptivePolicy
 
 
+def payload_bytes(name: str, numel: int, block_size: int = ref.DEFAULT_BLOCK_SIZE) -> int:
+    """Bytes of one replica's payload of ``numel`` elements under ``--diloco-x-compression name``:
+    ``4 numel`` (``none``, the fp32 values) or the blockwise layout's padded size
+    (:func:`reference.payload_layout`: scales, values, padding). The codecs' own ``payload_bytes`` and
+    the planner (``python -m megatron_diloco.plan``) both count with it. Pure arithmetic. The matrix
+    codecs' payloads depend on the tensors' shapes and ranks: ``ValueError`` (ask the codec object)."""
+    if name == "none":
+        return 4 * numel
+    if name in ref.FORMATS:
+        return ref.payload_layout(numel, name, block_size).total_bytes
+    raise ValueError(f"--diloco-x-compression {name}: the payload size depends on the tensors' shapes; "
+                     f"only none and {', '.join(ref.FORMATS)} have one per element count")
+
+
 def has_nonfinite(bucket: torch.Tensor) -> bool:
     """Whether the fp32 ``[N]`` bucket holds a NaN or Inf (one read pass; one host sync)."""
     return bucket.numel() > 0 and not bool(torch.isfinite(bucket).all())
@@ -34,7 +49,7 @@ class RawCodec:
     lossy = False
 
     def payload_bytes(self, numel: int) -> int:
-        return 4 * numel
+        return payload_bytes(self.name, numel)
 
     def encode(self, residual: torch.Tensor | None = None, *, anchor=None, x=None, pseudo_grad=None,
                residual_out=None) -> torch.Tensor:
@@ -79,7 +94,7 @@ class BlockwiseCodec:
         return ref.payload_layout(numel, self.fmt, self.block_size)
 
     def payload_bytes(self, numel: int) -> int:
-        return self.layout(numel).total_bytes
+        return payload_bytes(self.fmt, numel, self.block_size)
 
     def _check_device(self, device: torch.device) -> None:
         if self.fmt != "fp8":
