@@ -16,18 +16,24 @@ module doc can be checked bit for bit against the run in which no round failed:
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_diloco.algorithm import faults
 from megatron_diloco.algorithm.config import DiLoCoXConfig
 from megatron_diloco.algorithm.federated import FederatedRounds, Meeting
 from megatron_diloco.algorithm.schedule import RoundSchedule
 from megatron_diloco.algorithm.shard_view import ShardView
 from megatron_diloco.algorithm.sync import OuterSync
+from megatron_diloco.federation.auth import RunKey
+from megatron_diloco.federation.handshake import means_agree
 from tests.dist_utils import run_world
 
 N, H, STEPS = 64, 4, 24
+KEY = RunKey(b"a test secret of the run", "test-run")
 
 
 class ScriptedMembership:
@@ -36,10 +42,15 @@ class ScriptedMembership:
 
     job_group = None
 
-    def __init__(self, refuse: set[tuple[int, int]]) -> None:
+    def __init__(self, refuse: set[tuple[int, int]], check_means: bool = True) -> None:
         self.refuse = refuse
+        #: False where one job's exchange fails and the other's completes: the real members then check on
+        #: a group the failed job never uses again (the other waits for it up to the bound); here both share
+        #: the world group, which cannot model that
+        self.check_means = check_means
         self.fed: FederatedRounds | None = None
         self.commits = 0
+        self.refused_means = 0
         self.first = True
 
     def meet(self, progress: int) -> Meeting:
@@ -59,19 +70,25 @@ class ScriptedMembership:
     def abandon(self) -> None:  # the world group stays (the test's jobs never lose a member)
         pass
 
-    def commit(self, ok: bool) -> bool:
+    def commit(self, ok: bool, mean: bytes | None = None) -> bool:
+        """As torchft's job-wide commit does (one rank per job here), after the members' authenticated
+        check that they landed the same mean (the real one, over the world group)."""
         self.commits += 1
+        if ok and mean is not None and self.check_means:
+            ok, why = means_agree(dist.group.WORLD, KEY, 0, self.rounds(), mean, 30.0)
+            self.refused_means += not ok
         return ok and (dist.get_rank(), self.commits) not in self.refuse
 
 
-def _job(overlap: str, compression: str, refuse: set = frozenset(), steps: dict | None = None):
+def _job(overlap: str, compression: str, refuse: set = frozenset(), steps: dict | None = None,
+         check_means: bool = True):
     """One job's rank: ``(sync, fed, x, steps)`` over the world group, with a scripted membership."""
     cfg = DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=1.0, outer_momentum=0.0, overlap=overlap,
                         compression=compression, **({"overlap_steps": 1} if overlap == "partial" else {}))
     x = torch.zeros(N)
     sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
     steps = {"steps": 0} if steps is None else steps
-    membership = ScriptedMembership(refuse)
+    membership = ScriptedMembership(refuse, check_means)
     sync.federated = fed = FederatedRounds(sync, membership, lambda: dict(steps), lambda p: steps.update(p))
     membership.fed = fed
     return sync, fed, x, steps
@@ -101,24 +118,29 @@ def _run(rank: int, refuse: set, overlap: str) -> list[tuple[int, list[float], l
         seen.append((step, sync.theta.tolist(), x.tolist()))
     sync.drain()
     seen.append((STEPS + 1, sync.theta.tolist(), x.tolist()))
-    return seen, fed.summary()
+    return seen, {**fed.summary(), "refused_means": fed.membership.refused_means}
 
 
 def _worker(rank: int, world: int, overlap: str, case: str, out) -> None:
     reference, _ = _run(rank, set(), overlap)
     if case == "one_job_commits":
         refuse = {(1, 2)}  # job 1's second commit (the exchange launched at step 8) refused, job 0's granted
-    else:
+    elif case == "nobody_commits":
         refuse = {(0, 2), (1, 2)}  # nobody commits that round
+    else:  # one element of the mean job 1 landed in that round changed: every member refuses the round
+        refuse = set()
+        if rank == 1:
+            os.environ[faults.ENV] = "commit:corrupt:2"
     failed, summary = _run(rank, refuse, overlap)
-    assert summary["failed_rounds"] == (1 if case == "nobody_commits" or rank == 1 else 0), summary
+    assert summary["failed_rounds"] == (0 if case == "one_job_commits" and rank == 0 else 1), summary
+    assert summary["refused_means"] == (case == "corrupted_mean"), summary  # on both jobs, that round only
     if case == "one_job_commits" and rank == 1:
         assert summary["heals"] == 1, summary
     ref = {step: (theta, x) for step, theta, x in reference}
     got = {step: (theta, x) for step, theta, x in failed}
     # the resolution lands at the boundary after the failed round (step 12): from there on, exact
     for step in sorted(ref):
-        if step >= 12 + (H if case == "nobody_commits" else 0):
+        if step >= 12 + (H if case != "one_job_commits" else 0):
             assert got[step][0] == ref[step][0], (case, rank, step, "theta")
             assert got[step][1] == ref[step][1], (case, rank, step, "x")
     thetas = [None, None]
@@ -126,9 +148,12 @@ def _worker(rank: int, world: int, overlap: str, case: str, out) -> None:
     assert thetas[0] == thetas[1]
 
 
-@pytest.mark.parametrize("case", ["one_job_commits", "nobody_commits"])
+@pytest.mark.parametrize("case", ["one_job_commits", "nobody_commits", "corrupted_mean"])
 @pytest.mark.parametrize("overlap", ["partial", "none"])
 def test_failed_round_resolves_to_the_undisturbed_run(overlap, case):
+    """``corrupted_mean``: job 1 lands a mean with one element changed (as a payload altered on its way to it):
+    the members' authenticated check refuses the round on both jobs, which then resolve as when nobody
+    committed (the corrupted mean never reaches theta)."""
     run_world(_worker, 2, overlap, case, None)
 
 
@@ -139,7 +164,7 @@ def _run_lossy(rank: int, overlap: str, case: str) -> dict:
     from megatron_diloco.algorithm.bounds import OuterGroupError
 
     refuse = {"one_job_commits": {(1, 2)}, "nobody_commits": {(0, 2), (1, 2)}}.get(case, set())
-    sync, fed, x, steps = _job(overlap, "int8", refuse)
+    sync, fed, x, steps = _job(overlap, "int8", refuse, check_means=case != "save_finds_it_failed")
     decide, complete, resolve = sync.decision.decide, sync._complete, fed._resolve_failed_round
     out: dict = {"saved": None}
 

@@ -108,11 +108,23 @@ def _handshake(rank: int, world: int, out: str, secrets: list[bytes], hostile: i
                 outcome += f" source={got.source} {got.source_url} {got.source_progress} behind={got.behind}"
         except SystemExit as err:
             outcome = f"left: {err}"
+    # then two rounds of the members' check that they landed the same mean: every digest equal, then
+    # member 1's differing (a payload altered on its way to it)
+    for round_, mine in ((3, b"mean-3"), (4, b"mean-4" if rank != 1 else b"mean-4, changed")):
+        if rank == hostile:
+            handshake.gather_bytes(group, pickle.dumps({"mean": _Boom(f"{out}/pwned")}), deadline=float("inf"))
+            continue
+        ok, why = handshake.means_agree(group, RunKey(secrets[rank], "run"), 7, round_, mine, 30.0)
+        outcome += f"|{ok}" + (" unverified" if "does not verify" in why else "") + (
+            " differs" if "landed another mean" in why else "")
     Path(out, f"rank{rank}").write_text(outcome)
 
 
 @pytest.mark.parametrize("case", ["same", "wrong-secret", "pickle"])
 def test_handshake_refuses_who_lacks_the_secret_and_never_unpickles(tmp_path, case):
+    """The handshake, then the members' check that they landed the same mean (``means_agree``): a member
+    without the secret, or sending a pickle, is refused unread; a member whose mean differs fails the round on
+    every member."""
     secrets = [SECRET] * 3
     hostile = -1
     if case == "wrong-secret":
@@ -122,13 +134,19 @@ def test_handshake_refuses_who_lacks_the_secret_and_never_unpickles(tmp_path, ca
     run_world(_handshake, 3, str(tmp_path), secrets, hostile)
     got = [(tmp_path / f"rank{r}").read_text() for r in range(3)]
     assert not (tmp_path / "pwned").exists()
+    meeting = [g.split("|")[0] for g in got]
+    means = [g.split("|")[1:] for g in got]
     if case == "same":
-        assert got == ["agree=True source=2 http://h2:1 30 behind=(1, 0)"] * 3, got
+        assert meeting == ["agree=True source=2 http://h2:1 30 behind=(1, 0)"] * 3, got
+        assert means == [["True", "False differs"]] * 3, got  # the round is refused on every member alike
     elif case == "wrong-secret":
-        assert got[:2] == ["agree=False"] * 2, got  # the others meet again without it
-        assert got[2].startswith("left:") and "--diloco-x-secret-file" in got[2], got
+        assert meeting[:2] == ["agree=False"] * 2, got  # the others meet again without it
+        assert meeting[2].startswith("left:") and "--diloco-x-secret-file" in meeting[2], got
+        assert means == [["False unverified", "False unverified differs"]] * 2 + [
+            ["False unverified", "False unverified"]], got
     else:
-        assert got == ["agree=False", "sent", "agree=False"], got
+        assert meeting == ["agree=False", "sent", "agree=False"], got
+        assert means[0] == means[2] == ["False unverified", "False unverified"] and means[1] == [], got
 
 
 # ---------------- heals over HTTP ----------------

@@ -21,7 +21,8 @@ Every boundary, on every rank of every job, in the same order:
    ranks or on none.
 3. **Land** (:meth:`FederatedRounds.settle`; at the boundary with ``none``, tau steps later with
    ``partial``): wait for the exchange into the mean, then the job-wide **commit** (every rank of
-   the job completed its exchange); only a committed round is applied. A round that failed (a peer
+   the job completed its exchange, and every member of its outer group landed the same mean: their
+   fingerprints of it, authenticated, are compared); only a committed round is applied. A round that failed (a peer
    died or froze mid-exchange, past the bound) or that the job did not commit is a **failed round**:
    theta and m are untouched; x keeps this replica's progress.
 4. A failed round is resolved at the next meeting, the same way on every survivor: if another job
@@ -99,8 +100,10 @@ class Membership(Protocol):
         members reach their boundary). ``progress``: this job's; a member behind the most advanced
         receives its state through the state callbacks given at construction."""
 
-    def commit(self, ok: bool) -> bool:
-        """Whether this job commits the round: ``ok`` on every rank of the job (collective over it)."""
+    def commit(self, ok: bool, mean: bytes | None = None) -> bool:
+        """Whether this job commits the round: ``ok`` on every rank of the job (collective over it) and,
+        ``mean`` given (the fingerprint of the mean this rank is about to apply, bytes), the same mean landed on
+        every member of this rank's outer group (collective over it; authenticated)."""
 
     def abandon(self) -> None:
         """A round failed on this job: never use the current outer group again (a collective that failed on it
@@ -319,7 +322,7 @@ class FederatedRounds:
             decision = None
         if not self.agree(decision is not None):
             return None
-        faults.point("decision", sync.rounds)
+        faults.point("decision", sync.rounds, company=self.members > 1)
         self.launched = not decision.skip  # the caller launches now (a skip leaves the residual untouched)
         return decision
 
@@ -378,7 +381,7 @@ class FederatedRounds:
         into its pass) only when committed. Returns whether it was applied."""
         sync = self.sync
         ok = True
-        faults.point("exchange", handle.round)
+        faults.point("exchange", handle.round, company=self.members > 1)
         try:
             sync._complete(handle)  # the mean into the exchange buffer (bounded)
         except OuterGroupError as err:
@@ -392,10 +395,14 @@ class FederatedRounds:
             scale = self.members / self.contributors
             for _, _, (d,) in sync.store.stream(sync.exchange_buffer, write=[sync.exchange_buffer]):
                 d.mul_(scale)
-        faults.point("commit", handle.round)
-        committed = self.membership.commit(ok)
+        faults.point("commit", handle.round, target=sync.exchange_buffer if ok else None, company=self.members > 1)
+        mean = None
+        if ok and sync.group is not None and dist.get_world_size(sync.group) > 1:
+            mean = sync.fingerprint([sync.exchange_buffer]).cpu().numpy().tobytes()
+        committed = self.membership.commit(ok, mean)
         if not committed:
-            self.fail(why if not ok else "another rank of this job did not complete its exchange")
+            self.fail(why if not ok else "the commit was refused (another rank of this job did not complete its "
+                                         "exchange, or the members landed different means)")
             return False
         self.committed += 1
         sync._complete(handle, sync.outer, after)  # the step from the mean in the exchange buffer

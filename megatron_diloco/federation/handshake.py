@@ -20,6 +20,9 @@ the first in the quorum's order); a member whose description differs from the re
 holds a data slot (``--diloco-x-replica-index``) a more advanced member holds, leaves the run (SystemExit
 naming the flag); every other member meets again without it. Every verified rank reads the same
 messages, so they all reach the same verdict.
+
+Every round, before its commit, the members also agree that they landed the same mean
+(:func:`means_agree`: its fingerprint, sealed and bound to the quorum, the round and the sender).
 """
 
 from __future__ import annotations
@@ -170,3 +173,40 @@ def agree(group: dist.ProcessGroup, key: RunKey, quorum: int, progress: int, des
     if not behind:
         return Agreement(True)
     return Agreement(True, order[0], ref["heal_url"], ref["progress"], behind)
+
+
+def means_agree(group: dist.ProcessGroup, key: RunKey, quorum: int, round_: int, mean: bytes,
+                timeout_s: float) -> tuple[bool, str]:
+    """Whether every member of ``group`` landed the same mean for round ``round_`` (collective over
+    ``group``, one bounded all-gather of raw bytes): each member sends the digest of the mean it is about to
+    apply (``mean``, a few bytes), sealed with the run's key and bound to the quorum, the round and its
+    position. Returns ``(True, "")``, or ``(False, why)`` when a member's digest does not verify (a process
+    without the secret, a replay, corrupted bytes) or differs from this one's (a payload altered or
+    corrupted on its way to some members, or a faulty member): the round is then not committed, here or
+    (every member reads the same messages) anywhere. Raises :class:`HandshakeBroken` when the group breaks."""
+    size = dist.get_world_size(group)
+    if size <= 1:
+        return True, ""
+    me = group.rank()
+    at = lambda i: {"quorum": int(quorum), "round": int(round_), "member": i, "members": size}  # noqa: E731
+    blobs = gather_bytes(group, key.seal("mean", at(me), dump_json({"mean": mean.hex()})),
+                         time.perf_counter() + timeout_s)
+    unverified, differ = [], []
+    for i, blob in enumerate(blobs):
+        try:
+            got = key.open_json("mean", at(i), blob)
+        except AuthenticationError:
+            unverified.append(i)
+            continue
+        if not isinstance(got, dict) or got.get("mean") != mean.hex():
+            differ.append(i)
+    if not unverified and not differ:
+        return True, ""
+    parts = []
+    if unverified:
+        parts.append(f"the digest of member{'s' if len(unverified) > 1 else ''} {', '.join(map(str, unverified))} "
+                     f"does not verify with this run's {FLAG}")
+    if differ:
+        parts.append(f"member{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} landed another mean "
+                     "than this one (a payload altered or corrupted on its way, or a faulty member)")
+    return False, "; ".join(parts)

@@ -115,6 +115,7 @@ class TorchftMembership:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg = reconfigurable_gloo(timeout)
         own_host = advertise_host if self.rank == 0 else os.environ.get("DILOCO_X_RANK_HOST", advertise_host)
+        self.key = key
         self.transport = SealedTransport(key, own_host, self.rank, timeout=timeout)
         self.state_dict, self.load_state_dict, self.heal_bytes = state_dict, load_state_dict, heal_bytes
         connect_s = max(60.0, meeting_timeout_s)
@@ -295,10 +296,23 @@ class TorchftMembership:
         self._quorum_id = None
         self.manager._quorum_id = -1  # torchft 0.2.0 reconfigures only when the number changes
 
-    def commit(self, ok: bool) -> bool:
-        """Job-wide AND of ``ok`` (torchft's ``should_commit``)."""
+    def commit(self, ok: bool, mean: bytes | None = None) -> bool:
+        """Job-wide AND (torchft's ``should_commit``) of ``ok`` and, ``mean`` given (the digest of the mean
+        this rank is about to apply), of every member of the outer group having landed the same mean, each
+        digest sealed with the run's key (:func:`megatron_diloco.federation.handshake.means_agree`)."""
+        from megatron_diloco.federation.handshake import HandshakeBroken, means_agree
+
+        why = "the exchange failed on this rank"
+        if ok and mean is not None and self.group is not None and self.group.size() > 1:
+            try:
+                ok, why = means_agree(self.group, self.key, self._quorum_id or 0, self.rounds(), mean,
+                                      self.timeout_s)
+            except HandshakeBroken as err:
+                ok, why = False, str(err)
+            if not ok:
+                logger.warning("DiLoCoX round %d: not committed: %s", self.rounds(), why)
         if not ok:
-            self.manager.report_error(RuntimeError("the exchange failed on this rank"))
+            self.manager.report_error(RuntimeError(why))
         return bool(self.manager.should_commit())
 
     def shutdown(self) -> None:
