@@ -11,7 +11,10 @@ wrapping them from outside is enough:
 * ``train``: at the end of training drains the last exchange, checks that replicas are identical and
   prints ``DILOCOX SUMMARY {json}`` on rank 0.
 
-It also registers :func:`destroy_process_groups_at_exit`.
+It also registers :func:`destroy_process_groups_at_exit`. Every Megatron function it replaces (and those
+the other modules replace) is an entry of :mod:`megatron_diloco.megatron_adapter.patches`, which names the
+Megatron call site each relies on and the megatron-core versions it was checked against; ``install``
+verifies them against the installed Megatron before it changes anything.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from megatron_diloco.megatron_adapter import patches
 from megatron_diloco.megatron_adapter.arguments import config_from_args, validate_megatron_args
 from megatron_diloco.algorithm.config import CODECS, DiLoCoXConfig
 from megatron_diloco.summary import format_round_line, format_summary, params_digest, warmup_exposure_warning
@@ -79,6 +83,7 @@ def install(args: argparse.Namespace) -> DiLoCoXConfig | None:
                              "--ckpt-format torch_dist (per-replica state is saved as sharded objects)")
     except ValueError as err:
         raise SystemExit(f"megatron-diloco: error: {err}") from None
+    patches.check(args)  # before anything is patched: a Megatron whose call sites moved stops here
     from megatron_diloco.compat import distopt_resume, distopt_sgd, wheel
 
     distopt_resume.apply()  # exact resume of the inner distributed optimizer (Megatron fixes)
@@ -132,15 +137,29 @@ class _Installation:
         self.membership = None  # separate jobs (--diloco-x-lighthouse): this rank's membership of the run
 
     def patch(self) -> None:
+        """Apply the entries of :data:`~megatron_diloco.megatron_adapter.patches.INSTALL` that this run
+        needs, each through :func:`~megatron_diloco.megatron_adapter.patches.replace` with the method its
+        ``replacement`` names (every one verified against the installed Megatron first)."""
         from megatron.training import training
 
         if getattr(training.get_megatron_optimizer, "_diloco_x", False):
             raise RuntimeError("megatron_diloco.install() was called twice in one process")
-        get_opt, train_step, train = training.get_megatron_optimizer, training.train_step, training.train
+        entries = patches.applying_to(self.args, patches.INSTALL)
+        for entry in entries:  # all of them hold before the first is applied
+            patches.verify(entry)
+        for entry in entries:
+            patches.replace(entry, getattr(self, entry.replacement))
 
+    def wrap_get_megatron_optimizer(self, get_opt: Callable) -> Callable:
+        @functools.wraps(get_opt)
         def get_megatron_optimizer(config, model_chunks, *a, **k):
             return self.build_optimizer(get_opt(config, model_chunks, *a, **k), model_chunks)
 
+        get_megatron_optimizer._diloco_x = True  # install() and the launcher read it: DiLoCoX is installed
+        return get_megatron_optimizer
+
+    def wrap_train_step(self, train_step: Callable) -> Callable:
+        @functools.wraps(train_step)
         def diloco_train_step(*a, **k):
             model = a[2] if len(a) > 2 else k["model"]
             if self.optimizer is not None:  # the round's step time counts iterations, not what runs between
@@ -150,9 +169,15 @@ class _Installation:
             self.record_loss(out[0])
             return out
 
-        def diloco_train(*a, **k):
-            from megatron_diloco.megatron_adapter.replica_local import replica_local_finalize
+        return diloco_train_step
 
+    def wrap_train(self, train: Callable) -> Callable:
+        from megatron.training import training
+
+        from megatron_diloco.megatron_adapter.replica_local import replica_local_finalize
+
+        @functools.wraps(train)
+        def diloco_train(*a, **k):
             config = a[7] if len(a) > 7 else k["config"]  # the model's TransformerConfig
             config.finalize_model_grads_func = replica_local_finalize(
                 config.finalize_model_grads_func or training.finalize_model_grads)
@@ -161,22 +186,20 @@ class _Installation:
             self.finish(iteration=out[0], wall_s=time.perf_counter() - start)
             return out
 
-        if self.args.diloco_x_lighthouse is not None:  # a job that joins a run under way starts at its position
-            setup = training.setup_model_and_optimizer
+        return diloco_train
 
-            def setup_model_and_optimizer(*a, **k):
-                out = setup(*a, **k)
-                self.join_run(out[2])
-                return out
+    def wrap_setup_model_and_optimizer(self, setup: Callable) -> Callable:
+        """Separate jobs: a job that joins a run under way starts at its position (:meth:`join_run`)."""
+        @functools.wraps(setup)
+        def setup_model_and_optimizer(*a, **k):
+            out = setup(*a, **k)
+            self.join_run(out[2])
+            return out
 
-            training.setup_model_and_optimizer = setup_model_and_optimizer
-        if self.args.diloco_x_outer_store is not None or self.args.diloco_x_lighthouse is not None:
-            training.build_pretraining_data_loader = self.replica_data_loader(training.build_pretraining_data_loader)
-            training.get_train_valid_test_num_samples = self.replica_num_samples(
-                training.get_train_valid_test_num_samples)
-        load_checkpoint = training.load_checkpoint
-        get_scheduler = training.get_optimizer_param_scheduler
+        return setup_model_and_optimizer
 
+    def wrap_get_optimizer_param_scheduler(self, get_scheduler: Callable) -> Callable:
+        @functools.wraps(get_scheduler)
         def get_optimizer_param_scheduler(optimizer, *a, **k):
             # Megatron advances the LR schedule on successful steps only: with fp16 each replica's
             # position differs, and the optimizer checkpoints it per replica
@@ -186,17 +209,16 @@ class _Installation:
                 optimizer.attach_lr_scheduler(scheduler)
             return scheduler
 
+        return get_optimizer_param_scheduler
+
+    def wrap_load_checkpoint(self, load_checkpoint: Callable) -> Callable:
+        @functools.wraps(load_checkpoint)
         def diloco_load_checkpoint(*a, **k):
             out = load_checkpoint(*a, **k)
             self.after_load()
             return out
 
-        get_megatron_optimizer._diloco_x = True
-        training.load_checkpoint = diloco_load_checkpoint
-        training.get_optimizer_param_scheduler = get_optimizer_param_scheduler
-        training.get_megatron_optimizer = get_megatron_optimizer
-        training.train_step = diloco_train_step
-        training.train = diloco_train
+        return diloco_load_checkpoint
 
     # ------------------------------------------------------------------ optimizer
     def build_optimizer(self, inner, model_chunks):
@@ -311,34 +333,36 @@ class _Installation:
             print(f"megatron-diloco: --train-iters {self.args.train_iters} (from --train-samples): warm-up "
                   f"H0 {self.config.warmup_local_steps} for {self.config.warmup_iters} steps", flush=True)
 
-    def replica_data_loader(self, build):
+    def wrap_build_pretraining_data_loader(self, build: Callable) -> Callable:
         """Replicas in separate worlds (``--diloco-x-outer-store``): each world's data loaders take the
         samples that its ranks would take as data-parallel ranks ``replica x dp + dp_rank`` of ``R x
         dp`` in one world, so the R launches read disjoint data, sample for sample as one world of R
-        replicas does (evaluation too: a replica's validation loss covers its share; average the R)."""
+        replicas does (evaluation too: a replica's validation loss covers its share; average the R).
+        Megatron's sampler reads the two through ``parallel_state``, swapped while it builds them
+        (:data:`~megatron_diloco.megatron_adapter.patches.DATA_PARALLEL_RANK` and ``_SIZE``)."""
         from megatron.core import parallel_state as ps
 
         R, r = self.config.replicas, self.args.diloco_x_replica_index
 
+        @functools.wraps(build)
         def build_pretraining_data_loader(dataset, consumed_samples):
-            rank, size = ps.get_data_parallel_rank, ps.get_data_parallel_world_size
-            ps.get_data_parallel_rank = lambda *a, **k: r * size(*a, **k) + rank(*a, **k)
-            ps.get_data_parallel_world_size = lambda *a, **k: R * size(*a, **k)
-            try:
+            size = ps.get_data_parallel_world_size
+            with patches.swapped(
+                    (patches.DATA_PARALLEL_RANK, lambda rank: lambda *a, **k: r * size(*a, **k) + rank(*a, **k)),
+                    (patches.DATA_PARALLEL_SIZE, lambda size_: lambda *a, **k: R * size_(*a, **k))):
                 return build(dataset, consumed_samples)
-            finally:
-                ps.get_data_parallel_rank, ps.get_data_parallel_world_size = rank, size
 
         return build_pretraining_data_loader
 
-    def replica_num_samples(self, get_num_samples):
+    def wrap_get_train_valid_test_num_samples(self, get_num_samples: Callable) -> Callable:
         """Replicas in separate worlds: the datasets are sized for the R replicas' samples, as one
         world of R replicas sizes them (its global batch is R launches' ``--global-batch-size``).
-        Each launch's loaders take every R-th share of them (:meth:`replica_data_loader`), so
-        datasets sized for one launch would run out at 1/R of the run (seen: the validation
+        Each launch's loaders take every R-th share of them (:meth:`wrap_build_pretraining_data_loader`),
+        so datasets sized for one launch would run out at 1/R of the run (seen: the validation
         iterator ended at iteration 2100 of 3000)."""
         R = self.config.replicas
 
+        @functools.wraps(get_num_samples)
         def get_train_valid_test_num_samples():
             return tuple(None if n is None else R * n for n in get_num_samples())
 
