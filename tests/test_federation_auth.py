@@ -311,3 +311,60 @@ def test_a_group_with_a_stale_collective_is_retired_without_waiting(tmp_path):
     destructor there is shown end to end by test_frozen_job_is_left_behind_and_leaves_cleanly.)"""
     run_world(_retire, 2, str(tmp_path))
     assert float((tmp_path / "elapsed").read_text()) < 2.0
+
+
+_EXIT_WHILE_A_GROUP_CLOSES = '''
+import atexit, datetime, os, sys, time
+import torch, torch.distributed as dist
+from megatron_diloco.algorithm import groups
+rank, port, wait_at_exit = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+timeout = datetime.timedelta(seconds=30)
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timeout)
+pg = dist.ProcessGroupGloo(store, rank, 2, timeout)
+if rank == 1:  # never joins rank 0's collective; exits while rank 0 finalizes: the collective fails then
+    store.wait(["exiting"])
+    time.sleep(1.0)
+    os._exit(0)
+work = pg.allreduce([torch.ones(4)])  # a stale collective, as a frozen peer leaves one
+groups.retire_group(pg)
+del pg, work
+while not groups._destroying.is_set():  # the reaper is inside the group's destructor
+    time.sleep(0.01)
+if not wait_at_exit:
+    atexit.unregister(groups._wait_at_exit)
+class SlowTeardown:
+    def __del__(self):  # runs while the modules are finalized: holds the window open
+        time.sleep(3.0)
+slow = SlowTeardown()
+store.set("exiting", "1")
+sys.exit(3)
+'''
+
+
+@pytest.mark.parametrize("wait_at_exit", [True, False], ids=["as-shipped", "without-the-wait"])
+def test_a_job_exiting_while_a_retired_group_closes_exits_with_its_own_status(wait_at_exit):
+    """A job leaving the run (e.g. behind it after a freeze) while the reaper destroys a group with a stale
+    collective: it exits with its own status. Without the wait at exit, CPython ends the reaper thread
+    during finalization inside gloo's destructor and the process aborts (SIGABRT): the control case."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [str(port), "1" if wait_at_exit else "0"]
+    rank0 = subprocess.Popen([sys.executable, "-c", _EXIT_WHILE_A_GROUP_CLOSES, "0", *argv],
+                             stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    rank1 = subprocess.Popen([sys.executable, "-c", _EXIT_WHILE_A_GROUP_CLOSES, "1", *argv])
+    try:
+        _, err = rank0.communicate(timeout=120)
+        code = rank0.returncode
+    finally:
+        rank1.wait(60)
+    if wait_at_exit:
+        assert code == 3, (code, err[-2000:])
+    else:
+        assert code == -6 and "terminate called" in err, (code, err[-2000:])

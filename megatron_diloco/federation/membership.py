@@ -313,7 +313,10 @@ class TorchftMembership:
                 logger.warning("DiLoCoX round %d: not committed: %s", self.rounds(), why)
         if not ok:
             self.manager.report_error(RuntimeError(why))
-        return bool(self.manager.should_commit())
+        # every rank of the job votes; a rank may still be in its exchange's wait and then the means' check, each
+        # bounded by timeout_s: wait for it past both (with torchft's default, its own timeout_s, a rank that
+        # finished first raised TimeoutError while another waited out a failing exchange)
+        return bool(self.manager.should_commit(timeout=datetime.timedelta(seconds=3 * self.timeout_s + 60)))
 
     def shutdown(self) -> None:
         """Leave the run (end of training): stop heartbeating."""
