@@ -165,7 +165,7 @@ def _run_lossy(rank: int, overlap: str, case: str) -> dict:
 
     refuse = {"one_job_commits": {(1, 2)}, "nobody_commits": {(0, 2), (1, 2)}}.get(case, set())
     sync, fed, x, steps = _job(overlap, "int8", refuse, check_means=case != "save_finds_it_failed")
-    decide, complete, resolve = sync.decision.decide, sync._complete, fed._resolve_failed_round
+    decide, complete, resolve = sync.decision.decide, sync.complete, fed._resolve_failed_round
     out: dict = {"saved": None}
 
     def failing_decide(rounds, *args, **kw):
@@ -182,7 +182,7 @@ def _run_lossy(rank: int, overlap: str, case: str) -> dict:
         resolve(healed)
         out["resolved"], out["healed"] = sync.residual.clone(), healed
 
-    sync.decision.decide, sync._complete, fed._resolve_failed_round = failing_decide, failing_complete, resolving
+    sync.decision.decide, sync.complete, fed._resolve_failed_round = failing_decide, failing_complete, resolving
     for step in _boundaries(sync, x, rank, steps, STEPS):
         if step == 8:
             out["before"] = sync.residual.clone()

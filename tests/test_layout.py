@@ -61,3 +61,30 @@ def test_no_module_or_class_past_one_reading():
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ClassDef):
                 assert node.end_lineno - node.lineno + 1 <= CLASS_LINES, (path, node.name)
+
+
+def _private_reaches(path: Path) -> list[str]:
+    """Underscored (not dunder) attributes that ``path`` reads, writes or calls on anything but ``self`` / ``cls``
+    or a module it imports (``torch._foreach_*``): another object's private state."""
+    tree = ast.parse(path.read_text())
+    modules = {(a.asname or a.name).split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+               for a in node.names}
+    return [f"{path.name}:{node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+            and not (isinstance(node.value, ast.Name) and node.value.id in {"self", "cls", *modules})]
+
+
+def test_one_seam_between_rounds_and_membership():
+    """The boundary protocols reach the federation only through the round rules (``algorithm/rounds.py``):
+    no algorithm module but the federation's own imports ``algorithm/federated.py`` (``sync.py`` included);
+    the protocols never branch on the federation; and the protocols, the rules and the federation use each
+    other's public methods only (no ``sync._...`` anywhere across the seam)."""
+    federated = "megatron_diloco.algorithm.federated"
+    for path in sorted(ALGORITHM.rglob("*.py")):
+        if path.name != "federated.py":
+            assert federated not in _imports(path), path
+    for name in ("protocols.py", "rounds.py"):
+        attrs = {n.attr for n in ast.walk(ast.parse((ALGORITHM / name).read_text())) if isinstance(n, ast.Attribute)}
+        assert "federated" not in attrs, name
+    for name in ("federated.py", "rounds.py", "protocols.py"):
+        assert not _private_reaches(ALGORITHM / name), _private_reaches(ALGORITHM / name)

@@ -1,11 +1,14 @@
 """Rounds over a changing set of replicas: separate jobs that fail, heal and rejoin.
 
 With replicas launched as separate jobs that meet through a coordinator (``--diloco-x-lighthouse``),
-the outer group of a boundary is whoever is present then. :class:`FederatedRounds` adds to the
-boundary protocols of :class:`~megatron_diloco.algorithm.sync.OuterSync` (``none`` and ``partial``)
-what a changing membership needs; the membership itself (who is present, the outer group over them,
-a job-wide commit, moving state to a job that is behind) is a :class:`Membership`
-(:mod:`megatron_diloco.federation.membership` implements it on torchft).
+the outer group of a boundary is whoever is present then. :class:`FederatedRounds` is the
+:class:`~megatron_diloco.algorithm.rounds.RoundRules` of the boundary protocols of
+:class:`~megatron_diloco.algorithm.sync.OuterSync` (``none`` and ``partial``) for a changing membership:
+the protocols call its hooks and it decides from the round's
+:class:`~megatron_diloco.algorithm.rounds.RoundOutcome`, through ``OuterSync``'s public methods only; the
+membership itself (who is present, the outer group over them, a job-wide commit, moving state to a job
+that is behind) is a :class:`Membership` (:mod:`megatron_diloco.federation.membership` implements it on
+torchft).
 
 Every boundary, on every rank of every job, in the same order:
 
@@ -18,7 +21,8 @@ Every boundary, on every rank of every job, in the same order:
 2. **Decide** (the boundary's decision all-reduce), then two small collectives: the number of
    members contributing a pseudo-gradient (a job that has just joined contributes a zero row with
    weight 0), and a job-wide AND of "every rank of this job decided": a job launches on all its
-   ranks or on none.
+   ranks or on none (:meth:`FederatedRounds.launch` records the launch and, ``partial`` with a lossy
+   codec, keeps the residual from before it).
 3. **Land** (:meth:`FederatedRounds.settle`; at the boundary with ``none``, tau steps later with
    ``partial``): wait for the exchange into the mean, then the job-wide **commit** (every rank of
    the job completed its exchange, and every member of its outer group landed the same mean: their
@@ -55,6 +59,7 @@ from megatron_diloco.algorithm import faults
 from megatron_diloco.algorithm.bounds import OuterGroupError
 from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle
 from megatron_diloco.algorithm.link import bounded_all_reduce
+from megatron_diloco.algorithm.rounds import RoundOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +116,9 @@ class Membership(Protocol):
 
 
 class FederatedRounds:
-    """The membership side of one rank's boundaries (module doc). Owned by ``OuterSync``.
+    """The membership side of one rank's boundaries (module doc): the
+    :class:`~megatron_diloco.algorithm.rounds.RoundRules` of separate jobs, installed as
+    ``OuterSync.federated``.
 
     Args:
         sync: the rank's :class:`~megatron_diloco.algorithm.sync.OuterSync` (its outer state, groups).
@@ -145,8 +152,11 @@ class FederatedRounds:
         #: lossy codecs: the residual before this round's launch, (N,) fp32 with the outer state (``partial``:
         #: rotated in at the launch; ``none``: copied before it); what a round nobody committed restores
         self.rollback = sync.store.empty() if lossy else None
-        #: this round's exchange was launched (with a lossy codec its residual moved on)
-        self.launched = False
+        #: where a round's progress is counted from: x_L (``partial``, exact merge) or :attr:`x_rollback`
+        self.x_before = sync.launch_point if sync.config.overlap == "partial" else self.x_rollback
+        #: the last round on this rank (launched, the buffers from before the launch, committed): what a
+        #: failed round is resolved from (before any decision: an exchange a checkpoint or a heal restored)
+        self.outcome = RoundOutcome(x_before=self.x_before)
         self._healed: dict | None = None
         self._healed_pending: torch.Tensor | None = None
         self._joining = False
@@ -170,30 +180,20 @@ class FederatedRounds:
         """What a member that is behind receives from this rank (its shard's outer state and the run's
         position), as this rank holds it at the meeting."""
         sync = self.sync
-        return {"theta": sync.outer.theta, "momentum_buffer": sync.outer.momentum_buffer,
-                "codec": sync.codec.state_dict() if hasattr(sync.codec, "state_dict") else None,
-                "meta": {"rounds": sync.rounds, "skipped_rounds": sync.skipped_rounds, "tau": sync.tau,
-                         "committed": self.committed, "timings": sync.timings(),
-                         "link_bytes_per_s": sync.link_bytes_per_s if sync._link_measured else None,
-                         "position": self.position(), "identity": self.identity,
-                         # False at a job's start: no boundary follows this meeting on that job
-                         "in_boundary": not self._joining},
-                # at a job's start, the exchange its checkpoint restored (its mean), applied tau steps in
-                "pending": sync.exchange_buffer if self._joining and sync.pending is not None else None}
+        state = sync.heal_state()  # theta, the momentum, the codec state, the counters, tau, timings, link
+        state["meta"].update(committed=self.committed, position=self.position(), identity=self.identity,
+                             # False at a job's start: no boundary follows this meeting on that job
+                             in_boundary=not self._joining)
+        # at a job's start, the exchange its checkpoint restored (its mean), applied tau steps in
+        state["pending"] = sync.exchange_buffer if self._joining and sync.pending is not None else None
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Take a peer's :meth:`state_dict` (called during :meth:`meet` when this job is behind), once
         :meth:`check_heal` accepts it (nothing is taken otherwise)."""
-        sync = self.sync
         self.check_heal(state)
-        sync.outer.load_state_dict({"theta": state["theta"], "momentum_buffer": state["momentum_buffer"]})
-        if hasattr(sync.codec, "load_state_dict") and state.get("codec") is not None:
-            sync.codec.load_state_dict(state["codec"])
+        self.sync.load_heal_state(state)
         meta = state["meta"]
-        sync.rounds, sync.skipped_rounds, sync.tau = int(meta["rounds"]), int(meta["skipped_rounds"]), int(meta["tau"])
-        sync.load_timings(meta["timings"])
-        if meta.get("link_bytes_per_s") is not None and sync.config.bandwidth_mbps is None:
-            sync._link_measured, sync.link_bytes_per_s = True, float(meta["link_bytes_per_s"])
         self.committed = int(meta["committed"])
         self._healed = {**meta["position"], "in_boundary": bool(meta.get("in_boundary", True))}
         self._healed_pending = state.get("pending")
@@ -276,12 +276,11 @@ class FederatedRounds:
 
     @torch.no_grad()
     def _resolve_failed_round(self, healed: bool) -> None:
-        """Step 4 of the module doc."""
+        """Step 4 of the module doc, from the failed round's :attr:`outcome`."""
         sync = self.sync
         self.failed = False
         if healed:  # another job committed it, with this replica's payload: x <- theta + (x - x_L)
-            anchor = sync.launch_point if sync.config.overlap == "partial" else self.x_rollback
-            for lo, hi, (th, a) in sync.store.stream(sync.theta, anchor):
+            for lo, hi, (th, a) in sync.store.stream(sync.theta, self.outcome.x_before):
                 xs = sync.view.pieces(lo, hi)
                 if xs:
                     torch._foreach_sub_(xs, sync.view.split_like(a, xs))
@@ -289,8 +288,8 @@ class FederatedRounds:
             logger.warning("DiLoCoX round %d: the last round failed on this job and another job committed it; "
                            "took its theta (this replica's payload is in it), kept the progress since", sync.rounds)
         else:
-            if self.launched and self.rollback is not None:
-                sync.residual.copy_(self.rollback)  # the residual before that launch (untouched if none was)
+            if self.outcome.residual_before is not None:  # it launched: the residual before that launch
+                sync.residual.copy_(self.outcome.residual_before)  # (untouched if it did not)
             logger.warning("DiLoCoX round %d: the last round was committed by no job; theta unchanged, this "
                            "boundary's pseudo-gradient covers both rounds", sync.rounds)
         sync.params_shared = False
@@ -306,24 +305,24 @@ class FederatedRounds:
     def committed_residual(self) -> torch.Tensor | None:
         """The residual of the committed state (what a checkpoint holds): while a failed round is unresolved
         and it had launched, the one before that launch (as if nobody committed it); else the residual."""
-        if self.failed and self.launched and self.rollback is not None:
-            return self.rollback
+        if self.failed and self.outcome.residual_before is not None:
+            return self.outcome.residual_before
         return self.sync.residual
 
-    def decide(self, sq: float, tau: int, theta_fp: torch.Tensor | None):
-        """The boundary's decision (:meth:`BoundaryDecision.decide`), or None when not every member
-        decided (a member lost here fails the round; it does not end the run)."""
+    def decide(self, sq: float, tau: int, theta_fp: torch.Tensor | None, local_steps: int = 0):
+        """The boundary's decision (:meth:`BoundaryDecision.decide`; ``local_steps`` is 0: H is fixed), or None
+        when not every member decided (a member lost here fails the round; it does not end the run). Opens
+        this round's :attr:`outcome` (x_L with ``partial``, x before the pseudo-gradient with ``none``)."""
         sync = self.sync
-        self.launched = False
+        self.outcome = RoundOutcome(sync.rounds, x_before=self.x_before)
         try:
-            decision = sync.decision.decide(sync.rounds, sq, tau, theta_fp, sync.timeout_s)
+            decision = sync.decision.decide(sync.rounds, sq, tau, theta_fp, sync.timeout_s, local_steps)
         except OuterGroupError as err:
             logger.warning("%s", err)
             decision = None
         if not self.agree(decision is not None):
             return None
         faults.point("decision", sync.rounds, company=self.members > 1)
-        self.launched = not decision.skip  # the caller launches now (a skip leaves the residual untouched)
         return decision
 
     def agree(self, decided: bool) -> bool:
@@ -360,6 +359,7 @@ class FederatedRounds:
         """Mark this round failed on this rank (resolved at the next meeting)."""
         sync = self.sync
         self.failed = True
+        self.outcome.committed = False
         self.stats["failed_rounds"] += 1
         self.membership.abandon()  # no operation is ever issued again on the group this round failed on
         sync.regroup(None, self._decision_groups(None))
@@ -369,11 +369,19 @@ class FederatedRounds:
         logger.warning("DiLoCoX round %d failed on this job: %s; theta and m unchanged, resolved at the next "
                        "boundary", sync.rounds, why)
 
-    def rotate_residual(self) -> None:
-        """``partial`` with a lossy codec, at the launch: e <- e_new (in ``exchange_buffer``), keep e_old in the
-        rollback buffer, ``exchange_buffer`` takes the rollback's storage (scratch until the mean arrives)."""
-        sync = self.sync
-        sync.residual, sync.exchange_buffer, self.rollback = sync.exchange_buffer, self.rollback, sync.residual
+    def launch(self, rotate: bool) -> None:
+        """The round's exchange launches now (after a decision to go ahead): the :attr:`outcome` records it and,
+        with a lossy codec, the residual from before the launch (``none``: copied by
+        :meth:`before_pseudo_gradient`; ``rotate``, ``partial``: e <- e_new and e_old kept in the rollback
+        buffer, whose storage becomes the exchange buffer, :meth:`OuterSync.rotate_residual`)."""
+        if rotate:
+            self.rollback = self.sync.rotate_residual(keep=self.rollback)
+        self.outcome.launched = True
+        self.outcome.residual_before = self.rollback
+
+    def land(self, handle: ExchangeHandle, after: AfterStep | None = None) -> bool:
+        """:meth:`settle`."""
+        return self.settle(handle, after)
 
     @torch.no_grad()
     def settle(self, handle: ExchangeHandle, after: AfterStep | None) -> bool:
@@ -383,14 +391,13 @@ class FederatedRounds:
         ok = True
         faults.point("exchange", handle.round, company=self.members > 1)
         try:
-            sync._complete(handle)  # the mean into the exchange buffer (bounded)
+            sync.complete(handle)  # the mean into the exchange buffer (bounded)
         except OuterGroupError as err:
             ok = False
             why = str(err).split(". Nothing of this round")[0]
-            # a collective that timed out is never cancelled (gloo): it may still write into the buffer it
-            # was given. Leave that buffer to it and take a fresh one (no operation on that group follows:
-            # the failed commit makes the coordinator form a new quorum, a new group)
-            sync.exchange_buffer = sync.store.empty()
+            # a collective that timed out may still write into its buffer: a fresh one (no operation on that
+            # group follows: the failed commit makes the coordinator form a new quorum, a new group)
+            sync.renew_exchange_buffer()
         if ok and not handle.restored and 0 < self.contributors < self.members:  # a joiner's zero row, weight 0
             scale = self.members / self.contributors
             for _, _, (d,) in sync.store.stream(sync.exchange_buffer, write=[sync.exchange_buffer]):
@@ -405,7 +412,8 @@ class FederatedRounds:
                                          "exchange, or the members landed different means)")
             return False
         self.committed += 1
-        sync._complete(handle, sync.outer, after)  # the step from the mean in the exchange buffer
+        sync.complete(handle, sync.outer, after)  # the step from the mean in the exchange buffer
+        self.outcome.committed = True
         return True
 
     # ---------------- joining ----------------
@@ -476,11 +484,11 @@ class FederatedRounds:
             return False
         ok = True
         try:
-            sync._complete(handle)
+            sync.complete(handle)
         except OuterGroupError as err:
             ok = False
             why = str(err).split(". Nothing of this round")[0]
-            sync.exchange_buffer = sync.store.empty()  # (settle's reason: the stale collective keeps the old one)
+            sync.renew_exchange_buffer()  # (settle's reason: the stale collective keeps the old one)
         if not self._job_all(ok) and ok:
             ok, why = False, "another rank of this job did not complete its exchange"
         if ok:

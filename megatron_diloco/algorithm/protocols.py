@@ -74,6 +74,7 @@ from torch.profiler import record_function
 from megatron_diloco.algorithm.config import CODECS
 from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle, ExchangeStats, Outbox
 from megatron_diloco.algorithm.link import wire_bytes
+from megatron_diloco.algorithm.outer import OuterNesterov
 from megatron_diloco.algorithm.schedule import auto_local_steps
 from megatron_diloco.algorithm.shard_view import fingerprint
 
@@ -120,20 +121,22 @@ class LaunchPass:
 class BoundaryProtocols:
     """The boundary protocols of :class:`megatron_diloco.algorithm.sync.OuterSync` (module doc): what
     happens at a boundary, at ``partial``'s landing, and at the drain, over the state ``OuterSync``
-    owns. Every method here is collective over the outer group and the decision group."""
+    owns. How each round is agreed, landed, saved and finished is :attr:`round_rules`'s
+    (:class:`~megatron_diloco.algorithm.rounds.RoundRules`), whose hooks are called here at fixed points.
+    Every method here is collective over the outer group and the decision group."""
 
     # ---------------- the decision: skip, tau, auto H ----------------
     def _decide(self, sq: float, tau: int, theta_fp: torch.Tensor | None, local_steps: int = 0):
         """This boundary's :class:`~megatron_diloco.algorithm.decision.Decision` (skip, agreed tau and
-        auto H), theta compared across replicas (:meth:`BoundaryDecision.decide`; collective over the
-        decision groups, bounded). ``local_steps``: this rank's proposed H (:meth:`_propose_local_steps`).
-        An agreed H is the schedule's from here (:meth:`RoundSchedule.take_agreed_local_steps`, at the
-        step count the caller gave :meth:`before_boundary`: its rounds begin, or a warm-up that follows H
-        lengthens), which gives the :attr:`next_round_steps`."""
-        if self.federated is not None:  # separate jobs (fixed H): None when not every member decided
-            return self.federated.decide(sq, tau, theta_fp)
-        decision = self.decision.decide(self.rounds, sq, tau, theta_fp, self.timeout_s, local_steps)
-        if decision.local_steps and self.boundary_steps is not None:
+        auto H), theta compared across replicas (:meth:`RoundRules.decide`: :meth:`BoundaryDecision.decide`,
+        collective over the decision groups, bounded; None when the rules do not let the round go ahead,
+        separate jobs whose members did not all decide). ``local_steps``: this rank's proposed H
+        (:meth:`_propose_local_steps`). An agreed H is the schedule's from here
+        (:meth:`RoundSchedule.take_agreed_local_steps`, at the step count the caller gave
+        :meth:`before_boundary`: its rounds begin, or a warm-up that follows H lengthens), which gives the
+        :attr:`next_round_steps`."""
+        decision = self.round_rules.decide(sq, tau, theta_fp, local_steps)
+        if decision is not None and decision.local_steps and self.boundary_steps is not None:
             self.next_round_steps = self.schedule.take_agreed_local_steps(self.boundary_steps, decision.local_steps)
         return decision
 
@@ -295,27 +298,27 @@ class BoundaryProtocols:
         """Run the boundary ending the current round (collective over the outer group and the
         decision group). Raises :class:`~megatron_diloco.algorithm.bounds.OuterGroupError` when a wait passes :meth:`timeout_s`.
 
-        Separate jobs (:attr:`federated`): the members meet first (after ``partial``'s pending
-        exchange landed). ``joined``: this job has just met the run at this boundary and received its
-        state (:meth:`FederatedRounds.join`): the rest of the boundary, contributing nothing."""
+        The round's rules (:attr:`round_rules`) meet first (after ``partial``'s pending exchange landed;
+        separate jobs: the members present). ``joined``: this job has just met the run at this boundary and
+        received its state (:meth:`FederatedRounds.join`): the rest of the boundary, contributing nothing."""
         if not joined:
             self.rounds += 1
         self.bounds.arm(self.timeout_s())
         if self.config.overlap == "partial":
             return self._partial_boundary(joined)
-        if self.federated is not None and not joined:
-            self.federated.meet()
+        if not joined:
+            self.round_rules.meet()
         theta_fp = self.decision.theta_accumulator()  # theta as the decision sees it (None: not compared)
         if self.config.overlap == "none":
             with record_function("megatron_diloco::prepare"):
-                if self.federated is not None:
-                    self.federated.before_pseudo_gradient()
+                self.round_rules.before_pseudo_gradient()
                 sq = self._pseudo_gradient_into_x(theta_fp)  # theta: the anchor
                 decision = self._decide(sq, 0, theta_fp)
-                if decision is None:  # separate jobs: not every member decided (a failed round)
+                if decision is None:  # the round does not go ahead here (separate jobs: a failed round)
                     return RoundReport(self.rounds, False, ExchangeStats(), None, sq)
                 if decision.skip:
                     return self._skip(sq, completed=None)
+                self.round_rules.launch(rotate=False)
                 handle = self._launch()
             with record_function("megatron_diloco::perform"):
                 if not self._land(handle):
@@ -334,12 +337,13 @@ class BoundaryProtocols:
         completed = None
         with record_function("megatron_diloco::perform"):
             if self.pending is not None:
-                self._complete(self.pending, self.outer, self._fingerprinting(theta_fp))
+                self.complete(self.pending, self.outer, self._fingerprinting(theta_fp))
                 completed = self.pending.stats
                 self.pending = None
         with record_function("megatron_diloco::launch"):
-            if self._decide(sq, 0, theta_fp, self._propose_local_steps()).skip:
+            if self._decide(sq, 0, theta_fp, self._propose_local_steps()).skip:  # (one world: never None)
                 return self._skip(sq, completed)
+            self.round_rules.launch(rotate=False)
             self.pending = self._launch()  # also a_r (eager) and x <- a_r
             self.params_shared = self.eager_anchor is None
         return RoundReport(self.rounds, completed is not None, self.pending.stats, completed, sq)
@@ -359,8 +363,8 @@ class BoundaryProtocols:
         completed = None
         if self.pending is not None:
             completed = self.merge()
-        if self.federated is not None and not joined:
-            self.federated.meet()
+        if not joined:
+            self.round_rules.meet()
         theta_fp = self.decision.theta_accumulator()  # theta as the decision sees it: fingerprinted in this pass
         with record_function("megatron_diloco::prepare"):
             encode = self.residual is not None and self._executor is None  # blockwise codecs encode here
@@ -372,16 +376,13 @@ class BoundaryProtocols:
         with record_function("megatron_diloco::launch"):
             h = self._propose_local_steps()
             decision = self._decide(sq, self._choose_overlap_steps(h), theta_fp, h)
-            if decision is None:  # separate jobs: not every member decided (a failed round; e untouched)
+            if decision is None:  # the round does not go ahead here (separate jobs: a failed round; e untouched)
                 return RoundReport(self.rounds, completed is not None, ExchangeStats(), completed, sq)
             self.tau = decision.tau
             if decision.skip:
                 return self._skip(sq, completed)  # e untouched; the payload and e_new are dropped
-            if encode and self.federated is not None:  # e_old kept until the round commits
-                self.federated.rotate_residual()
-            elif encode:
-                self.residual, self.exchange_buffer = self.exchange_buffer, self.residual
-            elif self._executor is None:  # none: the buffer holds delta_r, the all-reduce buffer
+            self.round_rules.launch(rotate=encode)  # encode: e <- e_new (the rules keep e_old, or not)
+            if not encode and self._executor is None:  # none: the buffer holds delta_r, the all-reduce buffer
                 outbox = Outbox(self.codec, self.view.numel, self.view.device, send=self.exchange_buffer)
             self.pending = self._start(outbox, input_sq, residual_sq)
             self.params_shared = False
@@ -424,13 +425,10 @@ class BoundaryProtocols:
         return handle.stats
 
     def _land(self, handle: ExchangeHandle, after: AfterStep | None = None) -> bool:
-        """Complete ``handle`` into the outer step (``after`` fused into its pass). Separate jobs: only
-        when every rank of this job completed and committed it (:meth:`FederatedRounds.settle`);
-        returns whether the step was applied."""
-        if self.federated is not None:
-            return self.federated.settle(handle, after)
-        self._complete(handle, self.outer, after)
-        return True
+        """Complete ``handle`` into the outer step (``after`` fused into its pass), as the rules land it
+        (:meth:`RoundRules.land`; separate jobs: only when every rank of this job completed and committed it,
+        :meth:`FederatedRounds.settle`); returns whether the step was applied."""
+        return self.round_rules.land(handle, after)
 
     def _skip(self, sq: float, completed: ExchangeStats | None) -> RoundReport:
         """Drop this round's pseudo-gradient everywhere: x <- theta, residual untouched."""
@@ -447,8 +445,8 @@ class BoundaryProtocols:
     def drain(self) -> ExchangeStats | None:
         """Wait for the exchange in flight (if any), apply it, and set x <- theta. Collective. With
         nothing in flight (``none``, or no boundary yet) it does nothing: x keeps the local progress
-        since the last boundary. Separate jobs whose last round failed: a last meeting resolves it
-        (:meth:`FederatedRounds.finish`), and every job ends with the run's committed theta."""
+        since the last boundary. Then the rules finish (:meth:`RoundRules.finish`; separate jobs whose last
+        round failed: a last meeting resolves it, and every job ends with the run's committed theta)."""
         stats = None
         if self.pending is not None:
             with record_function("megatron_diloco::drain"):
@@ -460,6 +458,41 @@ class BoundaryProtocols:
                     self.eager_anchor.copy_(self.theta)
                 self.x_from(self.theta)
                 self.params_shared = True
-        if self.federated is not None:
-            self.federated.finish()
+        self.round_rules.finish()
         return stats
+
+    # ---------------- completing an exchange; the buffers the round rules place ----------------
+    def complete(self, handle: ExchangeHandle, outer: OuterNesterov | None = None,
+                 after: AfterStep | None = None) -> None:
+        """Complete ``handle`` (not past its bound: :class:`~megatron_diloco.algorithm.bounds.OuterGroupError` then): the mean into
+        ``exchange_buffer`` (``outer`` None), or straight into ``outer``'s step, ``after`` fused into its pass
+        (:meth:`ExchangeHandle.apply`). With a lossy codec its stats hold the squared norm of the
+        residual it left (what was not sent; measured at the launch, or by the matrix codecs' worker
+        thread): relative compression error = sqrt(residual_sq / input_sq)."""
+        try:
+            if outer is None:
+                handle.wait()
+            else:
+                handle.apply(outer, after)
+        except (RuntimeError, TimeoutError) as err:
+            what = f"the exchange of round {handle.round}" if handle.round != self.rounds else "the exchange"
+            raise self.bounds.failure(self.rounds, what, self.exchange_group, handle.timeout_s, handle.elapsed_s,
+                                      err) from err
+        if not handle.restored:  # a restored exchange's measurement is the checkpoint's (load_state_dict)
+            self.longest_exchange_s = max(self.longest_exchange_s, handle.stats.exchange_s)
+            self.last_completed = handle.stats
+
+    def renew_exchange_buffer(self) -> None:
+        """After an exchange that failed past its bound: a collective that timed out is never cancelled
+        (gloo) and may still write into the buffer it was given, so leave that buffer to it and take a
+        fresh :attr:`exchange_buffer` ((N,) fp32 with the outer state; its contents undefined). Local."""
+        self.exchange_buffer = self.store.empty()
+
+    def rotate_residual(self, keep: torch.Tensor | None = None) -> torch.Tensor | None:
+        """At a launch whose pass wrote e_new into :attr:`exchange_buffer` (``partial``, blockwise codec):
+        e <- e_new. e_old's storage becomes the exchange buffer (scratch until the mean comes back); or,
+        ``keep`` given (a spare (N,) fp32 buffer of the store, contents dropped), ``keep`` becomes the
+        exchange buffer and e_old is returned untouched (the residual before the launch). Local."""
+        e_old, self.residual = self.residual, self.exchange_buffer
+        self.exchange_buffer = e_old if keep is None else keep
+        return None if keep is None else e_old

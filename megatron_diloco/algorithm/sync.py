@@ -5,7 +5,8 @@ main-parameter shards of the inner optimizer), ``Delta`` the replicas' mean pseu
 boundary protocols themselves (``none``, ``delayed``, ``eager``, ``partial``) are in
 :mod:`megatron_diloco.algorithm.protocols`; the round schedule in :mod:`~megatron_diloco.algorithm.schedule`;
 the boundary's decision in :mod:`~megatron_diloco.algorithm.decision`; the bounds on its waits in
-:mod:`~megatron_diloco.algorithm.bounds`.
+:mod:`~megatron_diloco.algorithm.bounds`; how a round is agreed, landed, saved and finished (one world, or
+separate jobs) in :mod:`~megatron_diloco.algorithm.rounds`, whose rules use the public methods here.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle, ExchangeStats, Outbox, start_exchange
+from megatron_diloco.algorithm.exchange import ExchangeHandle, ExchangeStats, Outbox, start_exchange
 from megatron_diloco.algorithm.link import measure_link_bandwidth
 from megatron_diloco.algorithm.worker import DaemonWorker
 from megatron_diloco.algorithm.bounds import OuterBounds
-from megatron_diloco.algorithm.federated import FederatedRounds
 from megatron_diloco.algorithm.config import CODECS, DiLoCoXConfig, link_share_bytes_per_s
 from megatron_diloco.algorithm.decision import BoundaryDecision
 from megatron_diloco.algorithm.outer import OuterNesterov
 from megatron_diloco.algorithm.outer_store import OuterStore, chunk_elements
 from megatron_diloco.algorithm.protocols import BoundaryProtocols
+from megatron_diloco.algorithm.rounds import OneWorldRounds, RoundRules
 from megatron_diloco.algorithm.schedule import RoundSchedule
 from megatron_diloco.algorithm.shard_view import ShardView, fingerprint
 
@@ -187,8 +188,20 @@ class OuterSync(BoundaryProtocols):
         self.bounds.arm(self.timeout_s())
         #: the boundary's one decision all-reduce (skip, tau, theta's agreement across replicas)
         self.decision = BoundaryDecision(group, self.decision_groups, view.device, self.bounds)
-        #: replicas as separate jobs that meet at each boundary (a FederatedRounds), else None
-        self.federated: FederatedRounds | None = None
+        #: how each round is agreed, landed, saved and finished (:mod:`~megatron_diloco.algorithm.rounds`):
+        #: replicas of one world, or separate jobs (a FederatedRounds, installed through :attr:`federated`)
+        self.round_rules: RoundRules = OneWorldRounds(self)
+
+    @property
+    def federated(self):
+        """The rules of separate jobs (a :class:`~megatron_diloco.algorithm.federated.FederatedRounds`) when
+        installed, else None (replicas of one world). Setting it installs them as :attr:`round_rules` (None:
+        the one-world rules again)."""
+        return None if isinstance(self.round_rules, OneWorldRounds) else self.round_rules
+
+    @federated.setter
+    def federated(self, rules: RoundRules | None) -> None:
+        self.round_rules = OneWorldRounds(self) if rules is None else rules
 
     def regroup(self, group: dist.ProcessGroup | None, decision_groups: tuple[dist.ProcessGroup, ...]) -> None:
         """Separate jobs, new members: exchanges, decision and bounds use these groups from now on."""
@@ -243,26 +256,6 @@ class OuterSync(BoundaryProtocols):
         """The bound (s) on the next outer operation: ``--diloco-x-outer-timeout-minutes``, or derived
         from H x the step time and the longest exchange (:meth:`DiLoCoXConfig.outer_timeout_s`)."""
         return self.config.outer_timeout_s(self.step_time_s, self.longest_exchange_s)
-
-    def _complete(self, handle: ExchangeHandle, outer: OuterNesterov | None = None,
-                  after: AfterStep | None = None) -> None:
-        """Complete ``handle`` (not past its bound: :class:`~megatron_diloco.algorithm.bounds.OuterGroupError` then): the mean into
-        ``exchange_buffer`` (``outer`` None), or straight into ``outer``'s step, ``after`` fused into its pass
-        (:meth:`ExchangeHandle.apply`). With a lossy codec its stats hold the squared norm of the
-        residual it left (what was not sent; measured at the launch, or by the matrix codecs' worker
-        thread): relative compression error = sqrt(residual_sq / input_sq)."""
-        try:
-            if outer is None:
-                handle.wait()
-            else:
-                handle.apply(outer, after)
-        except (RuntimeError, TimeoutError) as err:
-            what = f"the exchange of round {handle.round}" if handle.round != self.rounds else "the exchange"
-            raise self.bounds.failure(self.rounds, what, self.exchange_group, handle.timeout_s, handle.elapsed_s,
-                                      err) from err
-        if not handle.restored:  # a restored exchange's measurement is the checkpoint's (load_state_dict)
-            self.longest_exchange_s = max(self.longest_exchange_s, handle.stats.exchange_s)
-            self.last_completed = handle.stats
 
     def _start(self, outbox: Outbox | None, input_sq: list[torch.Tensor],
                residual_sq: list[torch.Tensor]) -> ExchangeHandle:
@@ -359,11 +352,7 @@ class OuterSync(BoundaryProtocols):
         Completing the exchange keeps the trajectory unchanged: a resumed run applies it at the next
         boundary exactly as the uninterrupted run does.
         """
-        has_pending = self.pending is not None
-        if self.federated is not None:  # separate jobs: a failed exchange is a failed round
-            has_pending = self.federated.before_save()
-        elif has_pending:
-            self._complete(self.pending)  # bounded: a hung link raises before anything is written
+        has_pending = self.round_rules.before_save()  # separate jobs: a failed exchange is a failed round
         return {
             "rounds": self.rounds,
             "skipped_rounds": self.skipped_rounds,
@@ -385,9 +374,9 @@ class OuterSync(BoundaryProtocols):
 
     @property
     def committed_residual(self) -> torch.Tensor | None:
-        """The error-feedback residual a checkpoint holds: :attr:`residual`, or with separate jobs while a
-        failed round is unresolved, the one before its launch (:meth:`FederatedRounds.committed_residual`)."""
-        return self.federated.committed_residual() if self.federated is not None else self.residual
+        """The error-feedback residual a checkpoint holds (:meth:`RoundRules.committed_residual`): :attr:`residual`,
+        or with separate jobs while a failed round is unresolved, the one before its launch."""
+        return self.round_rules.committed_residual()
 
     def timings(self) -> dict:
         """This rank's own measurements that auto tau, the adaptive budget and the derived timeout are
@@ -398,6 +387,29 @@ class OuterSync(BoundaryProtocols):
                 "last_exchange": None if self.last_completed is None else {
                     "bytes_sent": self.last_completed.bytes_sent, "exchange_s": self.last_completed.exchange_s},
                 "longest_exchange_s": self.longest_exchange_s}
+
+    def heal_state(self) -> dict:
+        """The shared outer state a job that is behind receives from this rank (separate jobs,
+        :meth:`FederatedRounds.state_dict`): theta and the outer momentum ((N,) fp32, this rank's shard;
+        the momentum None without one), the codec state, and ``meta``: the round counters, tau, the
+        :meth:`timings`, the measured link (None unless measured)."""
+        return {"theta": self.outer.theta, "momentum_buffer": self.outer.momentum_buffer,
+                "codec": self.codec.state_dict() if hasattr(self.codec, "state_dict") else None,
+                "meta": {"rounds": self.rounds, "skipped_rounds": self.skipped_rounds, "tau": self.tau,
+                         "timings": self.timings(),
+                         "link_bytes_per_s": self.link_bytes_per_s if self._link_measured else None}}
+
+    def load_heal_state(self, state: dict) -> None:
+        """Take a peer's :meth:`heal_state` (already checked by its receiver; local): the measured link
+        unless this run gives ``--diloco-x-bandwidth-mbps``."""
+        self.outer.load_state_dict({"theta": state["theta"], "momentum_buffer": state["momentum_buffer"]})
+        if hasattr(self.codec, "load_state_dict") and state.get("codec") is not None:
+            self.codec.load_state_dict(state["codec"])
+        meta = state["meta"]
+        self.rounds, self.skipped_rounds, self.tau = int(meta["rounds"]), int(meta["skipped_rounds"]), int(meta["tau"])
+        self.load_timings(meta["timings"])
+        if meta.get("link_bytes_per_s") is not None and self.config.bandwidth_mbps is None:
+            self._link_measured, self.link_bytes_per_s = True, float(meta["link_bytes_per_s"])
 
     def load_timings(self, state: dict) -> None:
         """Restore :meth:`timings` (absent entries keep what is there)."""
