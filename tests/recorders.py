@@ -27,7 +27,10 @@
     ``loaded_fp``: the same right after a checkpoint was loaded;
   * ``final_fp``: after the end of training (``DiLoCoXOptimizer.finish``), ``{"main", "model"}``:
     fingerprints of the rank's fp32 main shards and of its model parameters (absent when the run
-    did not finish: interrupted, failed).
+    did not finish: interrupted, failed);
+  * ``refused_attrs``: every name read from the ``DiLoCoXOptimizer`` that it neither has nor forwards
+    to Megatron's optimizer (``megatron_adapter.forwarding.FORWARDED``), ``[name, caller file:line]``:
+    empty when the forwarded list covers what the run read.
 
   Environment: ``DILOCO_TEST_PERTURB_REPLICA=R`` perturbs replica R's start weights (a replica that
   loaded other weights); ``DILOCO_TEST_STACKS=1`` adds each cross-replica op's call stack;
@@ -56,8 +59,9 @@
     outer state: not a copy), the pickled size of each ShardedObject (skipped with
     ``DILOCO_CKPT_OBJECT_SIZES=0``: serializing them allocates), and the rank's shard numel;
   * ``restart``: the reason string of each ``DiLoCoXOptimizer.restart_outer_loop_from_params`` call;
-  * ``timings_saved``: per save, ``[step_calls, timings]`` of the rank's ``OuterSync`` (``[step time,
-    [last exchange bytes, seconds] or None, longest exchange]``: what auto tau is sized from);
+  * ``timings_saved``: per save (``OuterCheckpoint.replica_meta``), ``[step_calls, timings]`` of the
+    rank's ``OuterSync`` (``[step time, [last exchange bytes, seconds] or None, longest exchange]``:
+    what auto tau is sized from);
     ``timings_loaded``: the same right after a checkpoint was loaded.
 
   Environment: ``DILOCO_TEST_RESTART_AFTER_STEP=N`` calls ``restart_outer_loop_from_params`` on every
@@ -123,12 +127,12 @@ class TrainingRecorder(Recorder):
 
     name = "training"
     keys = ("losses", "boundary_identical", "cross_replica", "replica_gathers", "outer", "main_fp", "loaded_fp",
-            "step_ops", "step_time", "train_step_s", "rounds", "final_fp")
+            "step_ops", "step_time", "train_step_s", "rounds", "final_fp", "refused_attrs")
 
     def __init__(self, record: dict[str, Any]) -> None:
         super().__init__(record)
         record.update(losses=[], boundary_identical=[], cross_replica=[], replica_gathers={}, step_ops=[],
-                      step_time=[], train_step_s=[], rounds=[])
+                      step_time=[], train_step_s=[], rounds=[], refused_attrs=[])
         self.ctx = {"in_train": False, "in_train_step": False, "in_boundary": False, "iteration": 0,
                     "instrumenting": False}
 
@@ -295,6 +299,12 @@ class TrainingRecorder(Recorder):
                 [opt.step_calls, [int(fingerprint([t])[0]) for t in opt.view.shards]])
             return out
 
+        @wrap(DiLoCoXOptimizer, "__getattr__")  # reached only for names neither had nor forwarded
+        def refused(orig, opt, name):
+            caller = sys._getframe(2)  # (1: the harness's wrapper)
+            record["refused_attrs"].append([name, f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"])
+            return orig(opt, name)
+
         @wrap(DiLoCoXOptimizer, "finish")
         def finish(orig, opt):
             orig(opt)
@@ -359,6 +369,7 @@ class CheckpointRecorder(Recorder):
         import torch
         from megatron.training import checkpointing, training
 
+        from megatron_diloco.megatron_adapter.checkpoint import OuterCheckpoint
         from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer, distributed_optimizers
         from megatron_diloco.algorithm.shard_view import fingerprint
 
@@ -472,10 +483,10 @@ class CheckpointRecorder(Recorder):
             return [sync.step_time_s, None if last is None else [last.bytes_sent, last.exchange_s],
                     sync.longest_exchange_s]
 
-        @wrap(DiLoCoXOptimizer, "_replica_meta")  # called when a checkpoint is written
-        def replica_meta(orig, opt):
-            record.setdefault("timings_saved", []).append([opt.step_calls, timings(opt)])
-            return orig(opt)
+        @wrap(OuterCheckpoint, "replica_meta")  # called when a checkpoint is written
+        def replica_meta(orig, codec, counters):
+            record.setdefault("timings_saved", []).append([counters.step_calls, timings(codec)])
+            return orig(codec, counters)
 
         @wrap(DiLoCoXOptimizer, "load_state_dict")
         def load_state_dict(orig, opt, state_dict):

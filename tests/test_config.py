@@ -129,7 +129,7 @@ def test_auto_warmup_only_where_measured(overlap):
 
 def test_kept_warmup_is_revalidated():
     """A resume keeps its checkpoint's auto warm-up (H0, W) over the one this run's flags resolved
-    (``DiLoCoXOptimizer._keep_schedule``): tau_w and the warm-up codec follow it, so the config stays
+    (``RestartPolicy.keep_schedule``): tau_w and the warm-up codec follow it, so the config stays
     valid. A checkpoint trained without a warm-up (a short run) resumed by a longer one: no tau_w, no
     warm-up codec; one with a warm-up resumed by a run whose flags resolved none: the auto rules."""
     from megatron_diloco.megatron_adapter.arguments import resolve_kept_warmup
@@ -253,27 +253,26 @@ def test_summary_line_round_trips_with_launcher_prefixes():
 
 
 def test_a_resume_keeps_an_auto_warmup_and_warns_on_changed_flags(caplog):
-    """``DiLoCoXOptimizer._keep_schedule``: an auto warm-up takes the checkpoint's (H0, W) when H is
+    """``RestartPolicy.keep_schedule``: an auto warm-up takes the checkpoint's (H0, W) when H is
     the same; explicit flags (or a changed H) keep this run's, with a warning naming the flags; an
     older checkpoint (no schedule) changes nothing."""
     import logging
     import types
 
     from megatron_diloco.algorithm.schedule import RoundSchedule
-    from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
+    from megatron_diloco.megatron_adapter.restart import RestartPolicy
 
     def resume(argv, train_iters, saved):
         args = parse("--diloco-x-local-steps", "30", *argv)
         args.train_iters = train_iters
         cfg = config_from_args(args)
-        opt = types.SimpleNamespace(diloco_config=cfg, step_calls=600,
-                                    sync=types.SimpleNamespace(schedule_changed=lambda: None, schedule=RoundSchedule(cfg)))
-        DiLoCoXOptimizer._keep_schedule(opt, saved)
-        return opt.diloco_config
+        sync = types.SimpleNamespace(schedule_changed=lambda: None, schedule=RoundSchedule(cfg))
+        RestartPolicy(sync, cfg).keep_schedule(saved, step_calls=600)
+        return cfg
 
     saved = {"local_steps": 30, "warmup_local_steps": 10, "warmup_iters": 400}  # trained with --train-iters 1200
     assert (resume([], 3000, saved).warmup_iters, resume([], 3000, None).warmup_iters) == (400, 900)
-    with caplog.at_level(logging.WARNING, logger="megatron_diloco.megatron_adapter.optimizer"):
+    with caplog.at_level(logging.WARNING, logger="megatron_diloco.megatron_adapter.restart"):
         cfg = resume(["--diloco-x-warmup-iters", "900"], 3000, saved)
     assert cfg.warmup_iters == 900 and "--diloco-x-warmup-iters" in caplog.text
     changed = resume(["--diloco-x-local-steps", "20"], 3000, saved)  # H changed: the flags' auto warm-up
@@ -469,21 +468,20 @@ def test_an_auto_warmup_lengthens_to_the_h_auto_chooses():
 
 
 def test_a_resume_keeps_an_auto_local_steps_run_where_it_was(caplog):
-    """``DiLoCoXOptimizer._keep_schedule`` with auto H on both sides: the checkpoint's H and anchor,
+    """``RestartPolicy.keep_schedule`` with auto H on both sides: the checkpoint's H and anchor,
     logged; with a fixed H now: the flags' H, with the warning that names them."""
     import logging
     import types
 
-    from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
+    from megatron_diloco.megatron_adapter.restart import RestartPolicy
 
     def resume(*argv):
         args = parse(*argv)
         args.train_iters = 3000
         cfg = config_from_args(args)
-        opt = types.SimpleNamespace(diloco_config=cfg, step_calls=1300,
-                                    sync=types.SimpleNamespace(schedule_changed=lambda: None, schedule=RoundSchedule(cfg)))
-        DiLoCoXOptimizer._keep_schedule(opt, saved)
-        return opt.sync.schedule
+        sync = types.SimpleNamespace(schedule_changed=lambda: None, schedule=RoundSchedule(cfg))
+        RestartPolicy(sync, cfg).keep_schedule(saved, step_calls=1300)
+        return sync.schedule
 
     saved = {"local_steps": 120, "warmup_local_steps": 10, "warmup_iters": 900, "local_steps_auto": True, "anchor": 1020}
     with caplog.at_level(logging.INFO, logger="megatron_diloco.megatron_adapter.restart"):

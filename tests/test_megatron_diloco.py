@@ -470,6 +470,7 @@ def test_starts_from_loaded_weights(tmp_path, precision, how):
                                       "--diloco-x-local-steps", "4", "--diloco-x-overlap", "delayed",
                                       *precision])
     assert "outer loop restarted" in log
+    assert [rec["refused_attrs"] for rec in dx] == [[]] * 4  # (reload_model_params: forwarded)
     # (the message is printed by the fix: on the old code the test fails on it or on the losses)
     for r, by_iter in losses(dx).items():
         its = sorted(by_iter)
@@ -522,6 +523,7 @@ def test_production_overlap_flags(tmp_path, nproc, flags):
     full, log = run_megatron(tmp_path, base, nproc=nproc, timeout=900)
     for rank, rec in enumerate(full):
         assert rec["boundary_identical"] == [[4, True], [8, True], [12, True]], (rank, rec["boundary_identical"])
+        assert rec["refused_attrs"] == [], rank  # nothing read outside forwarding.FORWARDED
     assert summary(log)["replicas_identical"]
     if "--overlap-param-gather-with-optimizer-step" in flags:
         return

@@ -311,7 +311,7 @@ def resolve_run_length(config: DiLoCoXConfig, args: argparse.Namespace) -> bool:
 
 def resolve_kept_warmup(config: DiLoCoXConfig, had_warmup: bool) -> None:
     """A resume kept its checkpoint's auto warm-up (H0, W) over the one this run's flags resolved
-    (``DiLoCoXOptimizer._keep_schedule``): make tau_w and the warm-up codec go with it, then validate.
+    (``RestartPolicy.keep_schedule``): make tau_w and the warm-up codec go with it, then validate.
     No warm-up kept: tau_w 0, no warm-up codec. A warm-up kept where this run's flags resolved none
     (so tau_w and the codec were resolved without one; an explicit value would have been refused):
     the ``auto`` rules for it. Otherwise this run's values stay (validated against the kept H0).

@@ -1,9 +1,35 @@
-"""The DiLoCoX state in Megatron's checkpoints: layout, save, load, restart rules.
+"""The DiLoCoX state in Megatron's checkpoints: layout, save, load.
 
-:class:`CheckpointMixin` gives :class:`~megatron_diloco.megatron_adapter.optimizer.DiLoCoXOptimizer` the
-``MegatronOptimizer`` checkpoint interface (``state_dict``, ``load_state_dict``, ``sharded_state_dict``)
-and the rules around it: the per-replica LR-schedule position, a resume that keeps its checkpoint's
-round schedule, and restarting the outer loop when weights were loaded without DiLoCoX state.
+:class:`OuterCheckpoint` is the codec of the DiLoCoX entries of a torch_dist checkpoint (and of the
+non-sharded state dict), built on explicit inputs: the rank's :class:`OuterSync`, its
+:class:`ShardView`, the :class:`DistributedOptimizer` parts whose state it holds per replica, the
+:class:`Topology` and the :class:`ShardLayout`. The optimizer's own counters go in as :class:`Counters`
+and come back out of a load in :class:`Restored`, with the round schedule the checkpoint was trained
+with; what a load means for the outer loop (keep the schedule, restart) is
+:mod:`megatron_diloco.megatron_adapter.restart`'s.
+
+Layout of the DiLoCoX entries in a torch_dist checkpoint (:data:`CHECKPOINT_FORMAT` 2; T = the length of
+a replica's flat shard vectors, i.e. the sum over the replica's ranks, ordered by rank_in_replica, of
+their fp32 main-shard numel, :meth:`ShardLayout.checkpoint_span`; every tensor references the live
+buffer, nothing is cloned)::
+
+  diloco_x.outer.<name>     ShardedTensor (T,) fp32 per flat outer tensor of OuterSync.state_dict()
+                            (theta, momentum_buffer, pending_delta when an exchange was in flight):
+                            identical on every replica, written once (replica_id = replica index).
+  diloco_x.replica.<kind>   ShardedTensor (R, T), row r written by replica r: kind 'param' (fp32 main
+                            shards), 'opt.<key>' (optimizer state of a shard's shape: opt.exp_avg,
+                            opt.exp_avg_sq with Adam), 'residual' (lossy codec), 'anchor' (eager),
+                            'launch' (partial with the exact merge: the launch point x_L).
+  diloco_x.outer.meta       ShardedObject per rank position: OuterSync's non-tensor state (rounds,
+                            codec plan / low-rank bases, measured link, auto tau's measurements),
+                            step_calls, totals, the round schedule.
+  diloco_x.replica<r>.meta  ShardedObject per rank position of replica r: per-shard 0-dim optimizer
+                            state (torch Adam's step), inner param groups (all but 'params'), grad
+                            scaler state, the LR-schedule position, the rank's own timings.
+
+Megatron's own model and optimizer entries are written by replica 0 only
+(:meth:`OuterCheckpoint._megatron_entries_from_replica_zero`), so a plain Megatron run loading the
+checkpoint resumes from replica 0's state.
 """
 
 from __future__ import annotations
@@ -11,48 +37,73 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-from megatron.core.optimizer import DistributedOptimizer
+from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 
 from megatron_diloco.algorithm.exchange import ExchangeStats
-
-if TYPE_CHECKING:
-    from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
+from megatron_diloco.algorithm.shard_view import ShardView
+from megatron_diloco.algorithm.sync import OuterSync
+from megatron_diloco.megatron_adapter.shard_layout import ShardLayout
+from megatron_diloco.megatron_adapter.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-class CheckpointMixin:
-    """The checkpoint half of :class:`~megatron_diloco.megatron_adapter.optimizer.DiLoCoXOptimizer` (module doc)."""
 
-    # ------------------------------------------------------------------ checkpointing
-    # Layout of the DiLoCoX entries in a torch_dist checkpoint (CHECKPOINT_FORMAT 2; T = the length of
-    # a replica's flat shard vectors, i.e. the sum over the replica's ranks, ordered by rank_in_replica,
-    # of their fp32 main-shard numel; every tensor references the live buffer, nothing is cloned):
-    #
-    #   diloco_x.outer.<name>     ShardedTensor (T,) fp32 per flat outer tensor of OuterSync.state_dict()
-    #                             (theta, momentum_buffer, pending_delta when an exchange was in flight):
-    #                             identical on every replica, written once (replica_id = replica index).
-    #   diloco_x.replica.<kind>   ShardedTensor (R, T), row r written by replica r: kind 'param' (fp32 main
-    #                             shards), 'opt.<key>' (optimizer state of a shard's shape: opt.exp_avg,
-    #                             opt.exp_avg_sq with Adam), 'residual' (lossy codec), 'anchor' (eager),
-    #                             'launch' (partial with the exact merge: the launch point x_L).
-    #   diloco_x.outer.meta       ShardedObject per rank position: OuterSync's non-tensor state (rounds,
-    #                             codec plan / low-rank bases, measured link, auto tau's measurements),
-    #                             step_calls, totals.
-    #   diloco_x.replica<r>.meta  ShardedObject per rank position of replica r: per-shard 0-dim optimizer
-    #                             state (torch Adam's step), inner param groups (all but 'params'), grad
-    #                             scaler state.
-    #
-    # Megatron's own model and optimizer entries are written by replica 0 only (see
-    # _megatron_entries_from_replica_zero), so a plain Megatron run loading the checkpoint resumes from
-    # replica 0's state.
+@dataclasses.dataclass
+class Counters:
+    """The optimizer's own counters that a checkpoint carries."""
+
+    step_calls: int
+    """``step()`` calls of the current outer loop (the outer meta; boundaries are counted in them)."""
+    totals: ExchangeStats
+    """Bytes and times of the exchanges completed in this outer loop (the outer meta)."""
+    lr_schedule_steps: int | None = None
+    """This replica's ``OptimizerParamScheduler.num_steps`` (its per-replica meta; None: no scheduler)."""
+
+
+@dataclasses.dataclass
+class Restored:
+    """What :meth:`OuterCheckpoint.load_state_dict` restored, for the optimizer to apply."""
+
+    counters: Counters | None = None
+    """The checkpoint's counters; None when it held no DiLoCoX state."""
+    schedule: dict | None = None
+    """The round schedule the checkpoint was trained with (``RoundSchedule.state_dict``; None in
+    checkpoints written before it was recorded)."""
+    without_diloco_state: str | None = None
+    """Why the outer loop restarts from the loaded weights (a checkpoint without DiLoCoX state), or None."""
+
+
+class OuterCheckpoint:
+    """The DiLoCoX entries of the optimizer's state dicts, saved and loaded (module doc).
+
+    Args:
+        sync: the rank's outer state (its ``state_dict`` / ``load_state_dict``, and the per-replica
+            tensors it holds: residual, eager anchor, launch point).
+        view: the flat view of the rank's fp32 main shards (N elements; ``numel``, ``split``,
+            ``copy_from_``).
+        dist_opts: Megatron's distributed optimizers whose main shards ``view`` covers, in its order
+            (their per-shard state, param groups and grad scalers are checkpointed per replica).
+        topology: replica index, replicas R, rank in replica and ranks per replica.
+        layout: where the rank's shard sits in its replica's concatenation (offset, T).
+    """
+
+    def __init__(self, sync: OuterSync, view: ShardView, dist_opts: list[DistributedOptimizer],
+                 topology: Topology, layout: ShardLayout) -> None:
+        self.sync, self.view, self.dist_opts = sync, view, dist_opts
+        self.topology, self.layout = topology, layout
+        # loading: what the checkpoint being loaded holds (sharded_state_dict reads its metadata) and the
+        # fresh buffer its main shards are read into (load_state_dict copies it over the live shards)
+        self._loading_contents: _CheckpointContents | None = None
+        self._loading_main_params: torch.Tensor | None = None
 
     def _shards(self) -> Iterator[tuple[DistributedOptimizer, torch.Tensor]]:
-        """(owning DistributedOptimizer, fp32 main shard) in the order of :func:`megatron_diloco.megatron_adapter.optimizer._main_params`."""
+        """(owning DistributedOptimizer, fp32 main shard) in the order of ``view`` (the optimizer's
+        ``_main_params``: per optimizer, per param group, its params)."""
         for d in self.dist_opts:
             for g in d.optimizer.param_groups:
                 for p in g["params"]:
@@ -95,12 +146,12 @@ class CheckpointMixin:
             for i, (_, t) in enumerate(entries):
                 yield f"{kind}.{i}", t
 
-    def _replica_meta(self) -> dict:
+    def replica_meta(self, counters: Counters) -> dict:
         """This replica's small non-tensor inner state (pickled as a ShardedObject): per shard, the
         optimizer state that is not shard-sized (torch Adam's 0-dim ``step``: skipped fp16 steps make it
         differ between replicas), each inner optimizer's param groups without ``params`` (TE/Apex Adam
-        keep ``step`` there) and its grad scaler state (fp16: scale, growth and hysteresis trackers
-        follow the replica's own overflow history)."""
+        keep ``step`` there), its grad scaler state (fp16: scale, growth and hysteresis trackers
+        follow the replica's own overflow history), the LR-schedule position and the rank's timings."""
         def small(v):
             return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
@@ -114,53 +165,27 @@ class CheckpointMixin:
                               for g in d.optimizer.param_groups] for d in self.dist_opts],
             "grad_scaler": [({k: small(v) for k, v in d.grad_scaler.state_dict().items()}
                              if d.grad_scaler is not None else None) for d in self.dist_opts],
-            # the LR-schedule position: Megatron advances it on successful steps only (see attach_lr_scheduler)
-            "lr_schedule_steps": (self.__dict__["lr_scheduler"].num_steps
-                                  if self.__dict__.get("lr_scheduler") is not None else None),
+            # the LR-schedule position: Megatron advances it on successful steps only (restart.LRSchedulePosition)
+            "lr_schedule_steps": counters.lr_schedule_steps,
             # this replica's own timings (auto tau, budget, timeout): the live run agrees on tau by MAX
             # over every rank's, so each replica resumes with its own (the outer meta holds replica 0's)
             "timings": self.sync.timings(),
         }
 
-    def _outer_state(self) -> dict:
-        return {"sync": self.sync.state_dict(), "step_calls": self.step_calls,
-                "totals": vars(self.totals).copy(), "schedule": self.sync.schedule.state_dict()}
+    def state_dict(self, inner_sd: dict, counters: Counters) -> dict:
+        """The non-sharded state dict: ``{"inner": inner_sd, "diloco_x": outer state, "diloco_x_replica":
+        clones of this replica's own state}`` (completes an exchange in flight: collective over the outer
+        group)."""
+        outer = {"sync": self.sync.state_dict(), "step_calls": counters.step_calls,
+                 "totals": vars(counters.totals).copy(), "schedule": self.sync.schedule.state_dict()}
+        per_replica = {"tensors": {name: t.detach().clone() for name, t in self._inner_state_tensors()},
+                       "meta": self.replica_meta(counters)}
+        return {"inner": inner_sd, "diloco_x": outer, "diloco_x_replica": per_replica}
 
-    def _per_replica_state(self) -> dict:
-        """Clones of this replica's own state (non-sharded :meth:`state_dict` only)."""
-        return {"tensors": {name: t.detach().clone() for name, t in self._inner_state_tensors()},
-                "meta": self._replica_meta()}
-
-    def state_dict(self, *args, **kwargs) -> dict:
-        sd = self.inner.state_dict(*args, **kwargs)
-        if kwargs.get("is_loading"):
-            return sd
-        return {"inner": sd, "diloco_x": self._outer_state(),
-                "diloco_x_replica": self._per_replica_state()}
-
-    def _checkpoint_layout(self) -> tuple[int, int]:
-        """``(offset, T)``: where this rank's flat shard vector starts in its replica's concatenation
-        (ranks ordered by ``rank_in_replica``) and that concatenation's length T (the same on every
-        replica). Collective over the world on the first call (:meth:`_layout_table`); cached."""
-        cached = self.__dict__.get("_ckpt_layout")
-        if cached is not None:
-            return cached
-        topo = self.topology
-        table = self._layout_table()
-        totals: dict[int, int] = {}
-        for replica, _, n in table:
-            totals[replica] = totals.get(replica, 0) + n
-        if len(set(totals.values())) != 1:
-            raise RuntimeError(f"replicas hold different numbers of main-shard elements {totals}: "
-                               "DiLoCoX needs one TP/PP/DP layout for every replica")
-        offset = sum(n for replica, k, n in table
-                     if replica == topo.replica_index and k < topo.rank_in_replica)
-        cached = self._ckpt_layout = (offset, totals[topo.replica_index])
-        return cached
-
-    def _sharded_diloco_state(self, contents: "_CheckpointContents | None") -> dict:
-        """The DiLoCoX entries of the sharded state dict (layout above). ``contents``: None when saving;
-        when loading, what the checkpoint holds (only those entries are requested).
+    def _sharded_diloco_state(self, contents: _CheckpointContents | None, counters: Counters | None) -> dict:
+        """The DiLoCoX entries of the sharded state dict (module doc). ``contents``: None when saving
+        (then ``counters`` are saved); when loading, what the checkpoint holds (only those entries are
+        requested).
 
         Saving references the live tensors (no copy; completes an in-flight exchange, collective over
         the outer group). Loading reads in place into the live tensors, except the fp32 main shards,
@@ -169,7 +194,7 @@ class CheckpointMixin:
         in the same read; :meth:`load_state_dict` copies them over."""
         topo = self.topology
         r, n = topo.replica_index, self.view.numel
-        offset, total = self._checkpoint_layout()
+        offset, total = self.layout.checkpoint_span()
         pos_shape, pos_offset = (topo.ranks_per_replica,), (topo.rank_in_replica,)
         loading = contents is not None
 
@@ -206,10 +231,10 @@ class CheckpointMixin:
             outer_tensors = {k: v for k, v in state.items() if _is_flat_shard(v, n)}
             outer_meta = {k: v for k, v in state.items() if k not in outer_tensors}
             outer_meta.update(format=CHECKPOINT_FORMAT, numel=n, tensors=sorted(outer_tensors),
-                              step_calls=self.step_calls, totals=vars(self.totals).copy(),
+                              step_calls=counters.step_calls, totals=vars(counters.totals).copy(),
                               schedule=self.sync.schedule.state_dict())
             kinds = self._replica_tensors()
-            replica_meta = self._replica_meta()
+            replica_meta = self.replica_meta(counters)
         entries: dict[str, Any] = {
             "outer.meta": ShardedObject("diloco_x.outer.meta", outer_meta, pos_shape, pos_offset, replica_id=r),
             "replica.meta": ShardedObject(f"diloco_x.replica{r}.meta", replica_meta, pos_shape, pos_offset,
@@ -254,23 +279,24 @@ class CheckpointMixin:
                 drop(value)
         _drop_megatron_param_state(inner_sd)
 
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs) -> dict:
-        """Megatron's inner sharded state plus the DiLoCoX entries under ``"diloco_x"`` (layout at the
-        top of this section; disk per model parameter with Adam and fp32 main params: 12 B per replica
-        for its own inner state (+4 residual with a lossy codec, +4 anchor with eager) and 4-12 B once
-        for theta, momentum and the in-flight exchange, on top of Megatron's own entries).
+    def sharded_state_dict(self, sd: dict, model_sharded_state_dict: dict, is_loading: bool,
+                           counters: Counters) -> dict:
+        """Megatron's inner sharded state ``sd`` plus the DiLoCoX entries under ``"diloco_x"`` (layout in
+        the module doc; disk per model parameter with Adam and fp32 main params: 12 B per replica for its
+        own inner state (+4 residual with a lossy codec, +4 anchor with eager) and 4-12 B once for
+        theta, momentum and the in-flight exchange, on top of Megatron's own entries). ``counters``:
+        what a save writes (unused when loading).
 
         Loading first reads the checkpoint's metadata (``args.load``) to request only what it holds:
 
         * a DiLoCoX checkpoint: Megatron's distributed-optimizer parameter state is not requested
           (each replica restores its own from ``diloco_x.replica.*``);
         * a plain Megatron checkpoint (written without ``--diloco-x``): only Megatron's entries, which
-          every replica loads; :meth:`load_state_dict` then restarts the outer loop from them.
+          every replica loads; :meth:`load_state_dict` then says the outer loop restarts from them.
         """
-        sd = self.inner.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         self._loading_contents = None
         if not is_loading:
-            sd["diloco_x"] = self._sharded_diloco_state(None)
+            sd["diloco_x"] = self._sharded_diloco_state(None, counters)
             self._megatron_entries_from_replica_zero(model_sharded_state_dict, sd)
             return sd
         contents = _read_checkpoint_contents(self)
@@ -278,34 +304,33 @@ class CheckpointMixin:
         if contents.kind == "plain":
             return sd
         _drop_megatron_param_state(sd)
-        sd["diloco_x"] = self._sharded_diloco_state(contents)
+        sd["diloco_x"] = self._sharded_diloco_state(contents, None)
         return sd
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore from :meth:`state_dict` or from the loaded :meth:`sharded_state_dict`.
+    def load_state_dict(self, state_dict: dict, inner: MegatronOptimizer) -> Restored:
+        """Restore from :meth:`state_dict` or from the loaded :meth:`sharded_state_dict`; returns the
+        counters and the schedule for the optimizer to take, or why the outer loop restarts.
 
-        Order: Megatron's inner load (param groups, step, grad scaler of replica 0; fp32 main params
-        and moments only for a plain Megatron checkpoint), then this replica's own state over it, then
-        the main params are published into the model params. A checkpoint without DiLoCoX state is
-        noted: :meth:`after_checkpoint_load` then restarts the outer loop from the loaded params."""
+        Order: Megatron's inner load (``inner.load_state_dict``: param groups, step, grad scaler of
+        replica 0; fp32 main params and moments only for a plain Megatron checkpoint), then this
+        replica's own state over it (outer state, per-replica tensors, per-replica meta). The model
+        params are not written: the caller publishes the main params."""
         state_dict = dict(state_dict)
         if "inner" in state_dict:  # plain state_dict() format
             per_replica = state_dict.get("diloco_x_replica")
             if per_replica is not None and "tensors" not in per_replica:
                 raise RuntimeError(_EARLIER_FORMAT.format(where="this state dict"))
-            self.inner.load_state_dict(state_dict["inner"])
-            self._load_outer_and_replica(state_dict["diloco_x"], per_replica)
-            return
+            inner.load_state_dict(state_dict["inner"])
+            return self._load_outer_and_replica(state_dict["diloco_x"], per_replica)
         ours = state_dict.pop("diloco_x", None)
-        self.inner.load_state_dict(state_dict)
-        contents = self.__dict__.get("_loading_contents")
+        inner.load_state_dict(state_dict)
+        contents = self._loading_contents
         if ours is None:  # the outer loop restarts from these params (after_checkpoint_load)
             where = f"checkpoint {contents.path}" if contents is not None else "the state dict"
-            self._loaded_without_diloco_state = (
+            return Restored(without_diloco_state=(
                 f"{where} holds no DiLoCoX state (written without --diloco-x); inner optimizer state loaded "
-                "as Megatron loads it")
-            return
+                "as Megatron loads it"))
         outer_meta, replica_meta = ours["outer.meta"], ours["replica.meta"]
         if outer_meta.get("format") != CHECKPOINT_FORMAT:
             raise RuntimeError(f"unknown DiLoCoX checkpoint format {outer_meta.get('format')}")
@@ -320,10 +345,7 @@ class CheckpointMixin:
             sync_state[name] = (loaded_outer[name] if n > 0 else
                                 torch.empty(0, dtype=torch.float32, device=self.view.device))
         self.sync.load_state_dict(sync_state)  # copies onto itself where read in place
-        self.step_calls = int(outer_meta["step_calls"])
-        self.totals = ExchangeStats(**outer_meta["totals"])
-        self._keep_schedule(outer_meta.get("schedule"))
-        fresh = self.__dict__.pop("_loading_main_params", None)
+        fresh, self._loading_main_params = self._loading_main_params, None
         if n > 0:
             loaded = ours["replica"]
             for kind, entries in self._replica_tensors().items():
@@ -337,20 +359,17 @@ class CheckpointMixin:
                     p.detach().copy_(src.view_as(p))
             else:
                 self.view.copy_from_(fresh)
-        self._load_replica_meta(replica_meta)
-        self._publish_params(gather_now=True)  # forward hooks may be off (first step after a load)
-        self._loaded_diloco_state = True
+        lr_steps = self._load_replica_meta(replica_meta)
+        return Restored(Counters(int(outer_meta["step_calls"]), ExchangeStats(**outer_meta["totals"]), lr_steps),
+                        outer_meta.get("schedule"))
 
-    def _load_outer_and_replica(self, outer: dict | None, per_replica: dict | None) -> None:
+    def _load_outer_and_replica(self, outer: dict | None, per_replica: dict | None) -> Restored:
         """Restore from the non-sharded :meth:`state_dict` format."""
         if outer is None or per_replica is None:
             raise RuntimeError("checkpoint has no DiLoCoX state for this replica: it was not written with "
                                "--diloco-x and the same --diloco-x-replicas; load it with --no-load-optim to "
                                "start a new outer loop from its weights")
         self.sync.load_state_dict(outer["sync"])
-        self.step_calls = int(outer["step_calls"])
-        self.totals = ExchangeStats(**outer["totals"])
-        self._keep_schedule(outer.get("schedule"))
         tensors = per_replica["tensors"]
         names = [name for name, _ in self._inner_state_tensors()]
         missing = [name for name in names if name not in tensors]
@@ -362,15 +381,41 @@ class CheckpointMixin:
                 "--no-load-optim to start a new outer loop from its weights")
         for name, t in self._inner_state_tensors():
             t.detach().copy_(tensors[name])
-        self._load_replica_meta(per_replica["meta"])
-        self._publish_params(gather_now=True)  # forward hooks may be off (first step after a load)
-        self._loaded_diloco_state = True
+        lr_steps = self._load_replica_meta(per_replica["meta"])
+        return Restored(Counters(int(outer["step_calls"]), ExchangeStats(**outer["totals"]), lr_steps),
+                        outer.get("schedule"))
+
+    def _load_replica_meta(self, meta: dict) -> int | None:
+        """Restore :meth:`replica_meta` (after the inner optimizer's own load, which set replica 0's
+        step counts, param groups and grad scaler); returns its LR-schedule position."""
+        shards = list(self._shards())
+        if len(meta["shard_state"]) != len(shards) or len(meta["param_groups"]) != len(self.dist_opts):
+            raise RuntimeError("checkpoint's per-replica DiLoCoX state has another number of main shards or "
+                               "optimizers: resume with the TP/PP/DP layout and optimizer it was written with")
+        for (d, p), saved in zip(shards, meta["shard_state"]):
+            state = d.optimizer.state[p]
+            for k, v in saved.items():
+                old = state.get(k)
+                if isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor):
+                    v = v.to(device=old.device, dtype=old.dtype)
+                state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        for d, groups in zip(self.dist_opts, meta["param_groups"]):
+            if len(groups) != len(d.optimizer.param_groups):
+                raise RuntimeError("checkpoint's inner optimizer has another number of param groups")
+            for g, saved in zip(d.optimizer.param_groups, groups):
+                g.update({k: v for k, v in saved.items() if k != "params"})
+        for d, scaler in zip(self.dist_opts, meta["grad_scaler"]):
+            if scaler is not None and d.grad_scaler is not None:
+                d.grad_scaler.load_state_dict(scaler)
+        if meta.get("timings") is not None:  # (older checkpoints: replica 0's, from the outer meta)
+            self.sync.load_timings(meta["timings"])
+        return meta.get("lr_schedule_steps")
 
 
 # ---------------------------------------------------------------------- checkpoint helpers
 
-#: Version of the DiLoCoX entries in a torch_dist checkpoint (2: the layout described in
-#: DiLoCoXOptimizer's checkpointing section; 1, pickled ShardedObjects, is not read).
+#: Version of the DiLoCoX entries in a torch_dist checkpoint (2: the layout in the module doc; 1, pickled
+#: ShardedObjects, is not read).
 CHECKPOINT_FORMAT = 2
 
 #: The error for a checkpoint in the first DiLoCoX format (written by megatron-diloco before its
@@ -432,7 +477,7 @@ def _checkpoint_dir_being_loaded() -> str | None:
     return get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
 
 
-def _read_checkpoint_contents(opt: DiLoCoXOptimizer) -> _CheckpointContents:
+def _read_checkpoint_contents(ckpt: OuterCheckpoint) -> _CheckpointContents:
     """Read the checkpoint's metadata (the ``.metadata`` file; no tensor data) and check that its
     DiLoCoX entries fit this run's layout (errors name the flags). Called on every rank."""
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
@@ -453,8 +498,8 @@ def _read_checkpoint_contents(opt: DiLoCoXOptimizer) -> _CheckpointContents:
         elif key.startswith("diloco_x.outer/"):  # format 1: one pickled ShardedObject per rank position
             raise RuntimeError(_EARLIER_FORMAT.format(where=f"checkpoint {path}"))
     if outer:
-        _, total = opt._checkpoint_layout()
-        want_outer, want_replica = (total,), (opt.topology.replicas, total)
+        _, total = ckpt.layout.checkpoint_span()
+        want_outer, want_replica = (total,), (ckpt.topology.replicas, total)
         bad = {k: s for k, s in outer.items() if s != want_outer}
         bad.update({k: s for k, s in replica.items() if s != want_replica})
         if bad:

@@ -4,6 +4,14 @@ Each ``step()`` runs the inner (replica-local) optimizer step; every H-th call i
 boundary on the rank's fp32 main-parameter shard (:class:`megatron_diloco.algorithm.sync.OuterSync`), writes
 the result into the model parameters and re-gathers them inside the replica.
 
+The wrapper is a composition, each part on explicit inputs: :class:`~megatron_diloco.algorithm.sync.OuterSync`
+(the outer state), :class:`~megatron_diloco.megatron_adapter.shard_layout.ShardLayout` (the world's shard
+table), :class:`~megatron_diloco.megatron_adapter.checkpoint.OuterCheckpoint` (the DiLoCoX entries of its
+state dicts), :class:`~megatron_diloco.megatron_adapter.restart.RestartPolicy` and
+:class:`~megatron_diloco.megatron_adapter.restart.LRSchedulePosition` (what a load means for the outer loop
+and the LR schedule); it forwards to Megatron's optimizer the names of
+:data:`~megatron_diloco.megatron_adapter.forwarding.FORWARDED` and nothing else.
+
 Process groups: the outer group (one rank per replica, same shard) carries the pseudo-gradient
 exchange and, once, at the first boundary, the start-weights fingerprint; the decision group (gloo,
 the whole world) carries the skip decision per boundary (with tau and theta's fingerprints); ``replica_groups``
@@ -17,7 +25,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any, Callable
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -30,8 +38,10 @@ from megatron_diloco.algorithm.link import host_copy
 from megatron_diloco.algorithm.shard_view import ShardView, fingerprint
 from megatron_diloco.algorithm.protocols import RoundReport
 from megatron_diloco.algorithm.sync import OuterSync
-from megatron_diloco.megatron_adapter.checkpoint import CheckpointMixin
-from megatron_diloco.megatron_adapter.restart import RestartMixin
+from megatron_diloco.megatron_adapter.checkpoint import Counters, OuterCheckpoint
+from megatron_diloco.megatron_adapter.forwarding import FORWARDED, forward_to_inner, not_forwarded
+from megatron_diloco.megatron_adapter.restart import LRSchedulePosition, RestartPolicy
+from megatron_diloco.megatron_adapter.shard_layout import ShardLayout
 from megatron_diloco.megatron_adapter.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -72,7 +82,8 @@ def _main_params(dist_opts: list[DistributedOptimizer]) -> list[torch.Tensor]:
     return [p for d in dist_opts for g in d.optimizer.param_groups for p in g["params"]]
 
 
-class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
+@forward_to_inner
+class DiLoCoXOptimizer(MegatronOptimizer):
     """DiLoCoX around a Megatron (chained) distributed optimizer.
 
     Args:
@@ -83,9 +94,15 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
         on_round: optional callback receiving each boundary's :meth:`round_metrics` dict
             (called on every rank; used for logging).
 
-    The wrapper forwards every ``MegatronOptimizer`` method to ``inner`` except ``step``,
-    ``state_dict``, ``load_state_dict``, ``sharded_state_dict`` and ``reload_model_params``. Boundaries are counted in
-    ``step()`` calls (a skipped fp16 step still counts), so all replicas agree on them.
+    Composed of: ``sync`` (:class:`OuterSync`, the outer state and the boundary protocols),
+    ``layout`` (:class:`ShardLayout`, the world's shard table), ``checkpoint`` (:class:`OuterCheckpoint`,
+    the DiLoCoX entries of its state dicts), ``restarts`` (:class:`RestartPolicy`, what a load means
+    for the outer loop) and ``lr_position`` (:class:`LRSchedulePosition`, the replica's own LR-schedule
+    position). Of ``MegatronOptimizer``'s interface it implements ``step``, ``state_dict``,
+    ``load_state_dict`` and ``sharded_state_dict``, and forwards to ``inner`` exactly the names of
+    :data:`~megatron_diloco.megatron_adapter.forwarding.FORWARDED`; any other name raises
+    ``AttributeError``. Boundaries are counted in ``step()`` calls (a skipped fp16 step still counts),
+    so all replicas agree on them.
     """
 
     def __init__(self, inner: MegatronOptimizer, config: DiLoCoXConfig, topology: Topology,
@@ -97,9 +114,15 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
         self.on_round = on_round
         self.dist_opts = distributed_optimizers(inner)
         self.view = ShardView(_main_params(self.dist_opts))
+        # the world's shard table: one all-gather over the world here (link sharers), kept for checkpoints
+        self.layout = ShardLayout(topology.replica_index, topology.rank_in_replica, self.view.numel,
+                                  self.view.device)
         self.sync = OuterSync(self.view, config, topology.outer_group, _shard_shapes(self.dist_opts),
                               gloo_group=topology.outer_gloo_group, decision_group=topology.decision_group,
-                              link_sharers=self._link_sharers())
+                              link_sharers=self.layout.link_sharers())
+        self.checkpoint = OuterCheckpoint(self.sync, self.view, self.dist_opts, topology, self.layout)
+        self.restarts = RestartPolicy(self.sync, config)
+        self.lr_position = LRSchedulePosition()
         # the round's inner-step time: the sum of its iterations' spans, each from the start of the
         # iteration (mark_iteration_start: Megatron's train_step; else the end of the previous step())
         # to the end of the inner step; evaluations, saves and the outer work between are not in it
@@ -115,86 +138,90 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
         #: reports it (its bytes and times; accounted when it landed)
         self._landed: ExchangeStats | None = None
         self._start_checked = False  # whether the replicas' start weights were compared
-        # what the last load_state_dict restored, for after_checkpoint_load: DiLoCoX state, or (the
-        # restart reason) a checkpoint without it
-        self._loaded_diloco_state = False
-        self._loaded_without_diloco_state: str | None = None
         self._params_gathered = True  # model params hold the main shards everywhere (not deferred)
 
     # ------------------------------------------------------------------ interface
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for attributes not defined here (e.g. chained_optimizers, model_chunks).
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    def __getattr__(self, name: str) -> NoReturn:
+        """Reached only for a name neither this class nor :data:`FORWARDED` provides (or when reading a
+        forwarded one from ``inner`` failed): forwards nothing, raises naming the list."""
+        if name in FORWARDED and "inner" in vars(self):
+            raise AttributeError(f"Megatron's optimizer ({type(self.inner).__name__}, this "
+                                 f"{type(self).__name__}'s .inner) has no attribute {name!r}")
+        raise not_forwarded(self, name)
 
-    @property
-    def config(self):  # Megatron's OptimizerConfig of the inner optimizer
-        return self.inner.config
+    # ------------------------------------------------------------------ checkpoints
+    def _counters(self) -> Counters:
+        return Counters(self.step_calls, self.totals, self.lr_position.steps)
 
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
+    def state_dict(self, *args, **kwargs) -> dict:
+        """``inner``'s state dict, and (not loading) the DiLoCoX state beside it
+        (:meth:`OuterCheckpoint.state_dict`: ``{"inner", "diloco_x", "diloco_x_replica"}``)."""
+        sd = self.inner.state_dict(*args, **kwargs)
+        if kwargs.get("is_loading"):
+            return sd
+        return self.checkpoint.state_dict(sd, self._counters())
 
-    @param_groups.setter
-    def param_groups(self, value):
-        self.inner.param_groups = value
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs) -> dict:
+        """Megatron's inner sharded state plus the DiLoCoX entries under ``"diloco_x"``
+        (:meth:`OuterCheckpoint.sharded_state_dict`; loading requests only what the checkpoint holds)."""
+        sd = self.inner.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        return self.checkpoint.sharded_state_dict(sd, model_sharded_state_dict, is_loading, self._counters())
 
-    @property
-    def state(self):
-        return self.inner.state
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore from :meth:`state_dict` or from the loaded :meth:`sharded_state_dict`
+        (:meth:`OuterCheckpoint.load_state_dict`: Megatron's inner load, then this replica's own state
+        over it), take the checkpoint's counters and round schedule (:meth:`RestartPolicy.keep_schedule`)
+        and LR-schedule position, then publish the main params into the model params. A checkpoint
+        without DiLoCoX state is noted: :meth:`after_checkpoint_load` then restarts the outer loop
+        from the loaded params."""
+        restored = self.checkpoint.load_state_dict(state_dict, self.inner)
+        if restored.counters is None:
+            self.restarts.loaded(restored.without_diloco_state)
+            return
+        self.step_calls, self.totals = restored.counters.step_calls, restored.counters.totals
+        self.restarts.keep_schedule(restored.schedule, self.step_calls)
+        # applied right after Megatron restored replica 0's schedule (attach_lr_scheduler)
+        self.lr_position.restore_after_scheduler_load(restored.counters.lr_schedule_steps)
+        self._publish_params(gather_now=True)  # forward hooks may be off (first step after a load)
+        self.restarts.loaded(None)
 
-    def get_parameters(self):
-        return self.inner.get_parameters()
+    def attach_lr_scheduler(self, scheduler) -> None:
+        """Checkpoint this replica's own position in the LR schedule (``scheduler``: Megatron's
+        ``OptimizerParamScheduler`` built for this optimizer; idempotent; :class:`LRSchedulePosition`).
+        Needs to be called before the checkpoint is loaded (``megatron_diloco.install`` wires it where
+        Megatron builds the scheduler)."""
+        self.lr_position.attach(scheduler)
 
-    def prepare_model_params_for_param_sync(self) -> None:
-        self.inner.prepare_model_params_for_param_sync()
+    def after_checkpoint_load(self, weights_loaded: bool) -> None:
+        """The one place the outer loop restarts after a load (call it when Megatron's
+        ``load_checkpoint`` has returned, on every rank): :meth:`restart_outer_loop_from_params` when
+        :meth:`RestartPolicy.after_checkpoint_load` gives a reason (weights restored without DiLoCoX
+        state). ``weights_loaded`` (Megatron's tracker file exists in ``--load`` or
+        ``--pretrained-checkpoint``) must be the same on every rank."""
+        reason = self.restarts.after_checkpoint_load(weights_loaded)
+        if reason is not None:
+            self.restart_outer_loop_from_params(reason)
 
-    def get_grads_for_grad_norm(self, *a, **k):
-        return self.inner.get_grads_for_grad_norm(*a, **k)
-
-    def has_grad_norm_group(self, *a, **k):
-        return self.inner.has_grad_norm_group(*a, **k)
-
-    def get_grad_stats_parallel_group(self):
-        return self.inner.get_grad_stats_parallel_group()
-
-    def prepare_grads(self) -> bool:
-        return self.inner.prepare_grads()
-
-    def step_with_ready_grads(self) -> bool:
-        return self.inner.step_with_ready_grads()
-
-    def get_grad_norm(self):
-        return self.inner.get_grad_norm()
-
-    def clip_grad_norm(self, clip_grad: float) -> float:
-        return self.inner.clip_grad_norm(clip_grad)
-
-    def count_zeros(self) -> float:
-        return self.inner.count_zeros()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none)
-
-    def get_loss_scale(self) -> torch.Tensor:
-        return self.inner.get_loss_scale()
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.inner.scale_loss(loss)
-
-    def reload_model_params(self, state_dict=None) -> None:
-        """Megatron calls this after loading model weights without the optimizer state
-        (``--no-load-optim``, ``--finetune``, ``--pretrained-checkpoint`` with fp16/bf16): the main
-        shards take the loaded weights; the outer loop restarts from them once the load is over
-        (:meth:`after_checkpoint_load`)."""
-        self.inner.reload_model_params(state_dict)
-
-    def offload_to_cpu(self):
-        return self.inner.offload_to_cpu()
-
-    def restore_from_cpu(self):
-        return self.inner.restore_from_cpu()
+    def restart_outer_loop_from_params(self, reason: str) -> None:
+        """Start a new outer loop from the current fp32 main params: the outer state as
+        :meth:`RestartPolicy.restart_sync` (theta <- x, momentum 0, residual 0, eager anchor = theta,
+        nothing in flight, round counters 0; an exchange in flight is waited for and dropped, so
+        collective over the outer group: call it on every rank), and this optimizer's round state: step
+        counter 0 (the first boundary comes H ``step()`` calls from now), ``totals``, a landed exchange
+        not yet reported, the round's timing; the start weights are checked again at the first
+        boundary. Model params are left as they are (they hold x already). Logs one line with
+        ``reason`` (global rank 0)."""
+        self.restarts.restart_sync()
+        self.step_calls = 0
+        self._round_step_s, self._round_timed_steps = 0.0, 0
+        self._landed = None  # an exchange of the old loop that landed: not this loop's first round's
+        self.totals = ExchangeStats()  # bytes and times of this loop's rounds, as ``rounds`` counts them
+        self.last_report = None
+        self._start_checked = False  # the new theta: the replicas' start weights are compared again
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"[DiLoCoX] outer loop restarted from the current params ({reason}): theta <- fp32 main "
+                  "params, outer momentum 0, residual 0, nothing in flight, round 0", flush=True)
 
     # ------------------------------------------------------------------ the step
     def step(self):
@@ -445,28 +472,3 @@ class DiLoCoXOptimizer(CheckpointMixin, RestartMixin, MegatronOptimizer):
         gathered = [torch.empty_like(fp) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, fp, group=group)
         return all(torch.equal(gathered[0], g) for g in gathered)
-
-    def _layout_table(self) -> list[tuple[int, int, int]]:
-        """``(replica index, rank in replica, shard numel)`` of every rank of the world. The first call
-        all-gathers 3 int64 per rank over the default (world) group, so it must be made on every rank
-        (construction, checkpoint save / load are); cached afterwards."""
-        cached = self.__dict__.get("_layout_rows")
-        if cached is not None:
-            return cached
-        topo = self.topology
-        mine = torch.tensor([topo.replica_index, topo.rank_in_replica, self.view.numel], dtype=torch.int64,
-                            device=self.view.device)
-        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(rows, mine)
-        table = self._layout_rows = [tuple(int(x) for x in row.tolist()) for row in rows]
-        return table
-
-    def _link_sharers(self) -> int:
-        """S: the ranks of this rank's replica that hold a shard, i.e. whose outer groups' exchanges
-        cross the site's slow link at the same time (each counts on 1 / S of
-        ``--diloco-x-bandwidth-mbps``). Collective over the world on the first call
-        (:meth:`_layout_table`)."""
-        if not dist.is_initialized():
-            return 1
-        replica = self.topology.replica_index
-        return sum(1 for r, _, n in self._layout_table() if r == replica and n > 0)
