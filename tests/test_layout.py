@@ -88,3 +88,109 @@ def test_one_seam_between_rounds_and_membership():
         assert "federated" not in attrs, name
     for name in ("federated.py", "rounds.py", "protocols.py"):
         assert not _private_reaches(ALGORITHM / name), _private_reaches(ALGORITHM / name)
+
+
+ADAPTER = PACKAGE / "megatron_adapter"
+#: the optimizer and its parts (the checkpoint codec, the restart rules, the forwarded names, the shard table)
+OPTIMIZER_MODULES = ("optimizer", "checkpoint", "restart", "forwarding", "shard_layout")
+#: import edges the circle rule leaves aside, each with the change that removes it (the test fails once it is
+#: gone, so that the exception goes with it)
+CIRCLE_EXCEPTIONS = {
+    # describe_launch reads the root package's __version__, and the root imports the adapter lazily:
+    # the version belongs in a leaf module both import
+    ("megatron_diloco.megatron_adapter.handshake", "megatron_diloco"),
+}
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Package module -> the package modules it imports: every import statement, at the top, inside
+    functions and under ``TYPE_CHECKING`` alike (``from pkg import name`` counts as ``pkg.name`` when
+    that is a module, else as ``pkg``)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    edges.add(full if full in modules else base)
+        graph[name] = {m for m in edges if m in modules and m != name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle():
+    """No import circle in the package, ``TYPE_CHECKING`` and function-level imports included (the
+    :data:`CIRCLE_EXCEPTIONS` edges aside, each of which must still exist)."""
+    graph = _import_graph()
+    for source, target in CIRCLE_EXCEPTIONS:
+        assert target in graph[source], f"{source} no longer imports {target}: drop it from CIRCLE_EXCEPTIONS"
+        graph[source].discard(target)
+    circles = _circles(graph)
+    assert not circles, circles
+
+
+def test_the_optimizer_is_a_composition():
+    """``DiLoCoXOptimizer`` is composed, not mixed in: its only base is Megatron's ``MegatronOptimizer``;
+    its parts import neither it nor the installer (they get what they need as arguments); no module of
+    the optimizer reads an object's ``__dict__``, and no ``__getattr__`` there returns anything (what it
+    forwards to Megatron's optimizer is the explicit list ``forwarding.FORWARDED``)."""
+    graph = _import_graph()
+    adapter = "megatron_diloco.megatron_adapter"
+    for part in OPTIMIZER_MODULES[1:]:
+        back = {m for m in graph[f"{adapter}.{part}"] if m in (f"{adapter}.optimizer", f"{adapter}.integration")}
+        assert not back, (part, back)
+    for module in OPTIMIZER_MODULES:
+        tree = ast.parse((ADAPTER / f"{module}.py").read_text())
+        reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "__dict__"]
+        assert not reads, (module, reads)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+                returns = [r.lineno for r in ast.walk(node) if isinstance(r, ast.Return) and r.value is not None]
+                assert not returns, (module, returns)
+    tree = ast.parse((ADAPTER / "optimizer.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DiLoCoXOptimizer")
+    assert [ast.unparse(b) for b in cls.bases] == ["MegatronOptimizer"]
