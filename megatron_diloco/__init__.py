@@ -9,9 +9,9 @@ argument parsing, before ``pretrain``) turns the flags into a running DiLoCoX se
 """
 
 from megatron_diloco.algorithm.config import DiLoCoXConfig
+from megatron_diloco.version import __version__
 
-__all__ = ["DiLoCoXConfig", "add_diloco_x_args", "install", "DiLoCoXOptimizer"]
-__version__ = "0.1.0"
+__all__ = ["DiLoCoXConfig", "add_diloco_x_args", "install", "DiLoCoXOptimizer", "__version__"]
 
 
 def __getattr__(name: str):

@@ -139,7 +139,7 @@ def describe_launch(args: argparse.Namespace, config: DiLoCoXConfig, shards: lis
     """What must agree across launches, as a JSON-serializable dict (label -> value; the labels name
     the flags). ``shards``: per rank of this launch, :func:`shard_digest` of its fp32 main shards;
     ``megatron_version``: megatron-core's. Identical on every rank of a launch."""
-    from megatron_diloco import __version__
+    from megatron_diloco.version import __version__
 
     out: dict[str, Any] = {"handshake format": HANDSHAKE_FORMAT,
                            "megatron-diloco": f"{__version__} (source {package_source_digest()})",
