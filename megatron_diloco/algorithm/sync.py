@@ -368,7 +368,7 @@ class OuterSync(BoundaryProtocols):
             "link_bytes_per_s": self.link_bytes_per_s if self._link_measured else None,
             # what auto tau, the adaptive budget and the derived timeout are sized from (this rank's;
             # the torch_dist checkpoint keeps replica 0's here, and each replica's own in its per-replica
-            # state, which a resume restores: DiLoCoXOptimizer._replica_meta)
+            # state, which a resume restores: OuterCheckpoint.replica_meta)
             **self.timings(),
         }
 
@@ -437,7 +437,7 @@ class OuterSync(BoundaryProtocols):
             self.link_bytes_per_s = float(value) if value is not None else None
         # the measurements auto tau and the adaptive budget use (absent from older checkpoints: measured
         # anew, auto tau = H until an exchange completes); the replica's own, where its checkpoint
-        # state holds them, replace these afterwards (DiLoCoXOptimizer._load_replica_meta)
+        # state holds them, replace these afterwards (OuterCheckpoint._load_replica_meta)
         self.load_timings(state)
         self.outer.load_state_dict(state)
         self.tau = int(state.get("apply_at", self.tau))
