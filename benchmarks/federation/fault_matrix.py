@@ -20,6 +20,9 @@ Failure kinds:
   bound: the others wait, nothing fails;
 * ``stall_past``: it sleeps past the bound while heartbeating (a job stuck in its work, or whose link to the
   others is cut while the coordinator still hears it);
+* ``corrupt`` (point ``commit`` only): one element of the mean the job landed is changed (as a payload altered
+  on its way to it): the members' check refuses that round on every job; all three go on (the faulted job
+  counts among the survivors);
 * ``lighthouse`` (600 iterations): the lighthouse is killed after 20 rounds and restarted at the same
   address 20 s later, within the meeting bound (no job faulted; point ``meeting``); ``lighthouse_past``: 45 s
   later, past it (meetings fail, the jobs train rounds alone, then meet again).
@@ -52,7 +55,7 @@ H = 6
 FAULT_ROUND = 6
 OUTER_BOUND_S = 15.0  # --diloco-x-outer-timeout-minutes 0.25
 MEETING_BOUND_S = 30.0  # --diloco-x-meeting-timeout-minutes 0.5 (> the lighthouse's 10 s join timeout + a heal)
-KINDS = ("kill", "stop", "stall_within", "stall_past", "lighthouse", "lighthouse_past")
+KINDS = ("kill", "stop", "stall_within", "stall_past", "lighthouse", "lighthouse_past", "corrupt")
 #: how long the lighthouse stays down: within the meeting bound, or past it (the jobs then train rounds alone)
 LIGHTHOUSE_DOWN_S = {"lighthouse": 20.0, "lighthouse_past": MEETING_BOUND_S + 15.0}
 FLAGS = ["--pipeline-model-parallel-size", "1", "--global-batch-size", "4", "--diloco-x-replicas", "3",
@@ -64,7 +67,7 @@ STEP_ENV = {"DILOCO_TEST_STEP_SLEEP_S": "0.1"}  # ~35 s of training: a late job 
 
 def _action(kind: str) -> str:
     return {"kill": "kill", "stop": "stop", "stall_within": "stall=3",
-            "stall_past": f"stall={OUTER_BOUND_S + 10:g}"}[kind]
+            "stall_past": f"stall={OUTER_BOUND_S + 10:g}", "corrupt": "corrupt"}[kind]
 
 
 def _fed_rounds(job: Job) -> list:
@@ -125,7 +128,7 @@ def cell(tmp: Path, kind: str, point: str) -> dict:
         finally:
             for j in jobs.values():
                 j.close()
-    survivors = [j for n, j in jobs.items() if n != faulted]
+    survivors = [j for n, j in jobs.items() if n != faulted or kind == "corrupt"]
     finals = {n: [r.get("final_fp", {}).get("steps") for r in j.records()] for n, j in jobs.items()}
     waits = [r[6] for j in survivors for r in _fed_rounds(j) if r[6] is not None]
     exchanges = [r[7] for j in survivors for r in _fed_rounds(j) if len(r) > 7 and r[7] is not None]
@@ -138,6 +141,7 @@ def cell(tmp: Path, kind: str, point: str) -> dict:
             "max_wait_s": round(max(waits, default=0.0), 3), "max_exchange_s": round(max(exchanges, default=0.0), 3),
             "bound_s": MEETING_BOUND_S, "outer_bound_s": OUTER_BOUND_S, "exit_codes": codes,
             "faulted_outcome": None if faulted is None else _outcome(jobs[faulted], codes[faulted]),
+            "failed_rounds": {n: (j.summary() or {}).get("federation", {}).get("failed_rounds") for n, j in jobs.items()},
             "wall_s": round(time.time() - started, 1)}
 
 
@@ -168,7 +172,8 @@ def main() -> None:
         result["cells"] = [{"commit": old.get("commit"), **c} for c in old["cells"] if (c["failure"], c["point"]) not in redo]
     done = {(c["failure"], c["point"]) for c in result["cells"]}
     for kind in args.kinds.split(","):
-        for point in (["meeting"] if kind.startswith("lighthouse") else args.points.split(",")):
+        for point in (["meeting"] if kind.startswith("lighthouse") else ["commit"] if kind == "corrupt"
+                      else args.points.split(",")):
             if (kind, point) in done:
                 continue
             for attempt in range(2):  # a job that could not start (a port taken between its pick and its bind)
