@@ -163,7 +163,8 @@ def test_job_lost_with_an_exchange_in_flight(tmp_path, flags):
 def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
     """A job started while the run is under way joins at the next boundary (its heal sealed with the
     run's secret) and ends with the others; a job with another outer learning rate is refused naming the
-    flag, one with another secret naming --diloco-x-secret-file, and the run goes on."""
+    flag, one with another secret naming --diloco-x-secret-file, one with another number of ranks before
+    any group is built over ranks it lacks, and the run goes on."""
     flags = [*BASE, "--train-iters", "240"]
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:  # A at 0.3 s per step: B and X start (~40-50 s on two
         # busy cores) while A still has ~200 steps (~60 s) to go
@@ -175,8 +176,11 @@ def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
             jobs.append(Job(tmp_path / "X", "X", 1, lh.address, [*flags, "--diloco-x-outer-lr", "0.5"], env=ENV))
             jobs.append(Job(tmp_path / "Y", "Y", 1, lh.address, flags, env=ENV,
                             secret=run_secret(tmp_path / "elsewhere", "a secret that is not the run's")))
-            b, x, y = jobs[1:]
-        _end(jobs, failing=(x, y))
+            jobs.append(Job(tmp_path / "Z", "Z", 1, lh.address, [*flags, "--pipeline-model-parallel-size", "1"],
+                            env=ENV, nproc=1))  # one rank (the others: 2, PP 2)
+            b, x, y, z = jobs[1:]
+        _end(jobs, failing=(x, y, z))
+    assert "the jobs of this run have 2 ranks each, this one has 1" in z.log(), z.log()[-3000:]
     assert "--diloco-x-outer-lr is 0.5 here, 1.0 in job" in x.log(), x.log()[-3000:]
     assert "this job ('Y'" in y.log() and "--diloco-x-secret-file" in y.log(), y.log()[-3000:]
     assert b.summary()["federation"]["heals"] == 1

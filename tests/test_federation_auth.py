@@ -368,3 +368,17 @@ def test_a_job_exiting_while_a_retired_group_closes_exits_with_its_own_status(wa
         assert code == 3, (code, err[-2000:])
     else:
         assert code == -6 and "terminate called" in err, (code, err[-2000:])
+
+
+def test_jobs_of_another_world_size_are_told_apart_before_any_group_is_built():
+    """The quorum's replica ids carry each job's world size: the jobs of the most common size stay (a tie: the
+    first member's size), the others leave, every member deciding alike from the same ids."""
+    from megatron_diloco.federation.membership import other_worlds
+
+    assert other_worlds(["A#w2:u1", "B#w2:u2"], 2) is None
+    assert other_worlds(["A#w2:u1", "B#w2:u2", "Z#w1:u3"], 1) == (
+        True, "the jobs of this run have 2 ranks each, this one has 1")
+    stays, why = other_worlds(["A#w2:u1", "B#w2:u2", "Z#w1:u3"], 2)
+    assert not stays and "(1)" in why
+    assert other_worlds(["A#w4:u1", "Z#w1:u2"], 1)[0] and not other_worlds(["A#w4:u1", "Z#w1:u2"], 4)[0]
+    assert other_worlds(["A:u1", "B#w2:u2", "C#w2:u3"], 2)[0] is False  # an id without the tag: another size

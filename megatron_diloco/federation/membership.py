@@ -126,7 +126,8 @@ class TorchftMembership:
                 quorum_timeout=datetime.timedelta(seconds=meeting_timeout_s),
                 connect_timeout=datetime.timedelta(seconds=connect_s),
                 rank=self.rank, world_size=self.world, store_addr=advertise_host, store_port=int(port),
-                lighthouse_addr=_lighthouse_url(lighthouse), replica_id=replica_id, hostname=advertise_host,
+                lighthouse_addr=_lighthouse_url(lighthouse), replica_id=f"{replica_id}{WORLD_TAG}{self.world}",
+                hostname=advertise_host,
                 init_sync=False, checkpoint_transport=self.transport)
         except RuntimeError as err:  # rank 0's manager server connects to the lighthouse once, at its start
             if "failed to connect" not in str(err):
@@ -134,6 +135,9 @@ class TorchftMembership:
             raise SystemExit(f"megatron-diloco: error: this job could not reach the lighthouse at {lighthouse} "
                              f"within {connect_s:.0f} s of its start (--diloco-x-meeting-timeout-minutes); start "
                              "torchft_lighthouse there (or fix --diloco-x-lighthouse), then restart the job") from None
+        #: set by the quorum check when the quorum holds jobs of another world size: (this job leaves, why)
+        self._other_worlds: tuple[bool, str] | None = None
+        self.manager._client = _CheckedClient(self.manager._client, self._check_quorum)
         self._quorum_id: int | None = None
         self._broken_quorum: int | None = None
         self._met_at = time.monotonic()
@@ -145,6 +149,13 @@ class TorchftMembership:
         #: and agrees, and who heals from whom; raises SystemExit on the member that leaves, HandshakeBroken
         #: when the group breaks (:func:`megatron_diloco.federation.handshake.agree`)
         self.handshake: Callable[..., object] | None = None
+
+    def _check_quorum(self, quorum) -> None:
+        """(torchft's quorum thread, each rank) The quorum torchft fetched, before it builds a group over it: one
+        with a job of another world size is refused here (:func:`other_worlds`)."""
+        self._other_worlds = other_worlds(quorum.replica_ids, self.world)
+        if self._other_worlds is not None:
+            raise RuntimeError(self._other_worlds[1])
 
     def meet(self, progress: int) -> Meeting:
         """The quorum at this boundary (module doc; blocking but bounded, collective over this job's ranks).
@@ -163,12 +174,16 @@ class TorchftMembership:
             if left <= 0:
                 return self._alone(started, why)
             self.manager.load_state_dict({"step": int(progress), "batches_committed": 0})
+            self._other_worlds = None
             err = None
             try:
                 self.manager.start_quorum(allow_heal=False, timeout=datetime.timedelta(seconds=left))
             except Exception as e:  # the lighthouse unreachable, the quorum timed out
                 err = e
             err = err or self.manager.errored()
+            if self._other_worlds is not None and self._other_worlds[0]:  # every rank saw the same quorum
+                raise SystemExit(f"megatron-diloco: error: {self._other_worlds[1]}. This job leaves the run; the "
+                                 "others go on. Give it as many ranks as theirs.")
             if self._job_any(err is not None):  # (a configure may fail on one rank only)
                 why = _reason(err) if err is not None else "another rank of this job could not join the quorum"
                 self._reset_after_failure()
@@ -325,6 +340,45 @@ class TorchftMembership:
         except Exception as err:  # leaving must not fail the run that just ended
             logger.warning("DiLoCoX: leaving the run: %s", err)
         self._retire()
+
+
+class _CheckedClient:
+    """torchft 0.2.0's manager client (a native object) with its quorum checked before the manager builds the
+    group over it (``Manager._async_quorum`` fetches the quorum, then configures the group)."""
+
+    def __init__(self, client, check) -> None:
+        self._client, self._check = client, check
+
+    def _quorum(self, *args, **kwargs):
+        quorum = self._client._quorum(*args, **kwargs)
+        self._check(quorum)
+        return quorum
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
+#: what the job's torchft replica id carries after its name: its world size (compared before any group is built)
+WORLD_TAG = "#w"
+
+
+def other_worlds(replica_ids: list[str], world: int) -> tuple[bool, str] | None:
+    """None when every member of a quorum (torchft replica ids ``NAME#wWORLD:uuid``) runs ``world`` ranks;
+    else ``(this job leaves, why)``: the jobs of the most common world size stay (a tie: the size of the first
+    member in the quorum's order), the others leave. Every rank of every member reads the same ids, so they all
+    decide alike."""
+    worlds = []
+    for rid in replica_ids:
+        tag = rid.split(":")[0].rpartition(WORLD_TAG)[2]
+        worlds.append(int(tag) if tag.isdigit() else -1)
+    if all(w == world for w in worlds):
+        return None
+    count = {w: worlds.count(w) for w in worlds}
+    stay = max(count, key=lambda w: (count[w], -worlds.index(w)))
+    why = (f"the jobs of this run have {stay} ranks each, this one has {world}" if world != stay else
+           f"a job with another number of ranks ({', '.join(str(w) for w in sorted(set(worlds)) if w != stay)}) "
+           f"met this run's jobs ({stay} ranks each); it is told to leave")
+    return world != stay, why
 
 
 def _reason(err: BaseException) -> str:
