@@ -1,8 +1,9 @@
 """Who is present at a boundary, on torchft 0.2.0 (pinned: the calls into it are all here).
 
 One torchft ``Manager`` per rank of a job (``rank`` = the rank in the job, ``world_size`` = the job's
-world, ``replica_id`` = the job's ``--diloco-x-replica-id``): rank 0 runs the job's manager server,
-which heartbeats the lighthouse (``--diloco-x-lighthouse``) every 100 ms and asks it for a quorum once
+world, ``replica_id`` = the job's ``--diloco-x-replica-id`` and ``#w<world size>``: a quorum holding a job
+of another world size is refused before torchft builds a group over it, :func:`other_worlds`): rank 0 runs
+the job's manager server, which heartbeats the lighthouse (``--diloco-x-lighthouse``) every 100 ms and asks it for a quorum once
 every rank of the job reached the boundary. The quorum's members are the jobs that asked and still
 heartbeat. Each rank's reconfigurable gloo group then spans rank k of every member: exactly this
 rank's outer group (the jobs sorted by replica id). When the members changed, they authenticate and
