@@ -182,7 +182,9 @@ class TorchftMembership:
             except Exception as e:  # the lighthouse unreachable, the quorum timed out
                 err = e
             err = err or self.manager.errored()
-            if self._other_worlds is not None and self._other_worlds[0]:  # every rank saw the same quorum
+            # every rank saw the same quorum. Only a job that has not met the run yet leaves: the ids are not
+            # authenticated, and a job already in the run must not be sent away by strangers (it fails the meeting)
+            if self._other_worlds is not None and self._other_worlds[0] and self.meetings == 0:
                 raise SystemExit(f"megatron-diloco: error: {self._other_worlds[1]}. This job leaves the run; the "
                                  "others go on. Give it as many ranks as theirs.")
             if self._job_any(err is not None):  # (a configure may fail on one rank only)
