@@ -1,6 +1,9 @@
 """Separate jobs on this machine for the federation tests and benchmark: a real ``torchft_lighthouse``
-process and one ``torchrun`` job per replica (CPU, gloo), each in its own process session so that a
-test can kill -9, stop or continue a whole job, and always tears every process down."""
+process and one job per replica (CPU, gloo), each in its own process session so that a test can
+kill -9, stop or continue a whole job, and always tears every process down. A job's ranks are forked
+from the tests' pre-imported process (``tests/zygote.py``: the environment, script and exit torchrun
+gives them, without each rank importing torch and Megatron), or started by ``torchrun`` itself
+(``torchrun=True``: the user's launcher, as the benchmarks and one test run them)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from tests.dist_utils import free_port
-from tests.megatron_utils import REPO, RUNNER, TINY, _ENV, harness_args
+from tests.megatron_utils import REPO, RUNNER, TINY, _ENV, StartedJob, harness_args, start_job
 
 LIGHTHOUSE = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
 ROUND_LINE = re.compile(r"\[DiLoCoX\] round\s+(\d+) \|")
@@ -57,21 +60,23 @@ class Lighthouse:
 
 
 class Job:
-    """One replica job: ``torchrun --nproc-per-node nproc`` of the harness (the demo example) with
-    ``model`` (default TINY; [] keeps the demo's model), ``flags`` and the federation flags, output in
-    ``out/``, the combined log in ``out/log.txt``."""
+    """One replica job: the harness (the demo example) on ``nproc`` ranks with ``model`` (default TINY;
+    [] keeps the demo's model), ``flags`` and the federation flags, output in ``out/``, the combined
+    log in ``out/log.txt``; ranks forked from the zygote, or ``torchrun --nproc-per-node nproc``."""
 
     def __init__(self, out: Path, name: str, index: int, lighthouse: str, flags: list[str], nproc: int = 2,
                  recorders: tuple[str, ...] = ("tests.recorders:federation",), run: str = "test-run",
-                 env: dict[str, str] | None = None, model: list[str] = TINY, secret: Path | None = None) -> None:
+                 env: dict[str, str] | None = None, model: list[str] = TINY, secret: Path | None = None,
+                 torchrun: bool = False) -> None:
         self.name, self.index, self.nproc, self.recorders = name, index, nproc, recorders
+        self.torchrun = torchrun
         secret = secret or run_secret(out.parent)
         self.flags = [*model, *flags, "--diloco-x-lighthouse", lighthouse, "--diloco-x-run", run,
                       "--diloco-x-secret-file", str(secret),
                       "--diloco-x-replica-id", name, "--diloco-x-replica-index", str(index),
                       "--diloco-x-advertise-host", "127.0.0.1"]
         self.env = {**os.environ, **_ENV, **(env or {})}
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | StartedJob | None = None
         self._log = None
         self.start(out)
 
@@ -79,12 +84,17 @@ class Job:
         """(Re)start the job, its records and log in ``out`` (``extra``: flags added)."""
         if self._log is not None:
             self._log.close()
+            self._log = None
         self.out = out
         out.mkdir(parents=True, exist_ok=True)
         self.logfile = out / "log.txt"
+        target = [*harness_args(out, self.recorders), *self.flags, *extra]
+        if not self.torchrun:
+            self.args = [str(RUNNER), *target]
+            self.proc = start_job(RUNNER, target, self.logfile, self.nproc, self.env)
+            return
         self.args = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.nproc}",
-                     f"--master-port={free_port()}", str(RUNNER), *harness_args(out, self.recorders), *self.flags,
-                     *extra]
+                     f"--master-port={free_port()}", str(RUNNER), *target]
         self._log = open(self.logfile, "a")
         self.proc = subprocess.Popen(self.args, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)

@@ -13,9 +13,13 @@ import atexit
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import psutil
 
 from megatron_diloco.summary import parse_summaries
 from tests.dist_utils import free_port
@@ -71,6 +75,82 @@ def launch(script: Path, args: list[str], out: Path, nproc: int = 4, timeout: fl
         raise TimeoutError(f"{script.name} ran past {timeout} s:\n{log[-6000:]}")
     code = next((c for c in answer["returncodes"] if c != 0), 0)
     return code, log
+
+
+class StartedJob:
+    """A job started by :func:`start_job` (its supervisor is the zygote's, not this process's child):
+    what the tests use of a ``subprocess.Popen``. ``returncode``: 0 when every rank exited 0, else the
+    first non-zero status; ``-9`` for a job killed as a whole (its supervisor left no result)."""
+
+    def __init__(self, pid: int, result: Path, args: list[str]) -> None:
+        self.pid, self.result, self.args = pid, result, args
+        self.returncode: int | None = None
+
+    def _read(self) -> int:
+        answer = json.loads(self.result.read_text())
+        return next((c for c in answer["returncodes"] if c != 0), 0)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            if self.result.exists():
+                self.returncode = self._read()
+            else:
+                try:
+                    alive = psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+                except psutil.NoSuchProcess:
+                    alive = False
+                if not alive:  # (it may have written its result just before it went)
+                    self.returncode = self._read() if self.result.exists() else -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.1)
+        return self.returncode
+
+
+def start_job(script: Path, args: list[str], log: Path, nproc: int, env: dict[str, str],
+              timeout: float = 1800) -> StartedJob:
+    """Start ``script args`` on ``nproc`` gloo ranks as one job (as ``torchrun --nproc-per-node nproc``
+    on one node would, the ranks forked from the pre-imported zygote) and return at once; the ranks'
+    output goes to ``log`` (appended). ``env``: the ranks' whole environment. Several jobs may run at
+    once; the job's ranks are killed past ``timeout`` seconds."""
+    result = log.parent / f".job-{free_port()}-{time.monotonic_ns()}.json"
+    request = {"job": True, "script": str(script), "args": [str(a) for a in args], "nproc": nproc,
+               "port": free_port(), "env": env, "log": str(log), "result": str(result), "timeout": timeout}
+    zygote = _get_zygote()
+    zygote.stdin.write(json.dumps(request) + "\n")
+    zygote.stdin.flush()
+    ready, _, _ = select.select([zygote.stdout], [], [], 60)
+    assert ready, "the rank launcher stopped answering"
+    return StartedJob(json.loads(zygote.stdout.readline())["pid"], result, [str(script), *map(str, args)])
+
+
+def run_jobs(jobs: list[tuple[list[str], Path, int]], env: dict[str, str] | None = None,
+             timeout: float = 400) -> list[tuple[int, str]]:
+    """Run several launches of the harness at once, each ``(args, out, nproc)`` (its flags, its folder,
+    its ranks), as separate ``torchrun`` s would; wait for all. Returns (exit status, output) per launch,
+    in order; kills them all and fails past ``timeout`` seconds."""
+    started = []
+    for args, out, nproc in jobs:
+        out.mkdir(parents=True, exist_ok=True)
+        log = out / "log.txt"
+        started.append((start_job(RUNNER, args, log, nproc, dict(os.environ, **_ENV, **(env or {})), timeout), log))
+    deadline = time.monotonic() + timeout + 60
+    try:
+        codes = [job.wait(max(1.0, deadline - time.monotonic())) for job, _ in started]
+    except subprocess.TimeoutExpired:
+        raise AssertionError("launches ran past their timeout:\n" +
+                             "\n".join(log.read_text(errors="replace")[-3000:] for _, log in started)) from None
+    finally:
+        for job, _ in started:
+            if job.poll() is None:
+                for p in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
+                    p.kill()
+    return [(code, log.read_text(errors="replace")) for code, (_, log) in zip(codes, started)]
 
 
 def harness_args(out: Path, recorders: tuple[str, ...] = TRAINING) -> list[str]:

@@ -5,14 +5,13 @@ convergence benchmark, so the benchmark's numbers are the Megatron path's number
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import re
 
 import pytest
 
 from tests.dist_utils import free_port
-from tests.megatron_utils import RUNNER, TINY, harness_args, losses, summary, torchrun
+from tests.megatron_utils import RUNNER, TINY, harness_args, launch, losses, run_jobs, summary
 
 pytestmark = pytest.mark.megatron
 
@@ -37,14 +36,14 @@ def _dataset_sizes(log: str) -> list[int]:
     ["--diloco-x-overlap", "partial", "--diloco-x-overlap-steps", "1", "--diloco-x-compression", "lowrank"],
 ], ids=["partial-int4-warmup", "partial-lowrank"])
 def test_separate_worlds_train_as_one_world(tmp_path, flags):
-    """2 replicas x 1 rank: one torchrun of 2 ranks vs two torchruns of 1 rank joined through a TCP
+    """2 replicas x 1 rank: one launch of 2 ranks vs two launches of 1 rank joined through a TCP
     store. Same losses at every iteration on both replicas, bit for bit, and the same final main
     params (fingerprints): the data split, the exchange and the outer step are the same."""
     base = [*TINY, "--pipeline-model-parallel-size", "1", "--train-iters", "8", "--diloco-x-local-steps", "4", "--diloco-x-outer-lr", "0.7",
             "--diloco-x-outer-momentum", "0.9", *flags]
     one = tmp_path / "one"
     one.mkdir()
-    code, log = torchrun([RUNNER, *harness_args(one), *base], nproc=2)
+    code, log = launch(RUNNER, [*harness_args(one), *base], one, nproc=2)
     assert code == 0, log[-4000:]
     sizes = _dataset_sizes(log)
     want = losses(_records(one))
@@ -52,16 +51,11 @@ def test_separate_worlds_train_as_one_world(tmp_path, flags):
 
     store = f"127.0.0.1:{free_port()}"
 
-    def replica(r: int):
-        out = tmp_path / f"replica{r}"
-        out.mkdir()
-        # --global-batch-size is per launch: each replica's share of the one world's 8
-        args = [RUNNER, *harness_args(out), *base, "--global-batch-size", "4", "--diloco-x-outer-store",
-                store, "--diloco-x-replica-index", str(r)]
-        return out, torchrun(args, nproc=1)
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(replica, range(2)))
+    outs = [tmp_path / f"replica{r}" for r in range(2)]
+    # --global-batch-size is per launch: each replica's share of the one world's 8
+    results = list(zip(outs, run_jobs([([*harness_args(out), *base, "--global-batch-size", "4",
+                                         "--diloco-x-outer-store", store, "--diloco-x-replica-index", str(r)], out, 1)
+                                       for r, out in enumerate(outs)])))
     got = {}
     for r, (out, (code, log)) in enumerate(results):
         assert code == 0, log[-4000:]
@@ -89,14 +83,9 @@ def test_launches_that_disagree_are_refused_before_training(tmp_path, flag, valu
             "--global-batch-size", "4", *(["--train-iters", "8"] if flag != "--train-iters" else [])]
     store = f"127.0.0.1:{free_port()}"
 
-    def replica(r: int):
-        out = tmp_path / f"replica{r}"
-        out.mkdir()
-        return torchrun([RUNNER, *harness_args(out), *base, flag, values[r], "--diloco-x-outer-store", store,
-                         "--diloco-x-replica-index", str(r)], nproc=1, timeout=300)
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(replica, range(2)))
+    results = run_jobs([([*harness_args(tmp_path / f"replica{r}"), *base, flag, values[r], "--diloco-x-outer-store",
+                          store, "--diloco-x-replica-index", str(r)], tmp_path / f"replica{r}", 1) for r in range(2)],
+                       timeout=300)
     for r, (code, log) in enumerate(results):
         assert code != 0, log[-4000:]
         assert "megatron-diloco: error: the launches joined through --diloco-x-outer-store" in log, log[-4000:]
@@ -105,6 +94,6 @@ def test_launches_that_disagree_are_refused_before_training(tmp_path, flag, valu
 
 
 def test_outer_store_flags_are_checked(tmp_path):
-    code, log = torchrun([RUNNER, *harness_args(tmp_path), *TINY, "--pipeline-model-parallel-size", "1",
-                          "--train-iters", "4", "--diloco-x-outer-store", "127.0.0.1:1"], nproc=1)
+    code, log = launch(RUNNER, [*harness_args(tmp_path), *TINY, "--pipeline-model-parallel-size", "1",
+                                "--train-iters", "4", "--diloco-x-outer-store", "127.0.0.1:1"], tmp_path, nproc=1)
     assert code != 0 and "--diloco-x-outer-store needs --diloco-x-replica-index" in log, log[-3000:]

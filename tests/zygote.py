@@ -14,7 +14,14 @@ its stdout and stderr); the zygote answers one JSON line on stdout, ``{"returnco
 "timed_out": bool}``. Only the imports happen here: nothing of Megatron is configured or built
 before the fork (the CPU shim is idempotent and applied again by each script).
 
-Used by :func:`tests.megatron_utils.launch`; never by training.
+Concurrent jobs (the separate-jobs tests: several replica jobs at once, each killed, frozen or
+restarted on its own): a request with ``"job": true`` (and one combined ``"log"``, a ``"result"``
+path) is answered at once with ``{"pid": P}``: P is a supervisor forked for the job (twice, so
+that it is nobody's zombie), in a session of its own, doing torchrun's part: it forks the ranks
+(all writing to the one log), stops the others when one fails, and writes the ranks' exit statuses
+to ``result`` as it ends (a job killed as a whole leaves no result).
+
+Used by :mod:`tests.megatron_utils` (``launch`` and ``start_job``); never by training.
 """
 
 from __future__ import annotations
@@ -30,9 +37,35 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TERM_GRACE_S = 30.0
 _ANSWER_FD = -1
+_MANAGER = None  # the checkpoint writer's results manager (_start_results_manager)
+_STOP = False  # set in a job's supervisor by SIGTERM: stop its ranks as torchrun would
 #: variables the preloaded imports added to the environment (the CPU shim's setdefault of
 #: CUDA_DEVICE_MAX_CONNECTIONS): given to each child the same way, unless the run sets them
 _PRELOAD_ENV: dict[str, str] = {}
+
+
+def _start_results_manager() -> None:
+    """Start the multiprocessing manager that Megatron's checkpoint writer wants, once, here.
+
+    A ``torch_dist`` save creates a queue for its writers' results on a ``multiprocessing`` manager
+    of its own, started with ``spawn`` at the first save of each process
+    (``dist_checkpointing.strategies.filesystem_async.get_write_results_queue``); the spawned server
+    imports the rank's ``__main__`` script, i.e. torch and Megatron again: ~8 s of CPU per rank, most
+    of a short run that saves. Started here (whose ``__main__`` imports nothing heavy), each rank
+    gets a queue of its own on it (:func:`_child`), which Megatron's cache then returns."""
+    global _MANAGER
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    _MANAGER = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    _MANAGER.start(_end_with_the_zygote)
+
+
+def _end_with_the_zygote() -> None:
+    """In the manager's process: die with the zygote (which the test session may SIGKILL)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _preload() -> None:
@@ -50,17 +83,18 @@ def _preload() -> None:
         importlib.import_module(name)
 
 
-def _child(script: str, args: list[str], env: dict[str, str], log: str) -> None:
+def _child(script: str, args: list[str], env: dict[str, str], log: str, append: bool = False) -> None:
     """In the forked child: become the rank, run ``script``, exit like an interpreter would."""
     os.setpgid(0, 0)  # its own process group: a kill reaches the rank's helper processes too
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
     os.close(devnull)
-    os.close(_ANSWER_FD)
+    if _ANSWER_FD >= 0:
+        os.close(_ANSWER_FD)
     sys.stdout = sys.__stdout__
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.clear()
@@ -68,6 +102,10 @@ def _child(script: str, args: list[str], env: dict[str, str], log: str) -> None:
     for key, value in _PRELOAD_ENV.items():
         os.environ.setdefault(key, value)
     sys.argv = [script, *args]
+    if _MANAGER is not None:  # this rank's own queue on the zygote's manager (_start_results_manager)
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        filesystem_async._results_queue = _MANAGER.Queue()
     # Megatron takes the job's start time at import (``--exit-duration-in-mins`` counts from it and
     # the start-up log reports it): the import happened in the zygote, so set it as a fresh process
     # would have, now.
@@ -107,7 +145,7 @@ def _run(req: dict) -> dict:
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(req["port"]))
         pid = os.fork()
         if pid == 0:
-            _child(req["script"], req["args"], env, req["logs"][rank])
+            _child(req["script"], req["args"], env, req["logs"][rank], req.get("append", False))
         pids[pid] = rank
     codes: list[int | None] = [None] * nproc
     deadline = time.monotonic() + req["timeout"]
@@ -125,7 +163,10 @@ def _run(req: dict) -> dict:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             now = time.monotonic()
-            if stopping_since is None and now > deadline:
+            if stopping_since is None and _STOP:  # the job's supervisor was told to stop (SIGTERM)
+                stopping_since = now
+                signal_all(signal.SIGTERM)
+            elif stopping_since is None and now > deadline:
                 timed_out, stopping_since = True, now
                 signal_all(signal.SIGTERM)
             elif stopping_since is not None and now - stopping_since > TERM_GRACE_S:
@@ -141,18 +182,70 @@ def _run(req: dict) -> dict:
     return {"returncodes": codes, "timed_out": timed_out}
 
 
+def _start_job(req: dict) -> int:
+    """Fork the supervisor of one job (see the module doc); return its pid without waiting for it."""
+    read, write = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # exits at once: the supervisor is reparented, never the zygote's zombie
+        os.close(read)
+        supervisor = os.fork()
+        if supervisor == 0:
+            os.close(write)
+            _supervise(req)
+        os.write(write, str(supervisor).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(middle, 0)
+    pid = int(os.read(read, 64).decode())
+    os.close(read)
+    return pid
+
+
+def _supervise(req: dict) -> None:
+    """A job's supervisor (torchrun's part): run its ranks, record their statuses, exit."""
+    global _ANSWER_FD, _STOP
+    os.setsid()
+    os.close(_ANSWER_FD)
+    _ANSWER_FD = -1
+    fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    for target, source in ((0, devnull), (1, fd), (2, fd)):
+        os.dup2(source, target)
+    os.close(fd)
+    os.close(devnull)
+
+    def stop(*_) -> None:
+        global _STOP
+        _STOP = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    code = 1
+    try:
+        answer = _run({**req, "logs": [req["log"]] * req["nproc"], "append": True})
+        result = Path(req["result"])
+        result.with_suffix(".tmp").write_text(json.dumps(answer))
+        result.with_suffix(".tmp").replace(result)
+        code = 0 if all(c == 0 for c in answer["returncodes"]) else 1
+    finally:
+        os._exit(code)
+
+
 def main() -> None:
     global _ANSWER_FD
     _ANSWER_FD = os.dup(1)  # the answer channel; fd 1 becomes stderr (imports may print or log)
     os.dup2(2, 1)
     answer = os.fdopen(_ANSWER_FD, "w")
     before = dict(os.environ)
+    _start_results_manager()
     _preload()
     _PRELOAD_ENV.update({k: v for k, v in os.environ.items() if k not in before})
     print("zygote ready", file=answer, flush=True)
     for line in sys.stdin:
         if line.strip():
-            print(json.dumps(_run(json.loads(line))), file=answer, flush=True)
+            req = json.loads(line)
+            reply = {"pid": _start_job(req)} if req.get("job") else _run(req)
+            print(json.dumps(reply), file=answer, flush=True)
 
 
 if __name__ == "__main__":

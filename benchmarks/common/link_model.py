@@ -109,6 +109,52 @@ def crosses_replicas(ranks: list[int], ranks_per_replica: int) -> bool:
     return len({r // ranks_per_replica for r in ranks}) > 1
 
 
+class Clock:
+    """The link's time: ``now()`` (seconds, monotonic), ``sleep(seconds)`` and ``call_later(delay, fn)``
+    (``fn`` run on another thread after ``delay``). This one is the wall clock; the tests give
+    :class:`ManualClock` where they check elapsed times."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> None:
+        timer = threading.Timer(delay, fn)
+        timer.daemon = True
+        timer.start()
+
+
+class ManualClock(Clock):
+    """A clock that only moves when someone sleeps on it: ``sleep(s)`` returns at once, ``s`` later.
+    The link's timing is then exact and reproducible on a loaded machine, for callers that use this
+    clock for their own waits too, from one thread (two threads sleeping on it would share one time)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = start
+        self._lock = threading.Lock()
+        self._due: list[tuple[float, Callable[[], None]]] = []
+
+    def now(self) -> float:
+        return self._now
+
+    def sleep(self, seconds: float) -> None:
+        with self._lock:
+            self._now += max(0.0, seconds)
+            due = [fn for at, fn in self._due if at <= self._now]
+            self._due = [(at, fn) for at, fn in self._due if at > self._now]
+        for fn in due:
+            fn()
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> None:
+        if delay <= 0:
+            fn()
+            return
+        with self._lock:
+            self._due.append((self._now + delay, fn))
+
+
 @dataclasses.dataclass
 class KindStats:
     ops: int = 0
@@ -138,7 +184,7 @@ class LinkWork:
 
     def is_completed(self) -> bool:
         return self._done or ((self._work is None or self._work.is_completed())
-                              and time.perf_counter() >= self._finish)
+                              and self._link.clock.now() >= self._finish)
 
     def get_future(self) -> torch.futures.Future:
         """A future completed at the modelled finish time (by a timer thread), holding the real
@@ -151,9 +197,7 @@ class LinkWork:
                 if not fut.done():
                     fut.set_result(None)
 
-            timer = threading.Timer(max(0.0, self._finish - time.perf_counter()), fire)
-            timer.daemon = True
-            timer.start()
+            self._link.clock.call_later(max(0.0, self._finish - self._link.clock.now()), fire)
         return self._future
 
     def __getattr__(self, name: str) -> Any:
@@ -168,10 +212,11 @@ class LinkModel:
         latency_ms: one-way latency per ring hop.
         replicas: R; the world is split into R contiguous blocks of ranks.
         share: ``"rank"`` (a link per rank) or ``"replica"`` (one per replica, split evenly).
+        clock: the link's time (:class:`Clock`, the wall clock, by default).
     """
 
     def __init__(self, bandwidth_mbps: float | None, latency_ms: float = 5.0, replicas: int = 2,
-                 share: str = "rank") -> None:
+                 share: str = "rank", clock: Clock | None = None) -> None:
         if share not in ("rank", "replica"):
             raise ValueError(f"share must be 'rank' or 'replica', got {share!r}")
         if bandwidth_mbps is not None and math.isinf(bandwidth_mbps):
@@ -182,8 +227,9 @@ class LinkModel:
         self.latency_s = latency_ms / 1e3
         self.replicas = replicas
         self.share = share
+        self.clock = clock or Clock()
         self._lock = threading.Lock()
-        self._link_free = 0.0  # perf_counter time at which this rank's link finishes its queue
+        self._link_free = 0.0  # the clock's time at which this rank's link finishes its queue
         self._groups: dict[Any, tuple[int, bool]] = {}  # group -> (size, crosses replicas)
         self._coalescing: dict[Any, list] = {}  # group -> [(kind, wire, hops, device)] pending
         self._originals: dict[str, Callable] = {}
@@ -232,7 +278,7 @@ class LinkModel:
         hops = max(h for _, _, h in transfers)
         duration = hops * self.latency_s + sum(w for _, w, _ in transfers) / rate
         with self._lock:
-            start = max(time.perf_counter(), self._link_free)
+            start = max(self.clock.now(), self._link_free)
             finish = start + duration
             self._link_free = finish
             self.modelled_s += duration
@@ -245,9 +291,9 @@ class LinkModel:
         """Block until the real op is done on the device and the modelled finish has passed."""
         if device is not None and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
-        remaining = finish - time.perf_counter()
+        remaining = finish - self.clock.now()
         if remaining > 0:
-            time.sleep(remaining)
+            self.clock.sleep(remaining)
             with self._lock:
                 self.waited_s += remaining
 
@@ -419,12 +465,12 @@ _INSTALLED: LinkModel | None = None
 
 
 def install(bandwidth_mbps: float | None, latency_ms: float = 5.0, replicas: int = 2,
-            share: str = "rank") -> LinkModel:
+            share: str = "rank", clock: Clock | None = None) -> LinkModel:
     """Install one process-wide :class:`LinkModel` (replacing a previous one) and return it."""
     global _INSTALLED
     if _INSTALLED is not None:
         _INSTALLED.uninstall()
-    _INSTALLED = LinkModel(bandwidth_mbps, latency_ms, replicas, share).install()
+    _INSTALLED = LinkModel(bandwidth_mbps, latency_ms, replicas, share, clock).install()
     return _INSTALLED
 
 
