@@ -536,7 +536,7 @@ class FederationRecorder(Recorder):
         @wrap(DiLoCoXOptimizer, "round_metrics")
         def round_metrics(orig, opt, report):
             out = orig(opt, report)
-            fed = opt.sync.federated
+            fed = opt.federation
             if fed is None:  # one world (the benchmark's comparison runs)
                 return out
             record["fed_rounds"].append([opt.step_calls, [int(x) for x in opt.sync.fingerprint([opt.sync.theta])],

@@ -1,10 +1,12 @@
 """The example script on 4 CPU ranks: proves the CPU shim (compat.cpu) carries Megatron's training path.
 
-Each run launches ``examples/pretrain_gpt_diloco.py`` with torchrun in a subprocess (the shim is
-process-wide) with a tiny model, pipeline-parallel 2 x data-parallel 2, Megatron's partial
-distributed optimizer with 2 instances (the topology DiLoCoX builds on) and WITHOUT DiLoCoX.
-Megatron may exit 0 without training (e.g. an unloadable RNG state), so the tests count logged
-iterations instead of trusting the exit code.
+Each run launches ``examples/pretrain_gpt_diloco.py`` (the shim is process-wide) with a tiny model,
+pipeline-parallel 2 x data-parallel 2, Megatron's partial distributed optimizer with 2 instances (the
+topology DiLoCoX builds on) and WITHOUT DiLoCoX. The reference run is launched by torchrun, as a user
+runs the example; the runs compared with it fork their ranks from the tests' pre-imported process
+(``tests/zygote.py``), so the comparisons also hold across the two launchers. Megatron may exit 0
+without training (e.g. an unloadable RNG state), so the tests count logged iterations instead of
+trusting the exit code.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.megatron_utils import torchrun
+from tests.megatron_utils import launch, torchrun
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "pretrain_gpt_diloco.py"
 TINY = """
@@ -36,9 +38,14 @@ class Run:
     valid_loss: float | None = None
 
 
-def run_example(*flags: str, timeout: float = 240) -> Run:
-    """Run the example on 4 ranks and parse its log. Fails on a non-zero exit."""
-    code, output = torchrun([SCRIPT, *TINY, *flags], timeout=timeout)
+def run_example(*flags: str, out: Path | None = None, timeout: float = 240) -> Run:
+    """Run the example on 4 ranks and parse its log. Fails on a non-zero exit. With ``out`` (a folder
+    for the ranks' logs) the ranks are forked from the pre-imported process, else torchrun starts them."""
+    if out is None:
+        code, output = torchrun([SCRIPT, *TINY, *flags], timeout=timeout)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        code, output = launch(SCRIPT, [*TINY, *flags], out, nproc=4, timeout=timeout)
     assert code == 0, output[-6000:]
     run = Run()
     for m in _ITERATION.finditer(output):
@@ -63,11 +70,11 @@ def test_trains_pp2_dp2_partial_distributed_optimizer(reference):
 
 def test_save_and_resume_torch_dist_matches_uninterrupted_run(reference, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    first = run_example("--exit-interval", "3", "--save", ckpt, "--save-interval", "100")
+    first = run_example("--exit-interval", "3", "--save", ckpt, "--save-interval", "100", out=tmp_path / "first")
     assert sorted(first.loss) == [1, 2, 3]
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     # The CPU shim's RNG tracker has no state to restore: resume with --no-load-rng.
-    resumed = run_example("--load", ckpt, "--no-load-rng")
+    resumed = run_example("--load", ckpt, "--no-load-rng", out=tmp_path / "resumed")
     assert sorted(resumed.loss) == [4, 5]
     # Same parameters and optimizer state as the uninterrupted run (compat.distopt_resume).
     # (Megatron's first log line after a resume averages over 2 iterations: compare grad norms.)
@@ -76,10 +83,10 @@ def test_save_and_resume_torch_dist_matches_uninterrupted_run(reference, tmp_pat
     assert resumed.valid_loss == reference.valid_loss
 
 
-def test_attention_sdpa_trains_as_the_local_spec(reference):
+def test_attention_sdpa_trains_as_the_local_spec(reference, tmp_path):
     """``--attention-sdpa`` (SDPA core attention, ``megatron_adapter/sdpa_attention.py``) on the same
     run: the same losses within fp32 rounding (the attention differs in summation order only)."""
-    sdpa = run_example("--attention-sdpa")
+    sdpa = run_example("--attention-sdpa", out=tmp_path)
     assert sorted(sdpa.loss) == sorted(reference.loss)
     for it, loss in reference.loss.items():
         assert sdpa.loss[it] == pytest.approx(loss, rel=1e-4), it

@@ -89,7 +89,7 @@ def _job(overlap: str, compression: str, refuse: set = frozenset(), steps: dict 
     sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
     steps = {"steps": 0} if steps is None else steps
     membership = ScriptedMembership(refuse, check_means)
-    sync.federated = fed = FederatedRounds(sync, membership, lambda: dict(steps), lambda p: steps.update(p))
+    sync.round_rules = fed = FederatedRounds(sync, membership, lambda: dict(steps), lambda p: steps.update(p))
     membership.fed = fed
     return sync, fed, x, steps
 

@@ -1,5 +1,6 @@
 """Replicas as separate jobs that meet through a real ``torchft_lighthouse`` (``--diloco-x-lighthouse``):
-every job its own ``torchrun`` of 2 ranks (DP 2) on this machine, Megatron's defaults and the package's
+every job its own launch of 2 ranks (DP 2) on this machine (forked from the tests' pre-imported process,
+or ``torchrun`` as a user launches it), Megatron's defaults and the package's
 (the default overlap, codec and warm-up, auto tau), every process killed at the end.
 
 What is checked: a job killed mid-run (kill -9), frozen (SIGSTOP) or lost with an exchange in flight
@@ -88,7 +89,7 @@ def test_killed_job_others_go_on_then_it_rejoins(tmp_path):
     at every boundary, loss falling, no NaN; restart it from nothing: it joins the run at a boundary,
     takes theta, m and the position from a peer, is identical to them from then on, and all three end
     at the same iteration with the same model."""
-    flags = [*BASE, "--diloco-x-replicas", "3", "--train-iters", "210"]
+    flags = [*BASE, "--diloco-x-replicas", "3", "--train-iters", "180"]
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:
         jobs = [Job(tmp_path / n, n, i, lh.address, flags, env=ENV) for i, n in enumerate("ABC")]
         a, b, c = jobs
@@ -105,7 +106,7 @@ def test_killed_job_others_go_on_then_it_rejoins(tmp_path):
     _assert_identical_at_every_boundary([a, c])
     members = [m for _, (_, m) in sorted(_rounds(a).items())]
     assert 2 in members and members[-1] == 3, members  # the survivors' rounds, then the rejoin
-    assert _final(a) == _final(b) == _final(c) and _final(a)[0][0] == 210
+    assert _final(a) == _final(b) == _final(c) and _final(a)[0][0] == 180
     for job in (a, b):
         _losses_fall(job)
     fed = a.summary()["federation"]
@@ -138,18 +139,21 @@ def test_frozen_job_is_left_behind_and_leaves_cleanly(tmp_path):
     _losses_fall(a)
 
 
-@pytest.mark.parametrize("flags", [[], ["--diloco-x-overlap", "none", "--diloco-x-compression", "none"]],
-                         ids=["partial-int4", "none-fp32"])
-def test_job_lost_with_an_exchange_in_flight(tmp_path, flags):
+@pytest.mark.parametrize("flags,torchrun", [([], True),
+                                           (["--diloco-x-overlap", "none", "--diloco-x-compression", "none"], False)],
+                         ids=["partial-int4-torchrun", "none-fp32"])
+def test_job_lost_with_an_exchange_in_flight(tmp_path, flags, torchrun):
     """One of 2 jobs dies right after a boundary's decision (round 14 or the first after it with both jobs
     present), before it sends its payload, so the other's
     exchange of that round is in flight when it goes: that round fails (nobody commits it: theta and m
     unchanged, the residual as before the launch, the local progress kept) and the survivor goes on alone,
-    the next pseudo-gradient covering both rounds, with theta as the two jobs held it before."""
+    the next pseudo-gradient covering both rounds, with theta as the two jobs held it before. With the
+    package's defaults, each job is launched by ``torchrun`` as a user launches it."""
     flags = [*BASE, *flags, "--train-iters", "90"]
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:
-        a = Job(tmp_path / "A", "A", 0, lh.address, flags)
-        b = Job(tmp_path / "B", "B", 1, lh.address, flags, env={"DILOCO_X_FAULT": "decision:kill:14"})
+        a = Job(tmp_path / "A", "A", 0, lh.address, flags, torchrun=torchrun)
+        b = Job(tmp_path / "B", "B", 1, lh.address, flags, env={"DILOCO_X_FAULT": "decision:kill:14"},
+                torchrun=torchrun)
         _end([a, b], failing=(b,))
     assert "[fault drill] kill at decision, round" in b.log(), b.log()[-3000:]
     rounds = _rounds(a)
@@ -165,9 +169,9 @@ def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
     run's secret) and ends with the others; a job with another outer learning rate is refused naming the
     flag, one with another secret naming --diloco-x-secret-file, one with another number of ranks before
     any group is built over ranks it lacks, and the run goes on."""
-    flags = [*BASE, "--train-iters", "240"]
-    with Lighthouse(tmp_path / "lighthouse.txt") as lh:  # A at 0.3 s per step: B and X start (~40-50 s on two
-        # busy cores) while A still has ~200 steps (~60 s) to go
+    flags = [*BASE, "--train-iters", "180"]
+    with Lighthouse(tmp_path / "lighthouse.txt") as lh:  # A at 0.3 s per step: B, X, Y and Z start (~10-20 s on
+        # two busy cores) while A still has ~100 steps (~30 s) to go
         a = Job(tmp_path / "A", "A", 0, lh.address, flags, env={"DILOCO_TEST_STEP_SLEEP_S": "0.3"})
         jobs = [a]
         with _closing(jobs):
@@ -186,7 +190,7 @@ def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
     assert b.summary()["federation"]["heals"] == 1
     assert "joined run 'test-run' under way at iteration" in b.log(), b.log()[-3000:]
     _assert_identical_at_every_boundary([a, b])
-    assert _final(a) == _final(b) and _final(a)[0][0] == 240
+    assert _final(a) == _final(b) and _final(a)[0][0] == 180
 
 
 def test_jobs_resume_from_their_own_checkpoints(tmp_path):
@@ -195,7 +199,7 @@ def test_jobs_resume_from_their_own_checkpoints(tmp_path):
     (iteration 12: it lost its last), started once A trains. B is behind: it takes the outer state and
     the position from A at A's next boundary (its inner optimizer state from its own checkpoint), and the
     two train on identical from there to the end."""
-    base = [*BASE, "--train-iters", "200", "--no-load-rng"]
+    base = [*BASE, "--train-iters", "120", "--no-load-rng"]
     ckpt = {n: tmp_path / f"ckpt{n}" for n in "AB"}
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:
         jobs = [Job(tmp_path / f"{n}1", n, i, lh.address, [*base, "--save", str(ckpt[n]), "--save-interval", "12",
@@ -220,5 +224,5 @@ def test_jobs_resume_from_their_own_checkpoints(tmp_path):
             and "inner optimizer state from this job's checkpoint at iteration 12" in b.log()), b.log()[-3000:]
     _assert_identical_at_every_boundary([a, b])
     assert min(_rounds(a)) > 24  # the second run's boundaries only
-    assert _final(a) == _final(b) and _final(a)[0][0] == 200
+    assert _final(a) == _final(b) and _final(a)[0][0] == 120
     assert a.summary()["federation"]["heals"] == 0 and b.summary()["federation"]["heals"] == 1

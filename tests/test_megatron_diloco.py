@@ -141,12 +141,12 @@ def test_auto_warmup_capped_under_train_samples(tmp_path):
 
 def test_step_time_counts_inner_steps_only(tmp_path):
     """The round's mean step time (auto tau, the adaptive budget, the derived timeout) times the
-    iterations only: an evaluation (``--eval-interval 4``, made 6 s longer) between them is not in
+    iterations only: an evaluation (``--eval-interval 4``, made 3 s longer) between them is not in
     it. Each round's value is at most the longest ``train_step`` of the round (its timed span lies
-    inside each one), where counting the evaluation would add 6 s / H = 1.5 s per step."""
+    inside each one), where counting the evaluation would add 3 s / H = 0.75 s per step."""
     recs, _ = run_megatron(tmp_path, ["--train-iters", "12", "--diloco-x-local-steps", "4", "--eval-interval", "4",
                                       "--eval-iters", "1", *MEGATRON_DEFAULTS],
-                           env={"DILOCO_TEST_EVAL_SLEEP_S": "6"})
+                           env={"DILOCO_TEST_EVAL_SLEEP_S": "3"})
     for rank, rec in enumerate(recs):
         # (PP 2 per replica, both stages hold a shard: each sends over the site's link at half its rate)
         assert rec["outer"]["link_sharers"] == 2, rank

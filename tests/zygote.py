@@ -49,10 +49,10 @@ def _start_results_manager() -> None:
 
     A ``torch_dist`` save creates a queue for its writers' results on a ``multiprocessing`` manager
     of its own, started with ``spawn`` at the first save of each process
-    (``dist_checkpointing.strategies.filesystem_async.get_write_results_queue``); the spawned server
-    imports the rank's ``__main__`` script, i.e. torch and Megatron again: ~8 s of CPU per rank, most
-    of a short run that saves. Started here (whose ``__main__`` imports nothing heavy), each rank
-    gets a queue of its own on it (:func:`_child`), which Megatron's cache then returns."""
+    (``dist_checkpointing.strategies.filesystem_async.get_write_results_queue``). From a rank forked
+    here, that start made every first save of the tests' tiny model take ~10 s (0.25 s without it),
+    most of a short run that saves. Started once here instead, each rank gets a queue of its own on
+    it (:func:`_child`), which Megatron's cache then returns: the same writer, the same files."""
     global _MANAGER
     import multiprocessing
     from multiprocessing.managers import SyncManager
@@ -66,6 +66,30 @@ def _end_with_the_zygote() -> None:
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _prewarm() -> None:
+    """Fill, once here, caches that every rank would otherwise fill on its own at start (~0.5 s of CPU
+    per rank, 4 ranks a run): Megatron's argument parser reads the source of its config classes at
+    every parse (``argument_utils._get_field_docstrings``: ``inspect.getsource``, here memoized: the
+    sources do not change during a test session), and the package's check of Megatron's call sites
+    parses the callers' source (``patches._syntax``, cached per function). The values are the same a
+    rank would compute."""
+    import functools
+    import inspect
+
+    from megatron.training import arguments
+
+    from megatron_diloco.megatron_adapter import patches
+
+    inspect.getsource = functools.cache(inspect.getsource)
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        arguments.parse_args(ignore_unknown_args=True)
+    finally:
+        sys.argv = argv
+    for entry in patches.CATALOGUE:
+        patches.problems(entry)
 
 
 def _preload() -> None:
@@ -239,6 +263,7 @@ def main() -> None:
     before = dict(os.environ)
     _start_results_manager()
     _preload()
+    _prewarm()
     _PRELOAD_ENV.update({k: v for k, v in os.environ.items() if k not in before})
     print("zygote ready", file=answer, flush=True)
     for line in sys.stdin:

@@ -99,7 +99,8 @@ def cell(tmp: Path, kind: str, point: str) -> dict:
     started = time.time()
     with Lighthouse(tmp / "lighthouse.txt", join_timeout_ms=10000, heartbeat_timeout_ms=3000) as lh:
         def job(n: str, i: int) -> Job:
-            return Job(tmp / n, n, i, lh.address, [*FLAGS, *extra[n]], nproc=1, env=env[n], run="fault-matrix")
+            return Job(tmp / n, n, i, lh.address, [*FLAGS, *extra[n]], nproc=1, env=env[n], run="fault-matrix",
+                       torchrun=True)
 
         jobs = {"A": job("A", 0), "B": job("B", 1)}
         try:

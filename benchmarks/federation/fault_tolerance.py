@@ -69,7 +69,7 @@ def _jobs(tmp: Path, lh: Lighthouse, iters: int, extra: dict[str, list[str]] | N
     extra, env = extra or {}, env or {}
     layout = ["--pipeline-model-parallel-size", "1"] if GPUS else []
     return {n: Job(tmp / n, n, i, lh.address, [*JOB_FLAGS, *layout, "--train-iters", str(iters), *extra.get(n, [])],
-                   model=[], run="fault-tolerance", nproc=1 if GPUS else 2,
+                   model=[], run="fault-tolerance", nproc=1 if GPUS else 2, torchrun=True,
                    env={**({"CUDA_VISIBLE_DEVICES": str(i % GPUS)} if GPUS else {}), **(env.get(n) or {})})
             for i, n in enumerate("AB")}
 

@@ -118,7 +118,7 @@ class Membership(Protocol):
 class FederatedRounds:
     """The membership side of one rank's boundaries (module doc): the
     :class:`~megatron_diloco.algorithm.rounds.RoundRules` of separate jobs, installed as
-    ``OuterSync.federated``.
+    ``OuterSync.round_rules``.
 
     Args:
         sync: the rank's :class:`~megatron_diloco.algorithm.sync.OuterSync` (its outer state, groups).

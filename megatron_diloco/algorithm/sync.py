@@ -189,19 +189,8 @@ class OuterSync(BoundaryProtocols):
         #: the boundary's one decision all-reduce (skip, tau, theta's agreement across replicas)
         self.decision = BoundaryDecision(group, self.decision_groups, view.device, self.bounds)
         #: how each round is agreed, landed, saved and finished (:mod:`~megatron_diloco.algorithm.rounds`):
-        #: replicas of one world, or separate jobs (a FederatedRounds, installed through :attr:`federated`)
+        #: replicas of one world, or separate jobs (a FederatedRounds, installed here by the caller)
         self.round_rules: RoundRules = OneWorldRounds(self)
-
-    @property
-    def federated(self):
-        """The rules of separate jobs (a :class:`~megatron_diloco.algorithm.federated.FederatedRounds`) when
-        installed, else None (replicas of one world). Setting it installs them as :attr:`round_rules` (None:
-        the one-world rules again)."""
-        return None if isinstance(self.round_rules, OneWorldRounds) else self.round_rules
-
-    @federated.setter
-    def federated(self, rules: RoundRules | None) -> None:
-        self.round_rules = OneWorldRounds(self) if rules is None else rules
 
     def regroup(self, group: dist.ProcessGroup | None, decision_groups: tuple[dist.ProcessGroup, ...]) -> None:
         """Separate jobs, new members: exchanges, decision and bounds use these groups from now on."""

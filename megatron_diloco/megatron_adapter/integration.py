@@ -261,7 +261,7 @@ class _Installation:
         args = self.args
         key = RunKey.from_file(args.diloco_x_secret_file, args.diloco_x_run)
         description = {**description, handshake.RUN: args.diloco_x_run}
-        fed = opt.sync.federated = FederatedRounds(opt.sync, None, opt.position, opt.set_position)
+        fed = opt.federation = opt.sync.round_rules = FederatedRounds(opt.sync, None, opt.position, opt.set_position)
         fed.identity = handshake.identity(description)
         name = args.diloco_x_replica_id or f"replica{args.diloco_x_replica_index}"
         timeout_s = 60.0 * (self.config.outer_timeout_minutes or self.config.distributed_timeout_minutes)
@@ -425,7 +425,7 @@ class _Installation:
         if iteration < args.train_iters:
             return  # interrupted (exit interval / signal): the checkpoint holds the in-flight exchange
         opt.finish()
-        federation = opt.sync.federated.summary() if opt.sync.federated is not None else None
+        federation = opt.federation.summary() if opt.federation is not None else None
         identical = opt.replicas_identical()
         device = opt.view.device
         nan = float("nan")

@@ -139,6 +139,10 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self._landed: ExchangeStats | None = None
         self._start_checked = False  # whether the replicas' start weights were compared
         self._params_gathered = True  # model params hold the main shards everywhere (not deferred)
+        #: separate jobs (``--diloco-x-lighthouse``): this rank's round rules with the run's other jobs
+        #: (a :class:`~megatron_diloco.algorithm.federated.FederatedRounds`, installed as
+        #: ``sync.round_rules`` by the integration before training), else None
+        self.federation = None
 
     # ------------------------------------------------------------------ interface
     def __getattr__(self, name: str) -> NoReturn:
@@ -273,7 +277,7 @@ class DiLoCoXOptimizer(MegatronOptimizer):
     def join_federation(self) -> dict | None:
         """Separate jobs, before training (every rank): :meth:`FederatedRounds.join`; the position taken,
         or None. Collective over the job's world and the members' outer groups."""
-        position = self.sync.federated.join()
+        position = self.federation.join()
         self._start_checked = True  # the decision compares theta at every boundary
         if position is not None:
             self._publish_params()
