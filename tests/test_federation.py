@@ -139,21 +139,19 @@ def test_frozen_job_is_left_behind_and_leaves_cleanly(tmp_path):
     _losses_fall(a)
 
 
-@pytest.mark.parametrize("flags,torchrun", [([], True),
-                                           (["--diloco-x-overlap", "none", "--diloco-x-compression", "none"], False)],
-                         ids=["partial-int4-torchrun", "none-fp32"])
-def test_job_lost_with_an_exchange_in_flight(tmp_path, flags, torchrun):
+@pytest.mark.parametrize("flags", [[], ["--diloco-x-overlap", "none", "--diloco-x-compression", "none"]],
+                         ids=["partial-int4", "none-fp32"])
+def test_job_lost_with_an_exchange_in_flight(tmp_path, flags):
     """One of 2 jobs dies right after a boundary's decision (round 14 or the first after it with both jobs
     present), before it sends its payload, so the other's
     exchange of that round is in flight when it goes: that round fails (nobody commits it: theta and m
     unchanged, the residual as before the launch, the local progress kept) and the survivor goes on alone,
-    the next pseudo-gradient covering both rounds, with theta as the two jobs held it before. With the
-    package's defaults, each job is launched by ``torchrun`` as a user launches it."""
+    the next pseudo-gradient covering both rounds, with theta as the two jobs held it before."""
     flags = [*BASE, *flags, "--train-iters", "90"]
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:
-        a = Job(tmp_path / "A", "A", 0, lh.address, flags, torchrun=torchrun)
-        b = Job(tmp_path / "B", "B", 1, lh.address, flags, env={"DILOCO_X_FAULT": "decision:kill:14"},
-                torchrun=torchrun)
+        # (A at 0.1 s per step: it cannot finish the run before B, started after it, has met it)
+        a = Job(tmp_path / "A", "A", 0, lh.address, flags, env=ENV)
+        b = Job(tmp_path / "B", "B", 1, lh.address, flags, env={"DILOCO_X_FAULT": "decision:kill:14"})
         _end([a, b], failing=(b,))
     assert "[fault drill] kill at decision, round" in b.log(), b.log()[-3000:]
     rounds = _rounds(a)
@@ -167,7 +165,8 @@ def test_job_lost_with_an_exchange_in_flight(tmp_path, flags, torchrun):
 def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
     """A job started while the run is under way joins at the next boundary (its heal sealed with the
     run's secret) and ends with the others; a job with another outer learning rate is refused naming the
-    flag, one with another secret naming --diloco-x-secret-file, one with another number of ranks before
+    flag, one with another secret naming --diloco-x-secret-file (launched by ``torchrun``, as a user
+    launches a job: its refusal ends torchrun with an error), one with another number of ranks before
     any group is built over ranks it lacks, and the run goes on."""
     flags = [*BASE, "--train-iters", "180"]
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:  # A at 0.3 s per step: B, X, Y and Z start (~10-20 s on
@@ -178,7 +177,7 @@ def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
             wait_until(lambda: a.rounds() >= 12, 240, "12 rounds of the first job", jobs)
             jobs.append(Job(tmp_path / "B", "B", 1, lh.address, flags, env=ENV))
             jobs.append(Job(tmp_path / "X", "X", 1, lh.address, [*flags, "--diloco-x-outer-lr", "0.5"], env=ENV))
-            jobs.append(Job(tmp_path / "Y", "Y", 1, lh.address, flags, env=ENV,
+            jobs.append(Job(tmp_path / "Y", "Y", 1, lh.address, flags, env=ENV, torchrun=True,
                             secret=run_secret(tmp_path / "elsewhere", "a secret that is not the run's")))
             jobs.append(Job(tmp_path / "Z", "Z", 1, lh.address, [*flags, "--pipeline-model-parallel-size", "1"],
                             env=ENV, nproc=1))  # one rank (the others: 2, PP 2)

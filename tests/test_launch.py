@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 
 from tests.megatron_utils import REPO, TINY, summary, torchrun
+from tests.megatron_utils import launch as forked
+
+LAUNCHER = REPO / "megatron_diloco" / "launch.py"
 
 PLAIN_SCRIPT = f"""\
 import sys
@@ -51,6 +54,14 @@ def launch(script: Path, *flags: str, nproc: int, timeout: float = 300) -> tuple
     return torchrun(["-m", "megatron_diloco.launch", script, *flags], nproc, env, script.parent, timeout)
 
 
+def launch_forked(script: Path, *flags: str, nproc: int) -> tuple[int, str]:
+    """The launcher on ``script`` with its ranks forked from the tests' pre-imported process (the
+    launcher's checks without torchrun's start-up; the run above covers torchrun)."""
+    out = script.parent / "forked"
+    out.mkdir(exist_ok=True)
+    return forked(LAUNCHER, [script, *flags], out, nproc=nproc, timeout=240)
+
+
 @pytest.fixture
 def plain_script(tmp_path: Path) -> Path:
     script = tmp_path / "pretrain_plain.py"
@@ -79,8 +90,7 @@ def test_unmodified_script_trains_with_diloco_x(plain_script):
 ])
 def test_bad_flag_fails_before_training(plain_script, flags, named):
     # 2 ranks, no pipeline: data-parallel size 2.
-    code, log = launch(plain_script, *MEGATRON_FLAGS, "--train-iters", "4", "--diloco-x", *flags,
-                       nproc=2, timeout=240)
+    code, log = launch_forked(plain_script, *MEGATRON_FLAGS, "--train-iters", "4", "--diloco-x", *flags, nproc=2)
     assert code != 0, log[-4000:]
     errors = [line for line in log.splitlines() if "megatron-diloco: error:" in line]
     assert errors and all(named in line for line in errors), log[-4000:]
