@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.megatron_utils import REPO, TINY, summary, torchrun
+from harness.launch import REPO, TINY, torchrun
+from tests.megatron_utils import summary
 
 PLAIN_SCRIPT = f"""\
 import sys
@@ -117,7 +118,7 @@ def test_process_groups_are_destroyed_at_exit(mode, left):
     and a patched script) leaves no gloo group for the interpreter's teardown, where live gloo
     threads aborted finished runs now and then (SIGABRT, "terminate called without an active
     exception"); without it the groups are still there."""
-    from tests.dist_utils import free_port
+    from harness.runner import free_port
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", TEARDOWN_SCRIPT, mode, str(free_port())], env=env,

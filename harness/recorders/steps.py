@@ -1,4 +1,4 @@
-"""The benchmarks' harness recorders (``benchmarks/common/harness.py --record NAME,...``).
+"""The benchmarks' recorders (``harness/run.py --record NAME,...``).
 
 Each writes its keys into the rank's record ``rank{R}.json``; what they hold:
 
@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .harness import Recorder, proc_status_bytes, wrap
+from .base import Recorder, proc_status_bytes, wrap
 
 
 def _sync() -> None:
@@ -315,7 +315,7 @@ class LinkRecorder(Recorder):
 
         from megatron_diloco.megatron_adapter import integration  # noqa: F401  (imported before the install rebinds)
 
-        from . import link_model
+        from harness import link_model
 
         c = self.config
         self.link = link_model.install(c.mbps, c.latency_ms, c.replicas, c.share)
@@ -680,9 +680,3 @@ class ProfileRecorder(Recorder):
                 counted = [e for e in events if e.device_type == DeviceType.CUDA] if cuda else events
                 rec["profile_device_ms_per_step"] = sum(getattr(e, key) for e in counted) / 1e3 / (last - first + 1)
             return out
-
-
-#: The catalogue the harness looks bare ``--record`` names up in.
-RECORDERS: dict[str, type[Recorder]] = {r.name: r for r in (
-    TimersRecorder, LossesRecorder, MemoryRecorder, RoundsRecorder, BoundaryCheckRecorder, FixedEvalRecorder,
-    PlainDDPRecorder, LinkRecorder, WanRecorder, CodecCaptureRecorder, ProfileRecorder)}

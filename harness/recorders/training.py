@@ -1,4 +1,4 @@
-"""The tests' harness recorders: ``benchmarks/common/harness.py --record tests.recorders:NAME,...``.
+"""The tests' recorders: ``harness/run.py --record NAME,...``.
 
 * ``training`` (the Megatron-level tests; :class:`TrainingRecorder`), per rank:
 
@@ -85,7 +85,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.common.harness import Recorder, proc_status_bytes, wrap
+from .base import Recorder, proc_status_bytes, wrap
 
 _HOOK_ID = 7211  # our pre-hook's id on every process group
 
@@ -506,7 +506,6 @@ class CheckpointRecorder(Recorder):
                 return out
 
 
-#: The recorders of ``--record tests.recorders:NAME``.
 class FederationRecorder(Recorder):
     """Separate jobs (``--diloco-x-lighthouse``), per rank, with no collective of its own (a peer may die
     at any time): ``losses`` (as the training recorder's), ``fed_rounds``: per boundary ``[step_calls,
@@ -570,5 +569,3 @@ class FederationRecorder(Recorder):
                 time.sleep(pause)
                 return orig(*a, **k)
 
-
-RECORDERS: dict[str, type[Recorder]] = {r.name: r for r in (TrainingRecorder, CheckpointRecorder, FederationRecorder)}
