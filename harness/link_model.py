@@ -53,7 +53,7 @@ Use::
     ...
     link.stats()   # per-rank: wire bytes, modelled seconds, waited seconds, per op kind
 
-The harness recorder ``link`` (``harness/recorders/steps.py``) installs it from ``BENCH_LINK_*``
+The harness recorder ``link`` (``harness/recorders/network.py``) installs it from ``BENCH_LINK_*``
 environment variables;
 ``BENCH_LINK_TRACE=1`` also counts the cross-replica ops per call site (``stats()["sites"]``).
 """

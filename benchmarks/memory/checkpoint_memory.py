@@ -4,7 +4,7 @@
 
 Runs ``examples/pretrain_gpt_diloco.py`` of ``--repo`` (default: this checkout) under its harness
 (``harness/run.py``) with the tests' ``checkpoint`` and ``training`` recorders
-(``harness/recorders/training.py``), one runner job (``torchrun``): 4 ranks = 2 DiLoCoX replicas x pipeline-parallel 2, a GPT
+(``harness/recorders/checkpoint.py``, ``training.py``), one runner job (``torchrun``): 4 ranks = 2 DiLoCoX replicas x pipeline-parallel 2, a GPT
 of ``--layers`` x ``--hidden`` (ffn 4 x hidden), Adam, delayed overlap with outer momentum, H = 4; it
 trains ``--iters`` iterations (default 5, so an exchange is in flight: the full outer state is saved)
 and saves once at the end (``--exit-interval``). The runner resets each rank's RSS high-water mark
@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(HERE))  # run from a checkout, uninstalled
 from harness.runner import Command, Job, harness_command, load_ranks, run_job, torchrun  # noqa: E402
 
-#: The tests' recorders this measurement reads (``harness/recorders/training.py``), in install order.
+#: The tests' recorders this measurement reads (``harness/recorders/``), in install order.
 RECORDERS = ["checkpoint", "training"]
 #: Where a checkout keeps the harness and how it names these recorders: this layout, then the one before
 #: ``harness/`` (``benchmarks/common/harness.py`` and ``tests/recorders.py``), for ``--repo``.

@@ -64,7 +64,7 @@ window holds whole rounds):
   Target (issue 4): DiLoCoX >= 90% of the bound and >= 90% compute utilization when it fits.
 
 Every run is one :class:`~harness.runner.Job` of the runner: one harness process per rank
-(recorder ``wan``, ``harness/recorders/steps.py``), each started through ``ip netns exec`` in
+(recorder ``wan``, ``harness/recorders/network.py``), each started through ``ip netns exec`` in
 its replica's namespace. Writes ``benchmarks/results/wan.json``, ``benchmarks/plots/wan.png`` (with
 matplotlib), per-run logs and rank records under ``--work``; prints a table.
 """

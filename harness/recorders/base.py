@@ -58,6 +58,12 @@ def on_losses(training, record_loss: Callable[[int, dict], None]) -> None:
         return orig(loss_dict, *a, **k)
 
 
+def record_losses(training, losses: list) -> None:
+    """``losses``: every logged iteration's losses at full precision, ``[iteration, {loss name: value}]``."""
+    on_losses(training, lambda iteration, loss_dict: losses.append(
+        [iteration, {key: float(v) for key, v in loss_dict.items()}]))
+
+
 def proc_status_bytes(field: str) -> int | None:
     """``field`` of /proc/self/status (``VmRSS``, ``VmHWM``) in bytes; None where it is unavailable."""
     try:
