@@ -56,6 +56,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.link_model import crosses_replicas
+
 from .base import Recorder, fingerprint_ints, record_losses, wrap
 
 _HOOK_ID = 7211  # our pre-hook's id on every process group
@@ -118,7 +120,7 @@ class TrainingRecorder(Recorder):
         per = dist.get_world_size() // _replica_blocks()
         for group in list(dist.distributed_c10d._world.pg_map):
             ranks = dist.get_process_group_ranks(group)
-            spans = len({r // per for r in ranks}) > 1
+            spans = crosses_replicas(ranks, per)
 
             def hook(args, ranks=ranks, spans=spans) -> None:
                 if not ctx["in_train"] or ctx["instrumenting"]:
