@@ -38,9 +38,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-from common.runner import ExampleJob, Job, done, replica_worlds_job, run_jobs  # noqa: E402
+sys.path.insert(0, str(HERE.parent))  # run from a checkout, uninstalled
+from harness.runner import ExampleJob, Job, done, replica_worlds_job, run_jobs  # noqa: E402
 from megatron_diloco.algorithm.config import BLOCKWISE  # noqa: E402
 from megatron_diloco.summary import parse_summaries  # noqa: E402
 

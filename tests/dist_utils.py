@@ -9,17 +9,12 @@ CPU per rank on 2 cores).
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from harness.runner import free_port
 
 
 def _entry(rank: int, world: int, port: int, fn, args, errq) -> None:

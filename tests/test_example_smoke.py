@@ -4,7 +4,7 @@ Each run launches ``examples/pretrain_gpt_diloco.py`` (the shim is process-wide)
 pipeline-parallel 2 x data-parallel 2, Megatron's partial distributed optimizer with 2 instances (the
 topology DiLoCoX builds on) and WITHOUT DiLoCoX. The reference run is launched by torchrun, as a user
 runs the example; the runs compared with it fork their ranks from the tests' pre-imported process
-(``tests/zygote.py``), so the comparisons also hold across the two launchers. Megatron may exit 0
+(``harness/zygote.py``), so the comparisons also hold across the two launchers. Megatron may exit 0
 without training (e.g. an unloadable RNG state), so the tests count logged iterations instead of
 trusting the exit code.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.megatron_utils import launch, torchrun
+from harness.launch import launch, torchrun
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "pretrain_gpt_diloco.py"
 TINY = """

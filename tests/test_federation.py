@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.federation_utils import Job, Lighthouse, run_secret, wait_until
+from harness.federation import Job, Lighthouse, run_secret, wait_until
 
 pytestmark = pytest.mark.megatron
 

@@ -6,7 +6,7 @@
   ``AttributeError`` naming the list; the class has no abstract method left.
 
 That a real run reads nothing outside the list is checked by the real-Megatron tests: the training
-recorder (``tests/recorders.py``) records every name the wrapper refused (``refused_attrs``), which they
+recorder (``harness/recorders/training.py``) records every name the wrapper refused (``refused_attrs``), which they
 require empty.
 """
 

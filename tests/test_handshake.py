@@ -13,9 +13,9 @@ import datetime
 import pytest
 import torch.distributed as dist
 
+from harness.runner import free_port
 from megatron_diloco.algorithm.config import DiLoCoXConfig
 from megatron_diloco.megatron_adapter.handshake import describe_launch, differences, join_launches, shard_digest
-from tests.dist_utils import free_port
 
 #: per rank of a 2-rank launch: (param shape, start, size) of its fp32 main shards
 LAYOUT = [[((64, 32), 0, 1024), ((64,), 0, 32)], [((64, 32), 1024, 1024), ((64,), 32, 32)]]

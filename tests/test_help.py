@@ -7,8 +7,8 @@ import argparse
 import subprocess
 import sys
 
+from harness.launch import REPO
 from megatron_diloco.compat.help import escape_unformattable_help
-from tests.megatron_utils import REPO
 
 
 def test_unformattable_help_strings_are_escaped_and_the_rest_kept():

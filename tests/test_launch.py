@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.megatron_utils import REPO, TINY, summary, torchrun
-from tests.megatron_utils import launch as forked
+from harness.launch import REPO, TINY, torchrun
+from harness.launch import launch as forked
+from tests.megatron_utils import summary
 
 LAUNCHER = REPO / "megatron_diloco" / "launch.py"
 
@@ -127,7 +128,7 @@ def test_process_groups_are_destroyed_at_exit(mode, left):
     and a patched script) leaves no gloo group for the interpreter's teardown, where live gloo
     threads aborted finished runs now and then (SIGABRT, "terminate called without an active
     exception"); without it the groups are still there."""
-    from tests.dist_utils import free_port
+    from harness.runner import free_port
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", TEARDOWN_SCRIPT, mode, str(free_port())], env=env,

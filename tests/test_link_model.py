@@ -1,4 +1,4 @@
-"""The in-process slow-link model of ``benchmarks/common/link_model.py`` on 2 gloo ranks.
+"""The in-process slow-link model of ``harness/link_model.py`` on 2 gloo ranks.
 
 Each case installs a link of a few Mbit/s. The cases that check the model's timing (a transfer's
 duration, overlap with compute, the FIFO queue, a coalesced batch) run on a :class:`ManualClock`: the
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import link_model
-from benchmarks.common.link_model import ManualClock
+from harness import link_model
+from harness.link_model import ManualClock
 from tests.dist_utils import run_world
 
 MBPS = 8.0  # 1 MB/s: 1 byte = 1 microsecond

@@ -7,7 +7,7 @@
   from its weights), and a DiLoCoX checkpoint loads into a plain run (which resumes from replica 0).
 
 The runs go through the harness with the tests' ``checkpoint`` and ``training`` recorders
-(``tests/recorders.py``: grad-scaler, model-fingerprint and save records on top of the training ones).
+(``harness/recorders/checkpoint.py``: grad-scaler, model-fingerprint and save records on top of the training ones).
 """
 
 from __future__ import annotations

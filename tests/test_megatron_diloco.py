@@ -547,12 +547,13 @@ def test_replicas_starting_from_different_weights_are_stopped(tmp_path):
 
 
 def test_forked_ranks_run_as_torchrun_ranks(tmp_path):
-    """The test launcher (ranks forked from tests/zygote.py) is faithful to torchrun: the same job
+    """The test launcher (ranks forked from harness/zygote.py) is faithful to torchrun: the same job
     started by torchrun itself gives the same records, bit for bit (losses, main-shard fingerprints
     after every step, boundary checks, cross-replica traffic)."""
     import json
 
-    from tests.megatron_utils import RUNNER, TINY, harness_args, torchrun
+    from harness.launch import RUNNER, TINY, torchrun
+    from harness.runner import harness_args
 
     args = ["--train-iters", "6", "--diloco-x-local-steps", "2", "--diloco-x-compression", "int8"]
     forked, _ = run_megatron(tmp_path, args)

@@ -25,10 +25,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.runner import free_port
 from megatron_diloco.algorithm.config import DiLoCoXConfig
 from megatron_diloco.algorithm.shard_view import ShardView, fingerprint
 from megatron_diloco.algorithm.sync import OuterSync
-from tests.dist_utils import free_port, run_world
+from tests.dist_utils import run_world
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the bound of the round a peer freezes in (s); a slowed peer gets more (see _slowed_worker)

@@ -1,4 +1,4 @@
-"""The benchmarks' job runner (``benchmarks/common/runner.py``) on tiny Python commands: a job of
+"""The benchmarks' job runner (``harness/runner.py``) on tiny Python commands: a job of
 several commands, done.json and skip-if-done, the budget, timeouts and a failing command ending its
 siblings, the line watcher, and the example job's harness command line."""
 
@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common.runner import (
+from harness.runner import (
     HARNESS, Command, ExampleJob, Job, bench_recorders, done, load_ranks, replica_worlds_job, run_job, run_jobs,
     summary_of)
 from megatron_diloco.summary import format_summary

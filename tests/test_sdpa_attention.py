@@ -38,7 +38,7 @@ def _setup():
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from tests.dist_utils import free_port
+    from harness.runner import free_port
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",

@@ -10,8 +10,9 @@ import re
 
 import pytest
 
-from tests.dist_utils import free_port
-from tests.megatron_utils import RUNNER, TINY, harness_args, launch, losses, run_jobs, summary
+from harness.launch import RUNNER, TINY, launch, run_jobs
+from harness.runner import free_port, harness_args
+from tests.megatron_utils import losses, summary
 
 pytestmark = pytest.mark.megatron
 

@@ -1,5 +1,5 @@
 """The pure parts of the WAN benchmark (``benchmarks/throughput/wan_bench.py``,
-``benchmarks/common/netns.py``): namespace / tc command generation, the runner jobs it launches,
+``harness/netns.py``): namespace / tc command generation, the runner jobs it launches,
 window metrics and the speedup bound on synthetic rank records with exact arithmetic, and the
 progress lines. No namespace is created and nothing is run."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import netns
-from benchmarks.common.runner import HARNESS
 from benchmarks.throughput import wan_bench
+from harness import netns
+from harness.runner import HARNESS
 
 # ------------------------------------------------------------------ namespaces
 

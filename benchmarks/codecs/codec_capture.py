@@ -4,7 +4,7 @@
         -- --train-iters 64 --diloco-x-local-steps 16 --diloco-x-warmup-iters 0 --diloco-x-overlap none
 
 One runner job: the example under the harness with the recorder ``codec_capture``
-(``benchmarks/common/recorders.py``, where what a capture holds is described) under ``torchrun``
+(``harness/recorders/codec_capture.py``, where what a capture holds is described) under ``torchrun``
 (CPU/gloo, ``OMP_NUM_THREADS=1``), which for every outer round k in ``--rounds`` saves on each rank the
 per-parameter pseudo-gradient (params at the start of round k) - (params at the end of round k) with
 full parameter shapes (with PP 2 and one rank per replica stage each rank holds its stage's full
@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled
-from benchmarks.common.runner import Command, Job, harness_command, run_job, summary_of, torchrun  # noqa: E402
+from harness.runner import Command, Job, harness_command, run_job, summary_of, torchrun  # noqa: E402
 from megatron_diloco.summary import PREFIX as SUMMARY_PREFIX  # noqa: E402
 
 

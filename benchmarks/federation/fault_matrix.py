@@ -47,8 +47,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from harness.federation import Job, Lighthouse, wait_until  # noqa: E402
 from megatron_diloco.algorithm.faults import POINTS  # noqa: E402
-from tests.federation_utils import Job, Lighthouse, wait_until  # noqa: E402
 
 ITERS = 240
 H = 6

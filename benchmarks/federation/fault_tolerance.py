@@ -48,8 +48,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.federation_utils import Job, Lighthouse, _kill_session, wait_until  # noqa: E402
-from tests.megatron_utils import _ENV, RUNNER, harness_args  # noqa: E402
+from harness.federation import Job, Lighthouse, kill_session, wait_until  # noqa: E402
+from harness.launch import ENV, RUNNER  # noqa: E402
+from harness.runner import harness_args  # noqa: E402
 
 ITERS = 160
 #: the goodput runs' checkpoint interval (iterations), the same for both
@@ -235,16 +236,16 @@ def goodput_one_world(tmp: Path, iters: int, every_s: float, step_s: float) -> d
         load = ["--load", str(ckpt)] if (ckpt / "latest_checkpointed_iteration.txt").exists() else []
         saved = _saved(ckpt)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone", str(RUNNER),
-               *harness_args(out, ("tests.recorders:federation",)), "--train-iters", str(iters), "--log-interval", "1",
+               *harness_args(out, ("federation",)), "--train-iters", str(iters), "--log-interval", "1",
                "--save", str(ckpt), "--save-interval", str(SAVE_INTERVAL), "--no-load-rng", *load]
         with open(out / "log.txt", "w") as log:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, **_ENV), stdout=log,
+            proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, **ENV), stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             deadline = started + every_s * (failures + 1)
             while proc.poll() is None and time.time() < deadline:
                 time.sleep(0.5)
             if proc.poll() is None:
-                _kill_session(proc)
+                kill_session(proc)
                 failures += 1
                 attempt += 1
                 stuck = stuck + 1 if _saved(ckpt) == saved else 0

@@ -7,7 +7,7 @@ DiLoCoX, in one invocation.
     python3 benchmarks/memory/adaptive_step_cost.py --cpu-smoke      # tiny GPT on CPU gloo (~1.5 min)
 
 Each run is 2 launches of the example under the harness, each a world of one rank on the same GPU
-(``benchmarks.common.runner.replica_worlds_job``): joined through ``--diloco-x-outer-store`` for the
+(``harness.runner.replica_worlds_job``): joined through ``--diloco-x-outer-store`` for the
 DiLoCoX runs (the outer group is gloo, so ``adaptive`` runs its exchange on the worker thread with
 host copies, as a multi-GPU job does on the gloo mirror), independent for ``vanilla``
 (``--no-diloco-x``: the same two processes sharing the GPU, without the plugin). The 85.5M GPT of the
@@ -48,9 +48,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled
-from benchmarks.common.gpu_bench import MODEL as GPU_MODEL  # noqa: E402
-from benchmarks.common.runner import replica_worlds_job, run_jobs  # noqa: E402
 from benchmarks.memory.outer_state_memory import COMMON, MODEL_TINY, _commit  # noqa: E402
+from harness.gpu_bench import MODEL as GPU_MODEL  # noqa: E402
+from harness.runner import replica_worlds_job, run_jobs  # noqa: E402
 
 #: The 85.5M GPT of the GPU benchmarks at one micro-batch of 4 x 1024 tokens per step (two
 #: processes share the GPU: ~2 x its step time alone), local transformer implementation.

@@ -3,8 +3,8 @@
     python benchmarks/memory/checkpoint_memory.py [--repo PATH] [--out FILE.json] [--hidden 512 --layers 8 ...]
 
 Runs ``examples/pretrain_gpt_diloco.py`` of ``--repo`` (default: this checkout) under its harness
-(``benchmarks/common/harness.py``) with the tests' ``checkpoint`` and ``training`` recorders
-(``tests/recorders.py``), one runner job (``torchrun``): 4 ranks = 2 DiLoCoX replicas x pipeline-parallel 2, a GPT
+(``harness/run.py``) with the tests' ``checkpoint`` and ``training`` recorders
+(``harness/recorders/checkpoint.py``, ``training.py``), one runner job (``torchrun``): 4 ranks = 2 DiLoCoX replicas x pipeline-parallel 2, a GPT
 of ``--layers`` x ``--hidden`` (ffn 4 x hidden), Adam, delayed overlap with outer momentum, H = 4; it
 trains ``--iters`` iterations (default 5, so an exchange is in flight: the full outer state is saved)
 and saves once at the end (``--exit-interval``). The runner resets each rank's RSS high-water mark
@@ -20,7 +20,8 @@ count (a replica's N summed over its ranks), and the checkpoint's bytes on disk 
 own save cost.
 
 To compare with another version, point ``--repo`` at a worktree of it; it must have the harness and
-the tests' recorders (commits before them had ``tests/checkpoint_runner.py`` instead: measure those
+the tests' recorders (``harness/run.py``, or before it ``benchmarks/common/harness.py`` with
+``tests/recorders.py``; commits before those had ``tests/checkpoint_runner.py`` instead: measure them
 with that commit's own ``benchmarks/checkpoint_memory.py``).
 """
 
@@ -39,10 +40,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(HERE))  # run from a checkout, uninstalled
-from benchmarks.common.runner import Command, Job, harness_command, load_ranks, run_job, torchrun  # noqa: E402
+from harness.runner import Command, Job, harness_command, load_ranks, run_job, torchrun  # noqa: E402
 
-#: The tests' recorders this measurement reads (``tests/recorders.py``), in install order.
-RECORDERS = ["tests.recorders:checkpoint", "tests.recorders:training"]
+#: The tests' recorders this measurement reads (``harness/recorders/``), in install order.
+RECORDERS = ["checkpoint", "training"]
+#: Where a checkout keeps the harness and how it names these recorders: this layout, then the one before
+#: ``harness/`` (``benchmarks/common/harness.py`` and ``tests/recorders.py``), for ``--repo``.
+LAYOUTS = ((Path("harness/run.py"), Path("harness/recorders"), RECORDERS),
+           (Path("benchmarks/common/harness.py"), Path("tests/recorders.py"), [f"tests.recorders:{n}" for n in RECORDERS]))
 #: glibc: blocks of at least this many bytes are mmap'd and unmapped when freed. Fixing it (glibc
 #: otherwise raises it to the largest block freed so far) keeps memory freed before the save (e.g.
 #: the last iteration's activations) from being silently reused by the save's allocations: the RSS
@@ -61,9 +66,10 @@ def _cpu_model() -> str:
 
 
 def measure(repo: Path, hidden: int, layers: int, iters: int, work: Path, plain: bool = False) -> dict:
-    harness = repo / "benchmarks" / "common" / "harness.py"
-    if not harness.exists() or not (repo / "tests" / "recorders.py").exists():
+    found = [(repo / h, names) for h, recorders, names in LAYOUTS if (repo / h).exists() and (repo / recorders).exists()]
+    if not found:
         raise SystemExit(f"{repo} has no harness / tests' recorders (see the module docstring)")
+    harness, recorders = found[0]
     out, ckpt = work / "run", work / "ckpt"
     args = ["--num-layers", str(layers), "--hidden-size", str(hidden), "--ffn-hidden-size", str(4 * hidden),
             "--num-attention-heads", "8", "--seq-length", "64", "--max-position-embeddings", "64",
@@ -74,7 +80,7 @@ def measure(repo: Path, hidden: int, layers: int, iters: int, work: Path, plain:
             "--diloco-x-outer-momentum", "0.9"] + (["--no-diloco-x"] if plain else [])
     env = {"CUDA_VISIBLE_DEVICES": "", "DILOCO_CKPT_OBJECT_SIZES": "0",
            "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
-    cmd = Command(harness_command(RECORDERS, out, args, torchrun(4), harness=harness), cwd=repo)
+    cmd = Command(harness_command(recorders, out, args, torchrun(4), harness=harness), cwd=repo)
     start = time.time()
     info = run_job(Job(out.name, [cmd], env=env, timeout_s=math.inf), work)
     if not info.get("ok"):

@@ -13,7 +13,7 @@ micro-batches of 2), bf16, ``--transformer-impl local``, Megatron's distributed 
 every run; DiLoCoX at the package's defaults (partial overlap with auto tau and the exact merge: the
 launch point x_L is outer state too; mu 0: no momentum buffer) but for the codec, H = ``--local-steps``.
 Runs one after the other (the example under the harness with the ``timers`` and ``memory``
-recorders, ``benchmarks/common``), each ``--iters`` iterations:
+recorders, ``harness/recorders``), each ``--iters`` iterations:
 
 * ``vanilla``: ``--no-diloco-x``;
 * ``<outer_state>-<codec>``: ``--diloco-x-outer-state`` gpu / cpu, ``--diloco-x-compression`` codec
@@ -65,7 +65,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled
-from benchmarks.common.runner import ExampleJob, load_ranks, replica_worlds_job, run_job  # noqa: E402
+from harness.runner import ExampleJob, load_ranks, replica_worlds_job, run_job  # noqa: E402
 
 #: ~1.2B parameters (12 L h^2 = 1.21B + byte-level embeddings), one GPU, bf16.
 MODEL_1B = """

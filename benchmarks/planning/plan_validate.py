@@ -17,7 +17,7 @@ Sources (a missing file is skipped with a note; rerun the script when it lands):
   (2 x H200, int8), ``gpu_adaptive_2gpu.json`` (2 x H200, adaptive): a fast link, so the exchange
   itself is not predicted there (NVLink is outside the link model); bytes, round time and memory are.
 * ``wan.json`` (CPU, tc-shaped links, ``benchmarks/throughput/wan_bench.py``): read by :func:`link_rows`;
-  ``gpu.json`` (GPU, in-process link model ``benchmarks/common/link_model.py``, ``benchmarks/throughput/gpu_throughput.py``):
+  ``gpu.json`` (GPU, in-process link model ``harness/link_model.py``, ``benchmarks/throughput/gpu_throughput.py``):
   read by :func:`gpu_rows`. Each documents the keys it needs; a run missing one is skipped with a note.
 
 Also writes the paper-setting projection (preset ``paper``) with its sensitivity to the assumptions.

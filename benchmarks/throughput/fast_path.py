@@ -46,7 +46,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, uninstalled
-from benchmarks.common.runner import ExampleJob, done, load_ranks, run_jobs  # noqa: E402
+from harness.runner import ExampleJob, done, load_ranks, run_jobs  # noqa: E402
 
 SEQ = 512
 #: layers, hidden, heads (ffn 4 x hidden)

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, uninstalled
-from benchmarks.common.gpu_bench import boundary_step_times, loss_at, parse_bench_args, run  # noqa: E402
-from benchmarks.common.runner import last_summary  # noqa: E402
+from harness.gpu_bench import boundary_step_times, loss_at, parse_bench_args, run  # noqa: E402
+from harness.runner import last_summary  # noqa: E402
 
 
 def main() -> None:

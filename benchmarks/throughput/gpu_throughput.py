@@ -2,7 +2,7 @@
 
 Every run is the example (``examples/pretrain_gpt_diloco.py`` under the harness recorders) with the
 same model, data and global batch, 2 replicas (contiguous halves of the GPUs), NCCL between the
-GPUs, and ``common/link_model.py`` slowing every collective whose group spans both replicas to
+GPUs, and ``harness/link_model.py`` slowing every collective whose group spans both replicas to
 ``latency + wire bytes / bandwidth`` (ring formulas; see that module). Compute runs at GPU speed,
 so the ratios reflect real step times.
 
@@ -66,8 +66,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, uninstalled
-from benchmarks.common.gpu_bench import MODEL as GPU_MODEL  # noqa: E402  (the 85.5M GPT)
-from benchmarks.common.runner import (  # noqa: E402
+from harness.gpu_bench import MODEL as GPU_MODEL  # noqa: E402  (the 85.5M GPT)
+from harness.runner import (  # noqa: E402
     ExampleJob, bench_recorders, done, load_ranks, run_jobs, summary_of)
 
 CPU_MODEL = """

@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, uninstalled
-from benchmarks.common.gpu_bench import boundary_step_times, loss_at, parse_bench_args, run  # noqa: E402
-from benchmarks.common.runner import last_summary  # noqa: E402
+from harness.gpu_bench import boundary_step_times, loss_at, parse_bench_args, run  # noqa: E402
+from harness.runner import last_summary  # noqa: E402
 
 #: ~1.2B parameters: 24 layers x hidden 2048 (12 L h^2 = 1.21B), byte-level vocabulary.
 MODEL_1B = """

@@ -6,7 +6,7 @@
     python benchmarks/throughput/wan_bench.py --plot-only  # redraw the PNG from the JSON
 
 Each replica runs in its own network namespace behind a full-duplex link shaped with tc tbf
-(``benchmarks/common/netns.py``; no added latency: this kernel has no netem). The SAME Megatron model,
+(``harness/netns.py``; no added latency: this kernel has no netem). The SAME Megatron model,
 data and global batch (``examples/pretrain_gpt_diloco.py``, one rank per replica) is trained by
 
 * ``allreduce``: plain Megatron data parallelism (``--no-diloco-x``, no plugin, DDP without the
@@ -63,8 +63,8 @@ window holds whole rounds):
 * ``exchange_fits_in_H``: the exchange's launch-to-completion time <= H x inner-step time.
   Target (issue 4): DiLoCoX >= 90% of the bound and >= 90% compute utilization when it fits.
 
-Every run is one :class:`~benchmarks.common.runner.Job` of the runner: one harness process per rank
-(recorder ``wan``, ``benchmarks/common/recorders.py``), each started through ``ip netns exec`` in
+Every run is one :class:`~harness.runner.Job` of the runner: one harness process per rank
+(recorder ``wan``, ``harness/recorders/network.py``), each started through ``ip netns exec`` in
 its replica's namespace. Writes ``benchmarks/results/wan.json``, ``benchmarks/plots/wan.png`` (with
 matplotlib), per-run logs and rank records under ``--work``; prints a table.
 """
@@ -87,8 +87,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
 sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled
-from benchmarks.common import netns  # noqa: E402
-from benchmarks.common.runner import Command, Job, harness_command, load_ranks, run_job, summary_of  # noqa: E402
+from harness import netns  # noqa: E402
+from harness.runner import Command, Job, harness_command, load_ranks, run_job, summary_of  # noqa: E402
 from megatron_diloco.megatron_adapter.arguments import resolve_warmup  # noqa: E402
 from megatron_diloco.algorithm.config import AUTO_H_MIN  # noqa: E402
 

@@ -1,22 +1,23 @@
 """Run the example with named recorders attached, one process per rank: the one entry point of the
 tests and benchmarks that measure inside a training run.
 
-    python benchmarks/common/harness.py --record timers,losses --out DIR -- <example flags>
-    torchrun --nproc-per-node 4 benchmarks/common/harness.py --record wan,plain_ddp --out DIR -- ...
-    python -m benchmarks.common.harness --record tests.recorders:training --out DIR -- ...
+    python harness/run.py --record timers,losses --out DIR -- <example flags>
+    torchrun --nproc-per-node 4 harness/run.py --record wan,plain_ddp --out DIR -- ...
+    python -m harness.run --record training --out DIR -- ...
 
 The unmodified ``examples/pretrain_gpt_diloco.py`` (or ``--script``) runs as ``__main__`` in this
 process after each recorder has wrapped the Megatron / megatron_diloco functions it measures
-(:func:`wrap`). All recorders of a run write into one dict, the rank's *record*, saved as JSON to
-``OUT/rank{R}.json`` when the script ends (also when it raised; R: the global rank, or ``$RANK``
-before the process group exists).
+(:func:`~harness.recorders.base.wrap`). All recorders of a run write into one dict, the rank's
+*record*, saved as JSON to ``OUT/rank{R}.json`` when the script ends (also when it raised; R: the
+global rank, or ``$RANK`` before the process group exists).
 
-Recorders (:class:`Recorder` subclasses) are named in ``--record``, comma-separated, installed in
-that order: a bare name is looked up in the benchmark catalogue (``benchmarks/common/recorders.py``,
-``RECORDERS``); ``package.module:name`` looks ``name`` up in that module's ``RECORDERS`` (the tests'
-recorders: ``tests.recorders:training``). Each recorder declares the record keys it writes; two
-recorders that declare the same key cannot be combined (e.g. the tests' ``losses`` list and the
-benchmarks' ``losses`` dict).
+Recorders (:class:`~harness.recorders.base.Recorder` subclasses) are named in ``--record``,
+comma-separated, installed in that order: a bare name is looked up in the registry
+(``harness.recorders.RECORDERS``: ``training``, ``checkpoint``, ``federation``, ``timers``,
+``wan``, ...); ``package.module:name`` looks ``name`` up in that module's ``RECORDERS``, else takes
+the module's attribute ``name`` (a recorder class kept outside this repository). Each recorder
+declares the record keys it writes; two recorders that declare the same key cannot be combined
+(e.g. ``training``'s ``losses`` list and ``losses``'s dict).
 
 ``--record`` and ``--out`` default to ``$DILOCO_HARNESS_RECORD`` and ``$DILOCO_HARNESS_OUT``, for
 launchers that can only pass the example's flags (without ``--`` every argument is the example's).
@@ -33,60 +34,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import importlib
 import json
 import os
 import runpy
 import sys
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+if __name__ == "__main__":  # run as a script: the repository root, not this folder, on the path
+    sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != HERE]
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+
+from harness.recorders.base import Recorder  # noqa: E402
+
 #: The example every recorder is written for.
 EXAMPLE = REPO / "examples" / "pretrain_gpt_diloco.py"
-#: Where bare recorder names are looked up.
-CATALOGUE = "benchmarks.common.recorders"
+#: Where bare recorder names are looked up (its ``RECORDERS``).
+CATALOGUE = "harness.recorders"
 RECORD_ENV, OUT_ENV = "DILOCO_HARNESS_RECORD", "DILOCO_HARNESS_OUT"
-
-
-def wrap(owner: Any, name: str) -> Callable[[Callable], Callable]:
-    """Decorator: ``owner.name`` becomes ``fn(original, *args, **kwargs)``; returns the wrapper.
-
-    ``owner`` is a module or a class (a method wrapped on the class receives ``self`` after the
-    original). Process-wide and permanent: meant for harness processes only."""
-
-    def decorate(fn: Callable) -> Callable:
-        original = getattr(owner, name)
-
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            return fn(original, *args, **kwargs)
-
-        setattr(owner, name, wrapper)
-        return wrapper
-
-    return decorate
-
-
-class Recorder:
-    """One named measurement: wraps functions in :meth:`install`, adds its keys to the record.
-
-    Subclasses set :attr:`name` and :attr:`keys` (every record key they may write) and override
-    :meth:`install` and, if they need the end of the run, :meth:`finalize`. One instance per
-    process; ``record`` is the rank's record dict shared by all recorders of the run."""
-
-    name: ClassVar[str] = ""
-    keys: ClassVar[tuple[str, ...]] = ()
-
-    def __init__(self, record: dict[str, Any]) -> None:
-        self.record = record
-
-    def install(self) -> None:
-        """Wrap what this recorder measures (Megatron is importable; the example has not run)."""
-
-    def finalize(self, completed: bool) -> None:
-        """After the script ended (``completed``: it returned normally), before the record is written."""
 
 
 @dataclasses.dataclass
@@ -127,13 +96,18 @@ def parse_args(argv: list[str]) -> HarnessConfig:
 
 
 def resolve(name: str) -> type[Recorder]:
-    """The recorder class of a ``--record`` name (``name`` or ``package.module:name``)."""
+    """The recorder class of a ``--record`` name: ``name`` (the registry), or ``package.module:name``
+    (that module's ``RECORDERS[name]``, else its attribute ``name``)."""
     module, _, short = name.rpartition(":")
-    found = getattr(importlib.import_module(module or CATALOGUE), "RECORDERS", {})
-    if short not in found:
-        raise SystemExit(f"harness: no recorder {short!r} in {module or CATALOGUE} "
-                         f"(has: {', '.join(sorted(found)) or 'none'})")
-    return found[short]
+    where = importlib.import_module(module or CATALOGUE)
+    found = getattr(where, "RECORDERS", {})
+    if short in found:
+        return found[short]
+    cls = getattr(where, short, None) if module else None
+    if isinstance(cls, type) and issubclass(cls, Recorder):
+        return cls
+    raise SystemExit(f"harness: no recorder {short!r} in {module or CATALOGUE} "
+                     f"(has: {', '.join(sorted(found)) or 'none'})")
 
 
 def build(names: list[str], record: dict[str, Any]) -> list[Recorder]:
@@ -146,17 +120,6 @@ def build(names: list[str], record: dict[str, Any]) -> list[Recorder]:
                 raise SystemExit(f"harness: recorders {owner[key]!r} and {cls.name!r} both write {key!r}")
             owner[key] = cls.name
     return [cls(record) for cls in classes]
-
-
-def proc_status_bytes(field: str) -> int | None:
-    """``field`` of /proc/self/status (``VmRSS``, ``VmHWM``) in bytes; None where it is unavailable."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _rank() -> int | None:

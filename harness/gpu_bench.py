@@ -2,7 +2,7 @@
 flags, and the step-time and loss readers of the ``timers`` / ``losses`` records.
 
 Used by ``benchmarks/throughput/gpu_smoke.py``, ``throughput/gpu_throughput.py``,
-``throughput/layout3d.py`` and ``convergence.py``.
+``throughput/layout3d.py`` and ``memory/adaptive_step_cost.py``.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ jobs under an output folder, several at once on disjoint GPU sets, within a wall
   (Ctrl-C, or SIGTERM turned into one) ends every running job before it propagates.
 
 :class:`ExampleJob` is the common case: the example under the harness
-(``benchmarks/common/harness.py``) through ``torchrun`` on ``nproc`` processes / GPUs.
+(``harness/run.py``) through ``torchrun`` on ``nproc`` processes / GPUs.
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ from typing import IO, Any, Callable
 
 from megatron_diloco.summary import parse_summaries
 
-REPO = Path(__file__).resolve().parents[2]
-HARNESS = REPO / "benchmarks" / "common" / "harness.py"
+REPO = Path(__file__).resolve().parents[1]
+HARNESS = REPO / "harness" / "run.py"
+#: The recorders of a Megatron-level test run (:func:`harness_args`'s default).
+TRAINING = ("training",)
 
 #: Environment of every command: one NCCL connection per device (Megatron's recommendation with
 #: overlap), NVLink multicast off (the lent machines require it), unbuffered logs, one OpenMP thread.
@@ -126,12 +128,16 @@ def gpu_count() -> int:
         return 0
 
 
+def harness_args(out: Path, recorders: tuple[str, ...] | list[str] = TRAINING, fast_exit: bool = False) -> list[str]:
+    """The harness's own flags, up to the ``--`` before the example's: these recorders, records to ``out``."""
+    return ["--record", ",".join(recorders), "--out", str(out), *(["--fast-exit"] if fast_exit else []), "--"]
+
+
 def harness_command(record: list[str], out: Path, args: list[str], launcher: list[str] | None = None,
                     fast_exit: bool = False, harness: Path = HARNESS) -> list[str]:
     """The command line of the harness: ``launcher`` (default: this Python) + ``harness`` with these
     recorders writing to ``out``, then the example's ``args``."""
-    own = ["--record", ",".join(record), "--out", str(out)] + (["--fast-exit"] if fast_exit else [])
-    return [*(launcher or [sys.executable]), str(harness), *own, "--", *args]
+    return [*(launcher or [sys.executable]), str(harness), *harness_args(out, record, fast_exit), *args]
 
 
 def torchrun(nproc: int) -> list[str]:

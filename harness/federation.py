@@ -1,7 +1,7 @@
-"""Separate jobs on this machine for the federation tests and benchmark: a real ``torchft_lighthouse``
+"""Separate jobs on this machine for the federation tests and benchmarks: a real ``torchft_lighthouse``
 process and one job per replica (CPU, gloo), each in its own process session so that a test can
 kill -9, stop or continue a whole job, and always tears every process down. A job's ranks are forked
-from the tests' pre-imported process (``tests/zygote.py``: the environment, script and exit torchrun
+from the pre-imported process (``harness/zygote.py``: the environment, script and exit torchrun
 gives them, without each rank importing torch and Megatron), or started by ``torchrun`` itself
 (``torchrun=True``: the user's launcher, as the benchmarks and one test run them)."""
 
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import psutil
 
-from tests.dist_utils import free_port
-from tests.megatron_utils import REPO, RUNNER, TINY, _ENV, StartedJob, harness_args, start_job
+from harness import runner
+from harness.launch import ENV, REPO, RUNNER, TINY, StartedJob, start_job
+from harness.runner import free_port, harness_args
 
 LIGHTHOUSE = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
 ROUND_LINE = re.compile(r"\[DiLoCoX\] round\s+(\d+) \|")
@@ -55,7 +56,7 @@ class Lighthouse:
         return self
 
     def __exit__(self, *exc) -> None:
-        _kill_session(self.proc)
+        kill_session(self.proc)
         self.log.close()
 
 
@@ -65,7 +66,7 @@ class Job:
     log in ``out/log.txt``; ranks forked from the zygote, or ``torchrun --nproc-per-node nproc``."""
 
     def __init__(self, out: Path, name: str, index: int, lighthouse: str, flags: list[str], nproc: int = 2,
-                 recorders: tuple[str, ...] = ("tests.recorders:federation",), run: str = "test-run",
+                 recorders: tuple[str, ...] = ("federation",), run: str = "test-run",
                  env: dict[str, str] | None = None, model: list[str] = TINY, secret: Path | None = None,
                  torchrun: bool = False) -> None:
         self.name, self.index, self.nproc, self.recorders = name, index, nproc, recorders
@@ -75,7 +76,7 @@ class Job:
                       "--diloco-x-secret-file", str(secret),
                       "--diloco-x-replica-id", name, "--diloco-x-replica-index", str(index),
                       "--diloco-x-advertise-host", "127.0.0.1"]
-        self.env = {**os.environ, **_ENV, **(env or {})}
+        self.env = {**os.environ, **ENV, **(env or {})}
         self.proc: subprocess.Popen | StartedJob | None = None
         self._log = None
         self.start(out)
@@ -93,8 +94,7 @@ class Job:
             self.args = [str(RUNNER), *target]
             self.proc = start_job(RUNNER, target, self.logfile, self.nproc, self.env)
             return
-        self.args = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.nproc}",
-                     f"--master-port={free_port()}", str(RUNNER), *target]
+        self.args = [*runner.torchrun(self.nproc), str(RUNNER), *target]
         self._log = open(self.logfile, "a")
         self.proc = subprocess.Popen(self.args, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -112,7 +112,7 @@ class Job:
 
     def kill(self) -> None:
         """kill -9 every process of the job (its torchrun and ranks)."""
-        _kill_session(self.proc)
+        kill_session(self.proc)
 
     def wait(self, timeout: float) -> int:
         try:
@@ -130,7 +130,7 @@ class Job:
 
     def close(self) -> None:
         if self.proc is not None:
-            _kill_session(self.proc)
+            kill_session(self.proc)
         if self._log is not None:
             self._log.close()
 
@@ -168,7 +168,7 @@ def _signal_tree(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
+def kill_session(proc: subprocess.Popen) -> None:
     """kill -9 ``proc`` and all its descendants, and reap it."""
     _signal_tree(proc, signal.SIGKILL)
     try:

@@ -48,12 +48,12 @@ Completion:
 
 Use::
 
-    from benchmarks.common.link_model import install
+    from harness.link_model import install
     link = install(bandwidth_mbps=1000, latency_ms=5, replicas=2)   # before or after importing Megatron
     ...
     link.stats()   # per-rank: wire bytes, modelled seconds, waited seconds, per op kind
 
-The harness recorder ``link`` (``benchmarks/common/recorders.py``) installs it from ``BENCH_LINK_*``
+The harness recorder ``link`` (``harness/recorders/network.py``) installs it from ``BENCH_LINK_*``
 environment variables;
 ``BENCH_LINK_TRACE=1`` also counts the cross-replica ops per call site (``stats()["sites"]``).
 """

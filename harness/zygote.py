@@ -21,7 +21,7 @@ that it is nobody's zombie), in a session of its own, doing torchrun's part: it 
 (all writing to the one log), stops the others when one fails, and writes the ranks' exit statuses
 to ``result`` as it ends (a job killed as a whole leaves no result).
 
-Used by :mod:`tests.megatron_utils` (``launch`` and ``start_job``); never by training.
+Used by :mod:`harness.launch` (``launch`` and ``start_job``); never by training.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def _prewarm() -> None:
 
 
 def _preload() -> None:
+    here = Path(__file__).resolve().parent  # (run as a script: the repository root instead of this folder)
+    sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != here]
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "examples"))
     from megatron_diloco import compat
@@ -102,8 +104,8 @@ def _preload() -> None:
 
     for name in ("megatron.core.models.gpt.gpt_layer_specs", "megatron.training.training",
                  "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.core.datasets.gpt_dataset",
-                 "megatron_diloco.megatron_adapter.integration", "stdlib_corpus", "benchmarks.common.harness",
-                 "tests.recorders"):  # what the example, the harness and the tests' recorders import
+                 "megatron_diloco.megatron_adapter.integration", "stdlib_corpus", "harness.run",
+                 "harness.recorders"):  # what the example, the harness and its recorders import
         importlib.import_module(name)
 
 

@@ -1,0 +1,33 @@
+"""The recorders of ``harness/run.py --record NAME,...``: one registry, :data:`RECORDERS`, by short name.
+
+By concern (each module's docstring says what its recorders write into the rank's record):
+
+* ``training.py``: ``training`` (the Megatron-level tests: losses, boundary checks, cross-replica
+  traffic, shard fingerprints, ...);
+* ``checkpoint.py``: ``checkpoint`` (saves, loads, grad scaler, save memory);
+* ``federation.py``: ``federation`` (separate jobs: rounds, heals, final fingerprints);
+* ``steps.py``: ``timers``, ``losses``, ``memory``, ``rounds``, ``boundary_check``, ``fixed_eval``,
+  ``plain_ddp``, ``profile`` (the benchmarks' step times, losses and memory);
+* ``network.py``: ``link`` (the in-process slow link), ``wan`` (the CPU WAN benchmark);
+* ``codec_capture.py``: ``codec_capture`` (real pseudo-gradients saved to files);
+* ``base.py``: :class:`~harness.recorders.base.Recorder`, ``wrap`` and the readings several share.
+
+A recorder kept elsewhere is named ``package.module:Name`` (:func:`harness.run.resolve`).
+"""
+
+from __future__ import annotations
+
+from .base import Recorder
+from .checkpoint import CheckpointRecorder
+from .codec_capture import CodecCaptureRecorder
+from .federation import FederationRecorder
+from .network import LinkRecorder, WanRecorder
+from .steps import (BoundaryCheckRecorder, FixedEvalRecorder, LossesRecorder, MemoryRecorder, PlainDDPRecorder,
+                    ProfileRecorder, RoundsRecorder, TimersRecorder)
+from .training import TrainingRecorder
+
+#: Every recorder of this repository by its ``name`` (a bare ``--record`` name).
+RECORDERS: dict[str, type[Recorder]] = {r.name: r for r in (
+    TrainingRecorder, CheckpointRecorder, FederationRecorder,
+    TimersRecorder, LossesRecorder, MemoryRecorder, RoundsRecorder, BoundaryCheckRecorder, FixedEvalRecorder,
+    PlainDDPRecorder, ProfileRecorder, LinkRecorder, WanRecorder, CodecCaptureRecorder)}

@@ -1,0 +1,72 @@
+"""The separate jobs' recorder (``harness/run.py --record federation``): :class:`FederationRecorder`."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from .base import Recorder, fingerprint_ints, record_losses, wrap
+
+
+class FederationRecorder(Recorder):
+    """Separate jobs (``--diloco-x-lighthouse``), per rank, with no collective of its own (a peer may die
+    at any time): ``losses`` (as the training recorder's), ``fed_rounds``: per boundary ``[step_calls,
+    theta fingerprint, members, failed, committed rounds, wall time, the meeting's seconds, the
+    replica's exchange seconds of the round]`` after the boundary (theta as every member
+    must hold it then); ``final_fp``: the fp32 main shards' fingerprint after the end of training;
+    ``heals``: per heal received, its transfer's seconds and the bytes of the tensors in it.
+    ``DILOCO_TEST_STEP_SLEEP_S=S``: every iteration S seconds longer (time to kill, stop and restart
+    jobs mid-run without more compute). Faults at named protocol points: ``DILOCO_X_FAULT``
+    (:mod:`megatron_diloco.algorithm.faults`)."""
+
+    name = "federation"
+    keys = ("losses", "fed_rounds", "final_fp", "heals")
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        super().__init__(record)
+        record.update(losses=[], fed_rounds=[])
+
+    def install(self) -> None:
+        from megatron.training import training
+
+        from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
+
+        record = self.record
+
+        @wrap(DiLoCoXOptimizer, "round_metrics")
+        def round_metrics(orig, opt, report):
+            out = orig(opt, report)
+            fed = opt.federation
+            if fed is None:  # one world (the benchmark's comparison runs)
+                return out
+            record["fed_rounds"].append([opt.step_calls, [int(x) for x in opt.sync.fingerprint([opt.sync.theta])],
+                                         fed.members, fed.failed, fed.committed, time.time(),
+                                         fed.stats["last_meeting_s"], out.get("replica_exchange_s")])
+            return out
+
+        from megatron_diloco.federation.transport import SealedTransport
+
+        @wrap(SealedTransport, "fetch")
+        def fetch(orig, transport, *a, **k):  # a heal's transfer: its seconds and bytes
+            started = time.perf_counter()
+            state = orig(transport, *a, **k)
+            tensors = [t for t in (state.get("theta"), state.get("momentum_buffer"), state.get("pending"))
+                       if t is not None]
+            record.setdefault("heals", []).append({"s": time.perf_counter() - started, "at": time.time(),
+                                                   "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors)})
+            return state
+
+        @wrap(DiLoCoXOptimizer, "finish")
+        def finish(orig, opt):
+            orig(opt)
+            record["final_fp"] = {"main": fingerprint_ints(opt.view.shards), "steps": opt.step_calls}
+
+        record_losses(training, record["losses"])
+
+        pause = float(os.environ.get("DILOCO_TEST_STEP_SLEEP_S", "0"))
+        if pause > 0:  # longer iterations without more compute (the jobs share two cores)
+            @wrap(training, "train_step")
+            def train_step(orig, *a, **k):
+                time.sleep(pause)
+                return orig(*a, **k)
