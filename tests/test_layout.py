@@ -190,3 +190,23 @@ def test_the_optimizer_is_a_composition():
     tree = ast.parse((ADAPTER / "optimizer.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DiLoCoXOptimizer")
     assert [ast.unparse(b) for b in cls.bases] == ["MegatronOptimizer"]
+
+
+def test_tests_and_benchmarks_share_the_harness_only():
+    """What runs jobs for both lives in ``harness/``: it imports nothing from ``tests`` or ``benchmarks``; the
+    benchmarks import nothing from ``tests``; the tests import from ``benchmarks`` only the scripts they test
+    (a module that is itself a benchmark, never a helper folder); ``benchmarks/`` holds no shared helpers."""
+    root = PACKAGE.parent
+    imports = lambda folder: {p: _imports(p) for p in sorted((root / folder).rglob("*.py"))}  # noqa: E731
+    for path, names in imports("harness").items():
+        assert not [n for n in names if n.split(".")[0] in ("tests", "benchmarks")], path
+    for path, names in imports("benchmarks").items():
+        assert not [n for n in names if n.split(".")[0] == "tests"], path
+    for path in sorted((root / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "benchmarks":
+                where = root / Path(*node.module.split("."))
+                for alias in node.names:  # a script: the module itself, or one imported from its folder
+                    script = where.with_suffix(".py") if where.with_suffix(".py").is_file() else where / f"{alias.name}.py"
+                    assert script.is_file(), (path, node.module, alias.name)
+    assert not (root / "benchmarks" / "common").exists()
