@@ -11,16 +11,13 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
-
 from harness import runner
-from harness.launch import ENV, REPO, RUNNER, TINY, StartedJob, start_job
+from harness.launch import ENV, REPO, RUNNER, TINY, StartedJob, kill_session, signal_tree, start_job
 from harness.runner import free_port, harness_args
 
 LIGHTHOUSE = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
@@ -108,7 +105,7 @@ class Job:
 
     def signal(self, sig: int) -> None:
         """``sig`` to every process of the job: torchrun and its ranks (which run in sessions of their own)."""
-        _signal_tree(self.proc, sig)
+        signal_tree(self.proc, sig)
 
     def kill(self) -> None:
         """kill -9 every process of the job (its torchrun and ranks)."""
@@ -148,30 +145,3 @@ def wait_until(predicate, timeout: float, what: str, jobs: list[Job] = ()) -> No
         time.sleep(0.2)
     tails = "\n".join(f"--- {j.name}\n{j.log()[-3000:]}" for j in jobs)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tails}")
-
-
-def _signal_tree(proc: subprocess.Popen, sig: int) -> None:
-    """``sig`` to ``proc``, its process group and every descendant (torchrun starts its ranks in new
-    sessions: a signal to torchrun's group alone leaves them running)."""
-    try:
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in tree:
-        try:
-            p.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def kill_session(proc: subprocess.Popen) -> None:
-    """kill -9 ``proc`` and all its descendants, and reap it."""
-    _signal_tree(proc, signal.SIGKILL)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass

@@ -146,9 +146,35 @@ def run_jobs(jobs: list[tuple[list[str], Path, int]], env: dict[str, str] | None
     finally:
         for job, _ in started:
             if job.poll() is None:
-                for p in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
-                    p.kill()
+                kill_session(job)
     return [(code, log.read_text(errors="replace")) for code, (_, log) in zip(codes, started)]
+
+
+def signal_tree(proc: subprocess.Popen | StartedJob, sig: int) -> None:
+    """``sig`` to ``proc``, its process group and every descendant (torchrun starts its ranks in new
+    sessions: a signal to torchrun's group alone leaves them running)."""
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_session(proc: subprocess.Popen | StartedJob) -> None:
+    """kill -9 ``proc`` and all its descendants, and reap it."""
+    signal_tree(proc, signal.SIGKILL)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def torchrun(target: list[str], nproc: int = 4, env: dict[str, str] | None = None, cwd: Path = REPO,

@@ -48,7 +48,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from harness.federation import Job, Lighthouse, kill_session, wait_until  # noqa: E402
+from harness.federation import Job, Lighthouse, wait_until  # noqa: E402
+from harness.launch import kill_session  # noqa: E402
 from harness.launch import ENV, RUNNER  # noqa: E402
 from harness.runner import harness_args  # noqa: E402
 
