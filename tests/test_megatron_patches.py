@@ -231,6 +231,44 @@ def test_separate_worlds_read_their_replicas_share(monkeypatch):
 
         return mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), dataset, consumed_samples
 
-    assert installation.wrap_build_pretraining_data_loader(build)("data", 5) == (2 * 2 + 1, 3 * 2, "data", 5)
+    assert installation.wrap_build_pretraining_data_loader(build)("data", 5) == (2 * 2 + 1, 3 * 2, "data", 3 * 5)
     assert (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()) == (1, 2)
     assert installation.wrap_get_train_valid_test_num_samples(lambda: (10, None, 3))() == (30, None, 9)
+
+
+@pytest.mark.parametrize("own_batches", [(8, 8), (16, 8)], ids=["equal", "per-job-global-batch"])
+def test_separate_worlds_resume_their_own_samples(monkeypatch, own_batches):
+    """Megatron's own sampler under the wrapper: a launch (or job) resumed at iteration i reads the samples its
+    uninterrupted self reads from iteration i + 1 on (not those of iteration i / R again), and the R launches
+    never read a sample twice, also when each has its own global batch (micro-batch 4, 2 data-parallel ranks,
+    2 replicas)."""
+    from megatron.core import parallel_state as ps
+    from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
+
+    from megatron_diloco.megatron_adapter.integration import _Installation
+
+    R, dp, mbs, total, iters, resume_at = 2, 2, 4, 4096, 12, 5
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda *a, **k: dp)
+
+    def build(dataset, consumed_samples):
+        from megatron.core import mpu
+
+        return iter(MegatronPretrainingSampler(total, consumed_samples, mbs, mpu.get_data_parallel_rank(),
+                                               mpu.get_data_parallel_world_size()))
+
+    def read(replica: int, gbs: int, start_iter: int, dp_rank: int) -> list[list[int]]:
+        """What data-parallel rank ``dp_rank`` of ``replica`` reads from iteration ``start_iter`` + 1 on, per
+        iteration (its micro-batches concatenated), as a run resumed there builds its loader."""
+        monkeypatch.setattr(ps, "get_data_parallel_rank", lambda *a, **k: dp_rank)
+        inst = _Installation(argparse.Namespace(replicas=R), _args(diloco_x_replica_index=replica))
+        loader = inst.wrap_build_pretraining_data_loader(build)("data", start_iter * gbs)  # consumed_train_samples
+        per_iter = gbs // (mbs * dp)
+        return [sum((next(loader) for _ in range(per_iter)), []) for _ in range(iters - start_iter)]
+
+    seen: list[int] = []
+    for replica, gbs in enumerate(own_batches):
+        for dp_rank in range(dp):
+            whole = read(replica, gbs, 0, dp_rank)
+            assert read(replica, gbs, resume_at, dp_rank) == whole[resume_at:]
+            seen += [i for batch in whole for i in batch]
+    assert len(seen) == len(set(seen))  # no sample read twice, by any rank of any replica

@@ -339,7 +339,12 @@ class _Installation:
         dp`` in one world, so the R launches read disjoint data, sample for sample as one world of R
         replicas does (evaluation too: a replica's validation loss covers its share; average the R).
         Megatron's sampler reads the two through ``parallel_state``, swapped while it builds them
-        (:data:`~megatron_diloco.megatron_adapter.patches.DATA_PARALLEL_RANK` and ``_SIZE``)."""
+        (:data:`~megatron_diloco.megatron_adapter.patches.DATA_PARALLEL_RANK` and ``_SIZE``).
+
+        ``consumed_samples`` (Megatron's ``args.consumed_train_samples``: this launch's own samples) is
+        handed to the sampler as R times that, its position in the R launches' stream: a launch resumed
+        from iteration i goes on with the samples of iteration i + 1, not those of iteration i / R
+        again. A separate job with its own global batch reads its slot at its own rate the same way."""
         from megatron.core import parallel_state as ps
 
         R, r = self.config.replicas, self.args.diloco_x_replica_index
@@ -350,7 +355,7 @@ class _Installation:
             with patches.swapped(
                     (patches.DATA_PARALLEL_RANK, lambda rank: lambda *a, **k: r * size(*a, **k) + rank(*a, **k)),
                     (patches.DATA_PARALLEL_SIZE, lambda size_: lambda *a, **k: R * size_(*a, **k))):
-                return build(dataset, consumed_samples)
+                return build(dataset, R * consumed_samples)
 
         return build_pretraining_data_loader
 
