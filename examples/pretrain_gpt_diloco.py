@@ -11,6 +11,9 @@ keeps the last occurrence); ``--no-diloco-x`` turns DiLoCoX off. Giving ``--data
 ``--attention-sdpa`` builds the layers with torch's ``scaled_dot_product_attention`` as their core
 attention (flash kernels on a GPU) in place of the local spec's unfused ``DotProductAttention``
 (``megatron_diloco/megatron_adapter/sdpa_attention.py``); with ``--transformer-impl local`` only.
+``--rope-fusion`` turns Megatron's fused RoPE back on (the demo passes ``--no-rope-fusion``); without
+Transformer Engine, on a GPU, megatron-diloco's Triton kernel serves it
+(``megatron_diloco/megatron_adapter/fused_rope.py``); on CPU it is refused before training.
 
 On a machine without CUDA, ``megatron_diloco.compat.cpu`` patches Megatron-Core to run over gloo;
 ``compat.distopt_resume`` fixes resuming the distributed optimizer (fp32, or without TE/Apex).
@@ -54,6 +57,7 @@ from megatron.training.utils import (  # noqa: E402
 )
 
 import megatron_diloco  # noqa: E402
+from megatron_diloco.megatron_adapter import fused_rope  # noqa: E402
 from megatron_diloco.megatron_adapter.integration import destroy_process_groups_at_exit  # noqa: E402
 from megatron_diloco.megatron_adapter.sdpa_attention import check_args as check_sdpa_args  # noqa: E402
 from megatron_diloco.megatron_adapter.sdpa_attention import get_gpt_layer_sdpa_spec  # noqa: E402
@@ -111,6 +115,11 @@ def add_script_args(parser):
                             "to stop building it. Needs --transformer-impl local; refuses context "
                             "parallelism, --reset-attention-mask, sliding windows and "
                             "--multi-latent-attention.")
+    group.add_argument("--rope-fusion", action="store_true", dest="apply_rope_fusion",
+                       help="Megatron's fused RoPE, which the demo's --no-rope-fusion turns off (Megatron has "
+                            "only that flag: fusion is its default). Without Transformer Engine, on a GPU, "
+                            "megatron-diloco's Triton kernel serves it (megatron_adapter/fused_rope.py); on CPU "
+                            "it is refused: no kernel there.")
     return parser
 
 
@@ -233,6 +242,7 @@ def main() -> None:
     args = parse_and_validate_args(extra_args_provider=add_script_args)
     if args.attention_sdpa:
         check_sdpa_args(args, flag="--attention-sdpa")
+    fused_rope.install(args)  # rope fusion without Transformer Engine: the Triton kernel (refused on CPU)
     if args.diloco_x:
         megatron_diloco.install(args)  # validates the flags, sets the replica topology
     pretrain(

@@ -118,6 +118,17 @@ def _helpers_not_built(args: argparse.Namespace) -> bool:
     return _cpu(args) or not os.path.exists(os.path.join(os.path.dirname(utils.__file__), "Makefile"))
 
 
+def _rope_fusion_without_te(args: argparse.Namespace) -> bool:
+    """``--rope-fusion`` on CUDA where Transformer Engine's fused RoPE is absent (``fused_rope.install``'s
+    condition; the global is None, or already the package's kernel)."""
+    if not getattr(args, "apply_rope_fusion", False) or _cpu(args):
+        return False
+    from megatron.core.models.common.embeddings import rope_utils
+
+    fused = rope_utils.fused_apply_rotary_pos_emb
+    return fused is None or getattr(fused, "__module__", None) == "megatron_diloco.megatron_adapter.fused_rope"
+
+
 #: when an entry applies, from the run's arguments (``Patch.when``)
 CONDITIONS: dict[str, Callable[[argparse.Namespace], bool]] = {
     "always": lambda args: True,
@@ -127,6 +138,7 @@ CONDITIONS: dict[str, Callable[[argparse.Namespace], bool]] = {
     "cpu": _cpu,
     "launcher": _launcher,
     "wheel or cpu": _helpers_not_built,
+    "rope fusion on CUDA without Transformer Engine": _rope_fusion_without_te,
 }
 
 
@@ -453,5 +465,16 @@ INSTANCE: tuple[Patch, ...] = (
           parameters=("self", "state_dict")),
 )
 
+_ROPE = "megatron.core.models.common.embeddings.rope_utils"
+#: a kernel Megatron takes from Transformer Engine, filled in without it (``megatron_adapter.fused_rope.install``,
+#: called by ``examples/pretrain_gpt_diloco.py`` after its flags are parsed)
+FUSED_ROPE = Patch(
+    "fused_rope", _ROPE, "fused_apply_rotary_pos_emb",
+    (CallSite(_ROPE, "apply_rotary_pos_emb", "fused_apply_rotary_pos_emb"),),
+    "Megatron's --rope-fusion (on unless --no-rope-fusion) calls Transformer Engine's fused RoPE, None without "
+    "it (TransformerConfig then refuses the flag); the unfused RoPE was a quarter of a GPT's step on one H200",
+    "fused_rope.fused_apply_rotary_pos_emb", "megatron_diloco.megatron_adapter.fused_rope.install",
+    when="rope fusion on CUDA without Transformer Engine")
+
 CATALOGUE: tuple[Patch, ...] = (*INSTALL, DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, *REPLICA_LOCAL, *LAUNCHER,
-                                *COMPAT, *INSTANCE)
+                                *COMPAT, *INSTANCE, FUSED_ROPE)
