@@ -13,9 +13,12 @@ biases, distributed optimizer, torch AdamW, ``--num-workers 0``). Paths (``--run
   building the [b, 1, s, s] mask nobody reads (built and collated on the training thread with
   ``--num-workers 0``);
 * ``fast_workers``: ``fast`` with ``--num-workers 2`` (Megatron's default: batches prepared by two
-  loader processes while the GPU computes).
+  loader processes while the GPU computes);
+* ``fast_rope``: ``fast_workers`` with ``--rope-fusion``: Megatron's fused RoPE, served without
+  Transformer Engine by the package's Triton kernel (``megatron_adapter/fused_rope.py``) instead of the
+  unfused ``mul`` / ``cat`` / ``neg`` kernels.
 
-The fast path of a model is its best run among the SDPA paths (``sdpa``, ``fast``, ``fast_workers``).
+The fast path of a model is its best run among the SDPA paths (every path but ``local``).
 
 Models: ``85M`` (12 x 768, 12 heads), ``302M`` (24 x 1024, 16 heads), ``cpu`` (2 x 64, for
 ``--cpu-smoke``). Figures per run, over iterations ``--skip`` + 1 .. ``--iters``:
@@ -52,11 +55,13 @@ SEQ = 512
 #: layers, hidden, heads (ffn 4 x hidden)
 MODELS = {"85M": (12, 768, 12), "302M": (24, 1024, 16), "cpu": (2, 64, 2)}
 _FAST = ["--attention-sdpa", "--no-create-attention-mask-in-dataloader"]
-PATHS = {"local": [], "sdpa": ["--attention-sdpa"], "fast": _FAST, "fast_workers": [*_FAST, "--num-workers", "2"]}
+_WORKERS = [*_FAST, "--num-workers", "2"]
+PATHS = {"local": [], "sdpa": ["--attention-sdpa"], "fast": _FAST, "fast_workers": _WORKERS,
+         "fast_rope": [*_WORKERS, "--rope-fusion"]}
 #: priority order: the budget drops the last ones first
 DEFAULT_RUNS = ("85M:local:16,85M:local:64,85M:fast:128,302M:local:32,302M:fast:64,302M:fast:128,"
                 "85M:sdpa:64,302M:sdpa:32,85M:fast:256,85M:fast_workers:256,302M:fast_workers:128,"
-                "85M:fast:64,302M:fast:32")
+                "85M:fast_rope:256,302M:fast_rope:128,85M:fast:64,302M:fast:32")
 
 
 DEFINITIONS = {
