@@ -53,6 +53,8 @@ ROUND_METRICS: dict[str, tuple[str, str, str]] = {
     "round_steps": ("steps", "length of the round this boundary starts (H, or H0 in the warm-up)", "every rank alike"),
     "step_s": ("s", "mean inner-step time of the round that ended (auto tau, the derived timeout)", "this rank"),
     "link_mbps": ("Mbit/s", "the site's slow link as auto tau sizes exchanges by it (0: not known)", "this rank"),
+    "tokens": ("tokens", "separate jobs: the tokens the replica's pseudo-gradient at this boundary covers (0 in one world)", "the replica"),
+    "weight": ("", "the replica's weight in the mean launched at this boundary: R x its tokens / all members' tokens (1: equal)", "every rank alike"),
 }
 
 
@@ -92,5 +94,7 @@ def format_round_line(m: dict, lossy: bool) -> str:
                    if lossy else ""))
     else:
         body = "no exchange applied in this round (the first, or its exchange lands later)"
-    return (head + body + f" | pseudo-grad norm {m['pseudo_grad_norm']:.4e} | next round {m['round_steps']} steps, "
-            f"tau {m['overlap_steps']}")
+    weight = m.get("weight", 1.0)
+    return (head + body + f" | pseudo-grad norm {m['pseudo_grad_norm']:.4e}"
+            + (f" | weight {weight:.4f} ({m.get('tokens', 0)} tokens)" if weight != 1.0 else "")
+            + f" | next round {m['round_steps']} steps, tau {m['overlap_steps']}")

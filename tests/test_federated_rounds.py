@@ -12,6 +12,8 @@ module doc can be checked bit for bit against the run in which no round failed:
   undisturbed run's;
 * a round that no job committed: theta stays; the next pseudo-gradient covers both rounds; every value
   after the next landing equals the undisturbed run's.
+
+Each job counts its tokens (``FederatedRounds.count_tokens``): the mean is token-weighted, exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch.distributed as dist
 
 from megatron_diloco.algorithm import faults
 from megatron_diloco.algorithm.config import DiLoCoXConfig
-from megatron_diloco.algorithm.federated import FederatedRounds, Meeting
+from megatron_diloco.algorithm.compression import get_codec
+from megatron_diloco.algorithm.federated import FederatedRounds, Meeting, token_weights
 from megatron_diloco.algorithm.schedule import RoundSchedule
 from megatron_diloco.algorithm.shard_view import ShardView
 from megatron_diloco.algorithm.sync import OuterSync
@@ -82,7 +85,8 @@ class ScriptedMembership:
 
 def _job(overlap: str, compression: str, refuse: set = frozenset(), steps: dict | None = None,
          check_means: bool = True):
-    """One job's rank: ``(sync, fed, x, steps)`` over the world group, with a scripted membership."""
+    """One job's rank: ``(sync, fed, x, steps)`` over the world group, with a scripted membership; the job
+    weighs by its tokens (:func:`_boundaries` counts them)."""
     cfg = DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=1.0, outer_momentum=0.0, overlap=overlap,
                         compression=compression, **({"overlap_steps": 1} if overlap == "partial" else {}))
     x = torch.zeros(N)
@@ -91,16 +95,20 @@ def _job(overlap: str, compression: str, refuse: set = frozenset(), steps: dict 
     membership = ScriptedMembership(refuse, check_means)
     sync.round_rules = fed = FederatedRounds(sync, membership, lambda: dict(steps), lambda p: steps.update(p))
     membership.fed = fed
+    fed.tokens_per_step = lambda: 1  # (:func:`_boundaries` sets the job's)
     return sync, fed, x, steps
 
 
-def _boundaries(sync: OuterSync, x: torch.Tensor, rank: int, steps: dict, last: int):
-    """The inner steps 1..``last`` (``partial``'s landings included); yields each boundary's step before the
-    caller runs it. A local step that does not depend on x, dyadic (exact in fp32), different per job."""
+def _boundaries(sync: OuterSync, x: torch.Tensor, rank: int, steps: dict, last: int, tokens: int = 1):
+    """The inner steps 1..``last`` (``partial``'s landings included), each on ``tokens`` tokens; yields each
+    boundary's step before the caller runs it. A local step that does not depend on x, dyadic (exact in
+    fp32), different per job."""
     schedule = RoundSchedule(sync.config)
+    sync.round_rules.tokens_per_step = lambda: tokens
     for step in range(1, last + 1):
         x.sub_(torch.arange(N, dtype=torch.float32).mul_(2.0 ** -8 * (rank + 1)).add_(2.0 ** -6 * step))
         steps["steps"] = step
+        sync.round_rules.count_step()
         since = schedule.steps_since_boundary(step)
         if since:
             if sync.merge_due(since):
@@ -112,13 +120,14 @@ def _boundaries(sync: OuterSync, x: torch.Tensor, rank: int, steps: dict, last: 
 
 def _run(rank: int, refuse: set, overlap: str) -> list[tuple[int, list[float], list[float]]]:
     sync, fed, x, steps = _job(overlap, "none", refuse)
-    seen = []
+    seen, tokens = [], {}
     for step in _boundaries(sync, x, rank, steps, STEPS):
         sync.boundary()
         seen.append((step, sync.theta.tolist(), x.tolist()))
+        tokens[step] = fed.round_tokens
     sync.drain()
     seen.append((STEPS + 1, sync.theta.tolist(), x.tolist()))
-    return seen, {**fed.summary(), "refused_means": fed.membership.refused_means}
+    return seen, {**fed.summary(), "refused_means": fed.membership.refused_means, "tokens": tokens}
 
 
 def _worker(rank: int, world: int, overlap: str, case: str, out) -> None:
@@ -136,6 +145,10 @@ def _worker(rank: int, world: int, overlap: str, case: str, out) -> None:
     assert summary["refused_means"] == (case == "corrupted_mean"), summary  # on both jobs, that round only
     if case == "one_job_commits" and rank == 1:
         assert summary["heals"] == 1, summary
+    # the tokens the pseudo-gradient after the failed round (step 8) covers: that round's too where nobody
+    # committed it, only the steps since its launch where the job took it from another job's theta
+    failed_here = summary["failed_rounds"] == 1
+    assert summary["tokens"][12] == (2 * H if failed_here and case != "one_job_commits" else H), summary
     ref = {step: (theta, x) for step, theta, x in reference}
     got = {step: (theta, x) for step, theta, x in failed}
     # the resolution lands at the boundary after the failed round (step 12): from there on, exact
@@ -249,3 +262,58 @@ def _joiner_worker(rank: int, world: int) -> None:
 
 def test_a_job_that_joins_by_a_heal_sends_a_zero_row():
     run_world(_joiner_worker, 2)
+
+
+# ---------------- token-weighted means ----------------
+def test_token_weights():
+    """w_r = R t_r / sum t in fp32; None (the plain mean) when all are 1 or nobody trained; 0 for no tokens."""
+    assert token_weights([8192.0, 8192.0]) is None and token_weights([5.0]) is None
+    assert token_weights([0.0, 0.0]) is None
+    assert token_weights([3.0, 1.0]) == (1.5, 0.5)
+    assert token_weights([7.0, 0.0]) == (2.0, 0.0)
+    w = token_weights([2.0, 1.0, 1.0])
+    assert w == (1.5, 0.75, 0.75)
+    w = token_weights([1.0, 2.0])  # 2/3, 4/3: rounded to fp32
+    assert w == (float(torch.tensor(2 / 3, dtype=torch.float32)), float(torch.tensor(4 / 3, dtype=torch.float32)))
+
+
+def test_weighed_payloads_decode_to_the_weighted_mean():
+    """int8: weighing the gathered payloads (their block scales) and decoding gives (1/R) sum_r w_r D(p_r),
+    D(p_r) each payload decoded alone, to fp32 rounding; weights of 1 leave the bits unchanged."""
+    torch.manual_seed(0)
+    codec, n = get_codec("int8"), 1000
+    rows = [codec.encode(torch.zeros(n), pseudo_grad=torch.randn(n) * (r + 1)) for r in range(3)]
+    alone = [codec.decode(p.unsqueeze(0), n) for p in rows]
+    weights = (1.5, 0.0, 1.5)
+    gathered = torch.stack(rows)
+    plain = codec.decode(gathered.clone(), n)
+    codec.weigh(gathered, n, weights)
+    want = sum(w * d.double() for w, d in zip(weights, alone)) / 3
+    got = codec.decode(gathered, n).double()
+    assert (got - want).abs().max() <= 4 * 2.0 ** -23 * want.abs().max()  # a few fp32 roundings of the sum
+    assert not torch.allclose(got, plain.double(), rtol=1e-3)
+    ones = torch.stack(rows)
+    codec.weigh(ones, n, (1.0, 1.0, 1.0))
+    assert torch.equal(codec.decode(ones, n), plain)
+
+
+def _weighted_worker(rank: int, world: int, overlap: str) -> None:
+    """Job 0 trains on 3 tokens per step, job 1 on 1: every landing moves theta by exactly
+    (1/2)(1.5 delta_0 + 0.5 delta_1) (dyadic values, fp32 exchange, eta 1, mu 0)."""
+    sync, fed, x, steps = _job(overlap, "none")
+    expected = None
+    for _ in _boundaries(sync, x, rank, steps, STEPS, tokens=3 if rank == 0 else 1):
+        if expected is not None:
+            assert torch.equal(sync.theta, expected), (sync.theta - expected).abs().max()
+        deltas = [torch.empty(N), torch.empty(N)]
+        dist.all_gather(deltas, sync.theta - x)
+        expected = sync.theta - (1.5 * deltas[0] + 0.5 * deltas[1]) / 2
+        sync.boundary()
+        assert fed.round_weight == (1.5 if rank == 0 else 0.5) and fed.round_tokens == H * (3 if rank == 0 else 1)
+    sync.drain()
+    assert torch.equal(sync.theta, expected)
+
+
+@pytest.mark.parametrize("overlap", ["partial", "none"])
+def test_the_mean_weighs_jobs_by_their_tokens(overlap):
+    run_world(_weighted_worker, 2, overlap)

@@ -192,29 +192,36 @@ def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
     assert _final(a) == _final(b) and _final(a)[0][0] == 140
 
 
+def _weights(job: Job) -> dict[int, tuple[int, float]]:
+    """step -> (tokens, weight) of the job in the mean launched at each boundary (rank 0's record)."""
+    return {r[0]: (r[8], r[9]) for r in job.records()[0]["fed_rounds"]}
+
+
 def test_jobs_resume_from_their_own_checkpoints(tmp_path):
-    """Each job saves its own checkpoint (no shared filesystem). The run stopped at iteration 24 and
-    restarted: job A resumes from its own latest checkpoint, job B from an older one of its own
-    (iteration 12: it lost its last), started once A trains. B is behind: it takes the outer state and
-    the position from A at A's next boundary (its inner optimizer state from its own checkpoint), and the
-    two train on identical from there to the end."""
+    """Each job saves its own checkpoint (no shared filesystem), and each has its own global batch (A 4, B 8:
+    two micro-batches per step). The run stopped at iteration 24 and restarted: job A resumes from its own
+    latest checkpoint, job B from an older one of its own (iteration 12: it lost its last), started once A
+    trains. B is behind: it takes the outer state and the position from A at A's next boundary (its inner
+    optimizer state from its own checkpoint), and the two train on identical from there to the end. Every
+    mean weighs the jobs by their tokens (B twice A's), and B by 0 at the boundary it joins."""
     base = [*BASE, "--train-iters", "120", "--no-load-rng"]
+    own = {"A": [], "B": ["--global-batch-size", "8"]}
     ckpt = {n: tmp_path / f"ckpt{n}" for n in "AB"}
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:
-        jobs = [Job(tmp_path / f"{n}1", n, i, lh.address, [*base, "--save", str(ckpt[n]), "--save-interval", "12",
-                                                     "--exit-interval", "24"])
+        jobs = [Job(tmp_path / f"{n}1", n, i, lh.address, [*base, *own[n], "--save", str(ckpt[n]),
+                                                           "--save-interval", "12", "--exit-interval", "24"])
                 for i, n in enumerate("AB")]
         _end(jobs)
         assert (ckpt["B"] / "iter_0000012").is_dir(), sorted(p.name for p in ckpt["B"].iterdir())
         (ckpt["B"] / "latest_checkpointed_iteration.txt").write_text("12")
         # A (the most advanced) first: a job that is behind and meets nobody at its start trains alone, and
         # leaves when the others arrive (docs/federation.md)
-        a = Job(tmp_path / "A2", "A", 0, lh.address, [*base, "--load", str(ckpt["A"])],
+        a = Job(tmp_path / "A2", "A", 0, lh.address, [*base, *own["A"], "--load", str(ckpt["A"])],
                 env=ENV)  # (0.1 s per step: A is still training when B is up)
         jobs = [a]
         with _closing(jobs):
             wait_until(lambda: "joined run 'test-run' at iteration 24" in a.log(), 240, "A's start", jobs)
-            b = Job(tmp_path / "B2", "B", 1, lh.address, [*base, "--load", str(ckpt["B"])],
+            b = Job(tmp_path / "B2", "B", 1, lh.address, [*base, *own["B"], "--load", str(ckpt["B"])],
                     env=ENV)
             jobs.append(b)
         _end(jobs)
@@ -225,3 +232,10 @@ def test_jobs_resume_from_their_own_checkpoints(tmp_path):
     assert min(_rounds(a)) > 24  # the second run's boundaries only
     assert _final(a) == _final(b) and _final(a)[0][0] == 120
     assert a.summary()["federation"]["heals"] == 0 and b.summary()["federation"]["heals"] == 1
+    wa, wb = _weights(a), _weights(b)
+    joined = max(s for s in wa if s < min(wb))  # the boundary B joins at (not in its records), contributing 0
+    assert wa[joined][1] == 2.0 and all(wa[s][1] == 1.0 for s in wa if s < joined), (wa, wb)  # A alone before
+    two_thirds = 0.6666666865348816  # fp32(2/3): 2 x 4 / (4 + 8)
+    together = list(wb)
+    assert together and all(wa[s][1] == two_thirds and wb[s][1] == 2 * two_thirds and
+                            wb[s][0] == 2 * wa[s][0] > 0 for s in together), (wa, wb)

@@ -90,6 +90,22 @@ def test_what_may_differ_or_is_unused_is_not_compared():
         _describe(lowrank), _describe(dataclasses.replace(lowrank, rank=8)), 1)
 
 
+def test_separate_jobs_may_differ_in_global_batch_given_iterations():
+    """Jobs of a run (--diloco-x-lighthouse) may each have their own global batch (the mean weighs them by
+    tokens) when the run is given in iterations; launches of one run may not, nor jobs of a run given in
+    samples (their iterations, hence their rounds, would differ)."""
+    def jobs(**args) -> dict:
+        return describe_launch(_args(**args), CFG, [shard_digest(rank) for rank in LAYOUT], "0.19.2", True)
+
+    assert differences(jobs(), jobs(global_batch_size=8), 1) == []
+    found = differences(jobs(train_iters=None, train_samples=64),
+                        jobs(train_iters=None, train_samples=64, global_batch_size=8), 1)
+    assert found == ["--global-batch-size is 4 here, 8 in replica 1"], found
+    assert differences(_describe(CFG), _describe(CFG, global_batch_size=8), 1) == [
+        "--global-batch-size is 4 here, 8 in replica 1"]
+    assert differences(jobs(), jobs(micro_batch_size=1), 1) == ["--micro-batch-size is 2 here, 1 in replica 1"]
+
+
 _STORES: list = []  # the launches' stores stay up as a run keeps them (the host's going away ends the others' reads)
 
 

@@ -13,7 +13,8 @@ class FederationRecorder(Recorder):
     """Separate jobs (``--diloco-x-lighthouse``), per rank, with no collective of its own (a peer may die
     at any time): ``losses`` (as the training recorder's), ``fed_rounds``: per boundary ``[step_calls,
     theta fingerprint, members, failed, committed rounds, wall time, the meeting's seconds, the
-    replica's exchange seconds of the round]`` after the boundary (theta as every member
+    replica's exchange seconds of the round, the tokens and the weight of the job in the mean launched
+    there]`` after the boundary (theta as every member
     must hold it then); ``final_fp``: the fp32 main shards' fingerprint after the end of training;
     ``heals``: per heal received, its transfer's seconds and the bytes of the tensors in it.
     ``DILOCO_TEST_STEP_SLEEP_S=S``: every iteration S seconds longer (time to kill, stop and restart
@@ -42,7 +43,8 @@ class FederationRecorder(Recorder):
                 return out
             record["fed_rounds"].append([opt.step_calls, [int(x) for x in opt.sync.fingerprint([opt.sync.theta])],
                                          fed.members, fed.failed, fed.committed, time.time(),
-                                         fed.stats["last_meeting_s"], out.get("replica_exchange_s")])
+                                         fed.stats["last_meeting_s"], out.get("replica_exchange_s"),
+                                         out.get("tokens"), out.get("weight")])
             return out
 
         from megatron_diloco.federation.transport import SealedTransport

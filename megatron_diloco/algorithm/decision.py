@@ -65,6 +65,9 @@ class Decision:
     local_steps: int = 0
     """``--diloco-x-local-steps auto``: H of the round this boundary starts, the largest any rank
     proposed; 0: H stays (fixed H, a warm-up round, nothing measured yet)."""
+    weights: tuple[float, ...] | None = None
+    """Each outer-group member's weight in the mean (its rank order; mean 1), as the round's rules set it
+    (separate jobs: the tokens each trained on, :meth:`FederatedRounds.agree`); None: equal weights."""
 
 
 class BoundaryDecision:

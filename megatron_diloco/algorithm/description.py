@@ -13,6 +13,8 @@ from typing import Any
 MAY_DIFFER = ("--diloco-x-outer-state", "--diloco-x-outer-chunk-mb", "--diloco-x-bandwidth-mbps",
               "--diloco-x-outer-timeout-minutes", "--distributed-timeout-minutes", "data paths",
               "precision (--bf16 / --fp16)", "logging")
+#: What separate jobs may also set apiece (their means weigh each job by its tokens), given --train-iters.
+JOBS_MAY_DIFFER = ("--global-batch-size (with --train-iters)",)
 
 SHARDS = "fp32 main shards"
 """The description's key for the per-rank shards: a list (by rank) of ``[numel, digest]``."""

@@ -271,22 +271,27 @@ class Outbox:
         self.payload = self.codec.encode_into(self.payload, self.numel, lo, residual, pseudo_grad, residual_out)
 
     def launch(self, buffer: torch.Tensor, group: dist.ProcessGroup | None, *, store: "OuterStore | None" = None,
-               timeout_s: float | None = None) -> ExchangeHandle:
+               timeout_s: float | None = None, weights: tuple[float, ...] | None = None) -> ExchangeHandle:
         """Start the collective over ``group`` (collective: every rank of it calls this, in the same
         order, for the same N). ``buffer``: fp32 ``[N]`` where :meth:`ExchangeHandle.wait` puts the
-        replicas' mean (the all-reduce buffer itself for ``none``; may be host-held by ``store``)."""
+        replicas' mean (the all-reduce buffer itself for ``none``; may be host-held by ``store``).
+        ``weights``: the members' weights (:func:`start_exchange`; None: equal)."""
         size = dist.get_world_size(group) if group is not None else 1
+        if weights is not None and len(weights) != size:
+            raise ValueError(f"{len(weights)} weights for an outer group of {size}")
         if self.all_reduce:
-            handle = _start_all_reduce(self.send, buffer, group, size, store)
+            own = weights[group.rank()] if weights is not None and size > 1 else 1.0
+            handle = _start_all_reduce(self.send, buffer, group, size, store, own)
         else:
-            handle = _start_all_gather(buffer, self.payload, self.codec, group, size, store)
+            handle = _start_all_gather(buffer, self.payload, self.codec, group, size, store, weights)
         handle.timeout_s = timeout_s
         return handle
 
 
 def start_exchange(buffer: torch.Tensor, residual: torch.Tensor | None, codec, group: dist.ProcessGroup | None,
                    *, worker: "DaemonWorker | None" = None, timeout_s: float | None = None,
-                   outbox: Outbox | None = None, store: "OuterStore | None" = None) -> ExchangeHandle:
+                   outbox: Outbox | None = None, store: "OuterStore | None" = None,
+                   weights: tuple[float, ...] | None = None) -> ExchangeHandle:
     """Launch one round's exchange of ``buffer`` with ``codec`` over ``group`` (the outer group).
 
     Args:
@@ -309,6 +314,12 @@ def start_exchange(buffer: torch.Tensor, residual: torch.Tensor | None, codec, g
             (the pseudo-gradient is then not read from ``buffer``, which only receives the mean);
             None: ``buffer`` (on the device) is put whole.
         store: where ``buffer`` and the outer state live (:class:`OuterStore`; None: on the device).
+        weights: per member of ``group`` (in its rank order), fp32 values w_r with mean 1 (separate jobs
+            weigh each replica by the tokens it trained on: w_r = R t_r / sum t); the result is then
+            ``(1/R) sum_r w_r delta_r``. ``none`` scales this rank's own ``buffer`` by its weight before the
+            all-reduce (in place); the blockwise codecs scale the gathered payloads' block scales
+            (:meth:`BlockwiseCodec.weigh`). None: equal weights (the plain mean, no extra pass). Not with
+            the matrix codecs.
 
     No payload is ever re-quantized: each replica's payload is gathered as encoded and every rank
     decodes the R payloads in replica order, so all ranks compute the same bits.
@@ -319,22 +330,28 @@ def start_exchange(buffer: torch.Tensor, residual: torch.Tensor | None, codec, g
         if worker is None:
             raise ValueError(f"--diloco-x-compression {codec.name}: its exchange runs on a worker thread; "
                              "pass worker=DaemonWorker()")
+        if weights is not None:
+            raise ValueError(f"--diloco-x-compression {codec.name}: weighted exchanges take none or a blockwise "
+                             "codec")
         handle = _start_on_worker(buffer, residual, codec, group, size, worker, timeout_s)
     else:
         if outbox is None:
             outbox = Outbox(codec, buffer.numel(), buffer.device, send=buffer)
             outbox.put(0, buffer, residual)
-        return outbox.launch(buffer, group, store=store, timeout_s=timeout_s)
+        return outbox.launch(buffer, group, store=store, timeout_s=timeout_s, weights=weights)
     handle.timeout_s = timeout_s
     return handle
 
 
 def _start_all_reduce(send: torch.Tensor, buffer: torch.Tensor, group, size: int,
-                      store: "OuterStore | None") -> ExchangeHandle:
+                      store: "OuterStore | None", weight: float = 1.0) -> ExchangeHandle:
     """fp32 all-reduce (SUM) of ``send`` in place, asynchronous; the mean is the sum / R, into
     ``buffer`` (:meth:`ExchangeHandle.wait`) or straight into the outer step, chunk by chunk through
     ``store``. ``send`` is on the device, or (a gloo group) may be held in host memory by ``store``:
-    the collective then runs on it in place and the finish streams it through the device."""
+    the collective then runs on it in place and the finish streams it through the device. ``weight``:
+    this rank's (fp32), ``send`` scaled by it first (one pass; none when it is 1)."""
+    if weight != 1.0:
+        send.mul_(weight)
     payload = send.numel() * send.element_size()
     wire = wire_bytes("all-reduce", payload, size)
     stats = ExchangeStats(bytes_sent=wire, bytes_received=wire, raw_bytes=payload, payload_bytes=payload)
@@ -368,10 +385,10 @@ def _start_all_reduce(send: torch.Tensor, buffer: torch.Tensor, group, size: int
 
 
 def _start_all_gather(buffer: torch.Tensor, payload: torch.Tensor, codec, group, size: int,
-                      store: "OuterStore | None") -> ExchangeHandle:
-    """Asynchronous all-gather of the encoded ``payload`` (uint8 ``[P]``, device); the finish decodes
-    the R payloads in replica order, into ``buffer`` or fused with the outer step, chunk by chunk
-    through ``store``."""
+                      store: "OuterStore | None", weights: tuple[float, ...] | None = None) -> ExchangeHandle:
+    """Asynchronous all-gather of the encoded ``payload`` (uint8 ``[P]``, device); the finish weighs the
+    R payloads (``weights``, :meth:`BlockwiseCodec.weigh`; None: equal) and decodes them in replica order,
+    into ``buffer`` or fused with the outer step, chunk by chunk through ``store``."""
     numel = buffer.numel()
     wire = wire_bytes("all-gather", payload.numel(), size)
     stats = ExchangeStats(bytes_sent=wire, bytes_received=wire, raw_bytes=4 * numel,
@@ -389,6 +406,8 @@ def _start_all_gather(buffer: torch.Tensor, payload: torch.Tensor, codec, group,
         if staged_out is not gathered:
             gathered.copy_(staged_out, non_blocking=True)  # enqueued (page-locked source): no stall
         rows = gathered.view(size, -1)
+        if weights is not None:
+            codec.weigh(rows, numel, weights)
         if outer is None:
             for lo, hi, (b,) in store.stream(buffer, write=[buffer], scratch=[buffer]):
                 codec.decode_range(rows, numel, lo, hi, out=b)

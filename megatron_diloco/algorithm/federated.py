@@ -18,12 +18,16 @@ Every boundary, on every rank of every job, in the same order:
    behind the most advanced receives, per rank from rank k of an up-to-date job, :meth:`state_dict`:
    theta, the outer momentum, the codec state, the round counters, tau, the timings auto tau and
    the bounds use, and the position in the run.
-2. **Decide** (the boundary's decision all-reduce), then two small collectives: the number of
-   members contributing a pseudo-gradient (a job that has just joined contributes a zero row with
-   weight 0), and a job-wide AND of "every rank of this job decided": a job launches on all its
-   ranks or on none (:meth:`FederatedRounds.launch` records the launch and, ``partial`` with a lossy
-   codec, keeps the residual from before it).
-3. **Land** (:meth:`FederatedRounds.settle`; at the boundary with ``none``, tau steps later with
+2. **Decide** (the boundary's decision all-reduce), then two small collectives: the **tokens** each
+   member trained on since the point its pseudo-gradient is taken from (a slot per member, summed over
+   the outer group: every member learns every weight), and a job-wide AND of "every rank of this job
+   decided": a job launches on all its ranks or on none (:meth:`FederatedRounds.launch` records the
+   launch and, ``partial`` with a lossy codec, keeps the residual from before it). The mean is
+   **token-weighted**: member r weighs ``w_r = R t_r / sum_s t_s`` (fp32; the decision carries them,
+   :func:`token_weights`), so jobs with different global batches (or a job that trained more steps
+   since its last committed round) count by the data they saw; a job that has just joined, or that
+   trained nothing, weighs exactly 0; equal tokens give the plain mean, bit for bit.
+3. **Land** (:meth:`FederatedRounds.land`; at the boundary with ``none``, tau steps later with
    ``partial``): wait for the exchange into the mean, then the job-wide **commit** (every rank of
    the job completed its exchange, and every member of its outer group landed the same mean: their
    fingerprints of it, authenticated, are compared); only a committed round is applied. A round that failed (a peer
@@ -66,6 +70,19 @@ logger = logging.getLogger(__name__)
 #: progress = inner steps x PROGRESS_RADIX + rounds committed (one integer: the coordinator heals a
 #: member whose progress is below the most advanced member's)
 PROGRESS_RADIX = 1 << 32
+
+
+def token_weights(tokens: list[float]) -> tuple[float, ...] | None:
+    """The members' weights in a round's mean from the tokens each trained on (``tokens``, in the outer
+    group's rank order): ``w_r = R t_r / sum t`` rounded to fp32 (mean 1, so the exchange's
+    ``(1/R) sum_r w_r delta_r`` is the token-weighted mean); None when every weight is exactly 1 (equal
+    tokens: the plain mean, no extra pass) or nobody trained. A member with no tokens weighs 0."""
+    total = float(sum(tokens))
+    if total <= 0:
+        return None
+    r = len(tokens)
+    weights = tuple(float(torch.tensor(r * t / total, dtype=torch.float32)) for t in tokens)
+    return None if all(w == 1.0 for w in weights) else weights
 
 
 class FellBehindError(SystemExit):
@@ -143,9 +160,13 @@ class FederatedRounds:
         self.failed = False
         #: this job contributes a pseudo-gradient at this boundary (not on the boundary it joins at)
         self.contributing = True
-        #: members contributing at this boundary (the mean is over them)
-        self.contributors = 1
         self.members = 1
+        #: tokens trained on since the point the next pseudo-gradient is taken from (:meth:`count_step`);
+        #: ``tokens_per_step``: the tokens of an inner step of this job (set by the integration; None: every
+        #: contributing member weighs the same)
+        self.tokens, self.tokens_per_step = 0, None
+        #: this boundary's tokens and weight of this job (round metrics), every member's weight
+        self.round_tokens, self.round_weight, self._weights = 0, 1.0, None
         lossy = sync.residual is not None
         #: ``none``: x before the pseudo-gradient, (N,) fp32 with the outer state (a failed round restores it)
         self.x_rollback = sync.store.empty() if sync.config.overlap == "none" else None
@@ -165,6 +186,11 @@ class FederatedRounds:
         #: the meetings, failed rounds and heals so far (summary and metrics)
         self.stats = {"meetings": 0, "failed_meetings": 0, "membership_changes": 0, "failed_rounds": 0, "heals": 0,
                       "meeting_s": 0.0, "last_meeting_s": 0.0}
+
+    def count_step(self) -> None:
+        """An inner step was taken (:attr:`tokens_per_step`: its global batch x sequence length). Local."""
+        if self.tokens_per_step is not None:
+            self.tokens += int(self.tokens_per_step())
 
     # ---------------- progress, heal ----------------
     def progress(self) -> int:
@@ -290,6 +316,7 @@ class FederatedRounds:
         else:
             if self.outcome.residual_before is not None:  # it launched: the residual before that launch
                 sync.residual.copy_(self.outcome.residual_before)  # (untouched if it did not)
+            self.tokens += self.outcome.tokens  # the next pseudo-gradient covers that round's tokens too
             logger.warning("DiLoCoX round %d: the last round was committed by no job; theta unchanged, this "
                            "boundary's pseudo-gradient covers both rounds", sync.rounds)
         sync.params_shared = False
@@ -323,23 +350,31 @@ class FederatedRounds:
         if not self.agree(decision is not None):
             return None
         faults.point("decision", sync.rounds, company=self.members > 1)
-        return decision
+        if decision.skip:  # x <- theta: the round's progress is dropped, and its tokens with it
+            self.tokens = 0
+            return decision
+        return dataclasses.replace(decision, weights=self._weights)
 
     def agree(self, decided: bool) -> bool:
-        """Step 2 of the module doc: the contributing members (SUM over the outer group) and whether
-        every rank of this job decided (MIN over its world). False: nobody of this job launches."""
+        """Step 2 of the module doc: every member's tokens (a slot per member, SUM over the outer group:
+        float64, exact below 2^53 tokens) into the round's weights, and whether every rank of this job
+        decided (MIN over its world). False: nobody of this job launches."""
         sync = self.sync
         ok = decided
+        mine = (float(self.tokens) if self.tokens_per_step is not None else 1.0) if self.contributing else 0.0
+        tokens = [mine]
         if ok and sync.group is not None and dist.get_world_size(sync.group) > 1:
-            count = torch.tensor([1.0 if self.contributing else 0.0], dtype=torch.float64)
+            slots = torch.zeros(dist.get_world_size(sync.group), dtype=torch.float64)
+            slots[sync.group.rank()] = mine
             try:
-                bounded_all_reduce(count, dist.ReduceOp.SUM, sync.group, sync.timeout_s())
-                self.contributors = int(count.item())
+                bounded_all_reduce(slots, dist.ReduceOp.SUM, sync.group, sync.timeout_s())
+                tokens = slots.tolist()
             except (RuntimeError, TimeoutError) as err:
                 logger.warning("DiLoCoX round %d: the outer group broke at the decision (%s)", sync.rounds, err)
                 ok = False
-        else:
-            self.contributors = 1 if self.contributing else 0
+        self._weights = token_weights(tokens)
+        self.round_tokens = self.tokens if self.contributing else 0
+        self.round_weight = self._weights[sync.group.rank()] if self._weights is not None else 1.0
         ok = self._job_all(ok)
         if not ok:
             self.fail("the decision did not reach every member")
@@ -378,13 +413,10 @@ class FederatedRounds:
             self.rollback = self.sync.rotate_residual(keep=self.rollback)
         self.outcome.launched = True
         self.outcome.residual_before = self.rollback
-
-    def land(self, handle: ExchangeHandle, after: AfterStep | None = None) -> bool:
-        """:meth:`settle`."""
-        return self.settle(handle, after)
+        self.outcome.tokens, self.tokens = self.tokens, 0  # tokens from here on belong to the next round
 
     @torch.no_grad()
-    def settle(self, handle: ExchangeHandle, after: AfterStep | None) -> bool:
+    def land(self, handle: ExchangeHandle, after: AfterStep | None = None) -> bool:
         """Step 3 of the module doc: wait for the mean, commit, apply (the outer step, ``after`` fused
         into its pass) only when committed. Returns whether it was applied."""
         sync = self.sync
@@ -398,10 +430,6 @@ class FederatedRounds:
             # a collective that timed out may still write into its buffer: a fresh one (no operation on that
             # group follows: the failed commit makes the coordinator form a new quorum, a new group)
             sync.renew_exchange_buffer()
-        if ok and not handle.restored and 0 < self.contributors < self.members:  # a joiner's zero row, weight 0
-            scale = self.members / self.contributors
-            for _, _, (d,) in sync.store.stream(sync.exchange_buffer, write=[sync.exchange_buffer]):
-                d.mul_(scale)
         faults.point("commit", handle.round, target=sync.exchange_buffer if ok else None, company=self.members > 1)
         mean = None
         if ok and sync.group is not None and dist.get_world_size(sync.group) > 1:
@@ -423,6 +451,9 @@ class FederatedRounds:
         run's outer state and position: x <- theta, and the rest of the run's current boundary runs
         here with this job contributing nothing (:meth:`OuterSync.boundary` ``joined=True``).
         Returns the position received, or None (this job is at the run's position: nothing to do)."""
+        if self.tokens_per_step is not None:  # a resumed job's x holds the steps since its last boundary
+            since = self.sync.schedule.steps_since_boundary(int(self.position()["steps"]))
+            self.tokens = since * int(self.tokens_per_step())
         self._joining = True
         try:
             self.meet()
@@ -435,6 +466,7 @@ class FederatedRounds:
         self.set_position(healed)
         sync = self.sync
         sync.x_from(sync.theta)
+        self.tokens = 0  # x is the run's theta: nothing trained since
         if sync.residual is not None:  # its error feedback belonged to another theta: the run's round sends 0
             sync.residual.zero_()
         sync.params_shared = True
@@ -488,7 +520,7 @@ class FederatedRounds:
         except OuterGroupError as err:
             ok = False
             why = str(err).split(". Nothing of this round")[0]
-            sync.renew_exchange_buffer()  # (settle's reason: the stale collective keeps the old one)
+            sync.renew_exchange_buffer()  # (land's reason: the stale collective keeps the old one)
         if not self._job_all(ok) and ok:
             ok, why = False, "another rank of this job did not complete its exchange"
         if ok:

@@ -271,10 +271,11 @@ class BoundaryProtocols:
         out.pseudo_grad_sq = _sum_of_squares(norms)
         return out
 
-    def _launch(self) -> ExchangeHandle:
+    def _launch(self, weights: tuple[float, ...] | None = None) -> ExchangeHandle:
         """none / delayed / eager, once the round goes ahead (x holds its pseudo-gradient): the launch
         pass (:meth:`_launch_pass`: encode with error feedback, the eager look-ahead, x <- a_r or
-        theta_t for delayed / eager), then the exchange, bounded by :meth:`timeout_s` from now."""
+        theta_t for delayed / eager), then the exchange (``weights``: the decision's), bounded by
+        :meth:`timeout_s` from now."""
         reset = self.config.overlap in ("delayed", "eager")
         resident = not self.store.held(self.exchange_buffer)  # the buffer on the device: it is the chunk itself
         host_send = self._host_all_reduce  # the host all-reduce buffer: the pass writes it back
@@ -291,7 +292,7 @@ class BoundaryProtocols:
         done = self._launch_pass(outbox=None if host_send else outbox, theta=None, from_x=True,
                                  eager_scale=eager_scale, reset_x=self.theta if reset else None,
                                  write_buffer=host_send)
-        return self._start(outbox, done.input_sq, done.residual_sq)
+        return self._start(outbox, done.input_sq, done.residual_sq, weights)
 
     @torch.no_grad()
     def boundary(self, joined: bool = False) -> RoundReport:
@@ -319,7 +320,7 @@ class BoundaryProtocols:
                 if decision.skip:
                     return self._skip(sq, completed=None)
                 self.round_rules.launch(rotate=False)
-                handle = self._launch()
+                handle = self._launch(decision.weights)
             with record_function("megatron_diloco::perform"):
                 if not self._land(handle):
                     return RoundReport(self.rounds, False, handle.stats, None, sq)
@@ -384,7 +385,7 @@ class BoundaryProtocols:
             self.round_rules.launch(rotate=encode)  # encode: e <- e_new (the rules keep e_old, or not)
             if not encode and self._executor is None:  # none: the buffer holds delta_r, the all-reduce buffer
                 outbox = Outbox(self.codec, self.view.numel, self.view.device, send=self.exchange_buffer)
-            self.pending = self._start(outbox, input_sq, residual_sq)
+            self.pending = self._start(outbox, input_sq, residual_sq, decision.weights)
             self.params_shared = False
         if self.tau == 0:
             completed = self.merge(at_launch=True)
@@ -427,7 +428,7 @@ class BoundaryProtocols:
     def _land(self, handle: ExchangeHandle, after: AfterStep | None = None) -> bool:
         """Complete ``handle`` into the outer step (``after`` fused into its pass), as the rules land it
         (:meth:`RoundRules.land`; separate jobs: only when every rank of this job completed and committed it,
-        :meth:`FederatedRounds.settle`); returns whether the step was applied."""
+        :meth:`FederatedRounds.land`); returns whether the step was applied."""
         return self.round_rules.land(handle, after)
 
     def _skip(self, sq: float, completed: ExchangeStats | None) -> RoundReport:

@@ -61,6 +61,8 @@ class RoundOutcome:
     x_L (``partial``, exact merge) or x before the pseudo-gradient (``none``); None: not kept."""
     committed: bool | None = None
     """None: not landed (yet); True: applied; False: failed on this job (theta and m untouched)."""
+    tokens: int = 0
+    """Tokens the launched pseudo-gradient covers (separate jobs: what a round nobody committed gives back)."""
 
 
 class RoundRules(Protocol):

@@ -247,13 +247,13 @@ class OuterSync(BoundaryProtocols):
         return self.config.outer_timeout_s(self.step_time_s, self.longest_exchange_s)
 
     def _start(self, outbox: Outbox | None, input_sq: list[torch.Tensor],
-               residual_sq: list[torch.Tensor]) -> ExchangeHandle:
+               residual_sq: list[torch.Tensor], weights: tuple[float, ...] | None = None) -> ExchangeHandle:
         """Launch the exchange of the round whose payload ``outbox`` holds (None: a matrix codec, whose
         worker encodes), bounded by :meth:`timeout_s` from now; the squared norms of the codec's input
-        and of the residual it left, as chunk parts."""
+        and of the residual it left, as chunk parts; ``weights``: the members' (the decision's; None: equal)."""
         codec = outbox.codec if outbox is not None else self.codec
         handle = start_exchange(self.exchange_buffer, self.residual, codec, self.exchange_group, worker=self._executor,
-                                timeout_s=self.timeout_s(), outbox=outbox, store=self.store)
+                                timeout_s=self.timeout_s(), outbox=outbox, store=self.store, weights=weights)
         handle.stats.input_sq = _sum(input_sq)
         if outbox is not None:  # (the matrix codecs' worker measures the residual it leaves itself)
             handle.stats.residual_sq = _sum(residual_sq)

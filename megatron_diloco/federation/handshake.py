@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from megatron_diloco.algorithm.link import wait_within
 from megatron_diloco.federation.auth import FLAG, AuthenticationError, RunKey, dump_json
-from megatron_diloco.algorithm.description import MAY_DIFFER, differences
+from megatron_diloco.algorithm.description import JOBS_MAY_DIFFER, MAY_DIFFER, differences
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def agree(group: dist.ProcessGroup, key: RunKey, quorum: int, progress: int, des
             listed = "; ".join(p.replace("in replica 0", f"in job {ref['name']!r}") for p in found)
             leaving[i] = (f"this job ({member['name']!r}) differs from the run's job {ref['name']!r}: {listed}. "
                           "Every job of a run must train with the same values of these; give it the same flags "
-                          f"and package versions (jobs may differ in {', '.join(MAY_DIFFER)})")
+                          f"and package versions (jobs may differ in {', '.join(MAY_DIFFER + JOBS_MAY_DIFFER)})")
         elif member["slot"] in slots:
             other = everyone[slots[member['slot']]]
             leaving[i] = (f"this job ({member['name']!r}) and job {other['name']!r} both read data slot "

@@ -15,7 +15,9 @@ shard (element count and a digest of how the parameters are cut), and the megatr
 megatron-diloco versions (the latter with a digest of the package source: launches running other
 code decode and step differently). What may differ per launch (:data:`MAY_DIFFER`): where the outer
 state lives and its chunking, timeouts, the given link bandwidth (the adaptive plan and auto tau are
-agreed by the boundary's collectives), data paths, precision, logging.
+agreed by the boundary's collectives), data paths, precision, logging. Separate jobs
+(``--diloco-x-lighthouse``) may also differ in their global batch (:data:`PER_JOB_MEGATRON`: each job is
+weighed by the tokens it trains on) when the run's length is given in iterations.
 
 How (:func:`join_launches`, once, before the outer groups are built): rank 0 of each launch writes its
 description under ``diloco_x/join/<replica index>`` in the store; every rank of every launch reads
@@ -82,7 +84,6 @@ MUST_AGREE_MEGATRON: tuple[tuple[str, str], ...] = (
     ("--train-iters", "train_iters"),
     ("--train-samples", "train_samples"),
     # the batch per launch and the data split (each launch reads its share of one world's samples)
-    ("--global-batch-size", "global_batch_size"),
     ("--micro-batch-size", "micro_batch_size"),
     ("--rampup-batch-size", "rampup_batch_size"),
     ("--seq-length", "seq_length"),
@@ -113,6 +114,13 @@ MUST_AGREE_MEGATRON: tuple[tuple[str, str], ...] = (
     ("padded vocabulary size (tokenizer, --make-vocab-size-divisible-by)", "padded_vocab_size"),
 )
 
+#: Megatron arguments separate jobs may set apiece (their rounds count iterations, the mean weighs each job
+#: by its tokens, each reads its data slot at its own rate); launches of one run, and jobs of a run given
+#: in samples (--train-samples: its iterations would differ), must agree on them.
+PER_JOB_MEGATRON: tuple[tuple[str, str], ...] = (
+    ("--global-batch-size", "global_batch_size"),
+)
+
 #: the longest the store's host waits, on a refusal, for every rank to have read (they read at once)
 READ_WAIT_S = 60.0
 
@@ -135,10 +143,12 @@ def shard_digest(layout: Sequence[tuple[Sequence[int], int, int]]) -> list:
 
 
 def describe_launch(args: argparse.Namespace, config: DiLoCoXConfig, shards: list[list],
-                    megatron_version: str) -> dict[str, Any]:
+                    megatron_version: str, separate_jobs: bool = False) -> dict[str, Any]:
     """What must agree across launches, as a JSON-serializable dict (label -> value; the labels name
     the flags). ``shards``: per rank of this launch, :func:`shard_digest` of its fp32 main shards;
-    ``megatron_version``: megatron-core's. Identical on every rank of a launch."""
+    ``megatron_version``: megatron-core's; ``separate_jobs``: jobs of a run (``--diloco-x-lighthouse``),
+    which may differ in :data:`PER_JOB_MEGATRON` unless the run is given in samples. Identical on every
+    rank of a launch."""
     from megatron_diloco.version import __version__
 
     out: dict[str, Any] = {"handshake format": HANDSHAKE_FORMAT,
@@ -147,7 +157,8 @@ def describe_launch(args: argparse.Namespace, config: DiLoCoXConfig, shards: lis
     for flag, read, used in MUST_AGREE_DILOCO:
         if used is None or used(config):
             out[flag] = read(config)
-    for flag, attr in MUST_AGREE_MEGATRON:
+    per_job = separate_jobs and getattr(args, "train_samples", None) is None
+    for flag, attr in MUST_AGREE_MEGATRON + (() if per_job else PER_JOB_MEGATRON):
         value = getattr(args, attr, None)
         out[flag] = list(value) if isinstance(value, tuple) else value
     out[SHARDS] = shards

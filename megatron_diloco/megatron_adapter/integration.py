@@ -229,7 +229,8 @@ class _Installation:
             from megatron_diloco.megatron_adapter.topology import from_federation
 
             self.optimizer = opt = DiLoCoXOptimizer(inner, self.config, from_federation(), on_round=self.log_round)
-            self.membership = self.join_federation(opt, self.describe_launch(inner))
+            self.membership = self.join_federation(opt, self.describe_launch(inner, separate_jobs=True))
+            opt.federation.tokens_per_step = self.tokens_per_step
             install_replica_local_collectives(
                 self.args, at_boundary=lambda: opt.sync.schedule.steps_since_boundary(opt.step_calls) == 0)
             return opt
@@ -303,7 +304,14 @@ class _Installation:
                   f"received the outer state from a live job in {time.perf_counter() - started:.2f} s; "
                   f"training with {inner}", flush=True)
 
-    def describe_launch(self, inner) -> dict:
+    def tokens_per_step(self) -> int:
+        """Tokens the inner step about to be counted trained on: this job's current global batch (with
+        ``--rampup-batch-size``, as it stands) x ``--seq-length``."""
+        from megatron.core.num_microbatches_calculator import get_current_global_batch_size
+
+        return int(get_current_global_batch_size()) * int(self.args.seq_length)
+
+    def describe_launch(self, inner, separate_jobs: bool = False) -> dict:
         """What must agree with the other launches (:func:`megatron_diloco.megatron_adapter.handshake.describe_launch`):
         this launch's flags, versions and every rank's fp32 main shards (their digests, all-gathered
         over this launch's world: collective, once, every rank must call it)."""
@@ -315,7 +323,7 @@ class _Installation:
         mine = shard_digest(_shard_layout(distributed_optimizers(inner)))
         shards: list = [None] * dist.get_world_size()
         dist.all_gather_object(shards, mine)
-        return describe_launch(self.args, self.config, shards, megatron_version(package_info))
+        return describe_launch(self.args, self.config, shards, megatron_version(package_info), separate_jobs)
 
     def run_length_known(self) -> None:
         """Megatron built the LR scheduler, so ``args.train_iters`` is set (under ``--train-samples`` it

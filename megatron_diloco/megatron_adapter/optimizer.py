@@ -256,6 +256,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             self._round_step_s += time.perf_counter() - started
             self._round_timed_steps += 1
         self.step_calls += 1
+        if self.federation is not None:  # the job's tokens: its weight in the round's mean
+            self.federation.count_step()
         self.sync.poll()  # ... or during the inner optimizer step (its time; non-blocking)
         if land:
             self._merge()
@@ -417,6 +419,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             "round_steps": sync.next_round_steps,
             "step_s": sync.step_time_s or 0.0,
             "link_mbps": sync.link_mbps or 0.0,
+            "tokens": self.federation.round_tokens if self.federation is not None else 0,
+            "weight": self.federation.round_weight if self.federation is not None else 1.0,
         }
 
     def finish(self) -> None:

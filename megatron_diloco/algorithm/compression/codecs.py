@@ -155,6 +155,16 @@ class BlockwiseCodec:
         payload[v_full].copy_(part[v_part])
         return payload
 
+    def weigh(self, payloads: torch.Tensor, numel: int, weights: "tuple[float, ...]") -> None:
+        """Weigh the gathered ``[R, P]`` payloads of a bucket of ``numel`` elements in place: row r's fp32
+        block scales times ``weights[r]`` (fp32, one rounding per scale), so that the ordered mean
+        :meth:`decode` takes of them is ``(1/R) sum_r weights[r] dequant_r``. Local; the same bits on every
+        rank given the same rows and weights."""
+        blocks = self.layout(numel).num_blocks
+        for r, w in enumerate(weights):
+            if w != 1.0:
+                payloads[r, :4 * blocks].view(torch.float32).mul_(w)
+
     def decode_range(self, payloads: torch.Tensor, numel: int, lo: int, hi: int, out=None, outer=None):
         """:meth:`decode` of the chunk ``[lo, hi)`` of the ``[R, P]`` payloads of a bucket of ``numel``
         elements: ``out`` / ``outer`` over that chunk only. Bit-identical to the chunk's part of the
