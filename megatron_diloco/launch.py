@@ -17,9 +17,12 @@ Usage (one process per rank, e.g. under torchrun)::
 2. chains :func:`megatron_diloco.add_diloco_x_args` after the script's own ``extra_args_provider``
    (``megatron.training.arguments.parse_args`` is wrapped, so every parse sees the ``--diloco-x*``
    flags, including Megatron's own ``parse_args(ignore_unknown_args=True)`` calls);
-3. calls :func:`megatron_diloco.install` right after ``parse_and_validate_args`` returns, which
-   validates the flags (exiting with a message naming the flag) and wires DiLoCoX into Megatron's
-   training loop; without ``--diloco-x`` it changes nothing.
+3. right after ``parse_and_validate_args`` returns, gives Megatron's rope fusion (its default with
+   RoPE) the package's Triton kernel where Transformer Engine is absent
+   (:func:`megatron_diloco.megatron_adapter.fused_rope.install`; on a machine without a GPU it exits
+   naming ``--no-rope-fusion``), then calls :func:`megatron_diloco.install`, which validates the flags
+   (exiting with a message naming the flag) and wires DiLoCoX into Megatron's training loop; without
+   ``--diloco-x`` it changes nothing.
 
 Then it runs the script like ``python SCRIPT ARGS...`` would: ``sys.argv = [SCRIPT, *ARGS]``, the
 script's folder first on ``sys.path`` before ``megatron`` is first imported (Megatron-LM's scripts
@@ -105,6 +108,12 @@ def _patch_argument_parsing(state: _State) -> None:
     def parse_and_validate_args(*args, **kwargs):
         # Megatron's parse_and_validate_args calls the module-global parse_args: the wrapper above.
         parsed = original_parse_and_validate(*args, **kwargs)
+        from megatron_diloco.megatron_adapter import fused_rope
+
+        try:
+            fused_rope.install(parsed)  # rope fusion without Transformer Engine (idempotent)
+        except ValueError as err:
+            raise SystemExit(f"megatron-diloco: error: {err}") from None
         if not state.script_adds_flags:
             import megatron_diloco
 

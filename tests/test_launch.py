@@ -98,6 +98,16 @@ def test_bad_flag_fails_before_training(plain_script, flags, named):
     assert "DILOCOX SUMMARY" not in log
 
 
+def test_rope_fusion_without_a_kernel_fails_before_training(plain_script):
+    """Megatron's default rope fusion, RoPE, no Transformer Engine, no GPU: the launcher names the fix."""
+    flags = [f for f in MEGATRON_FLAGS if f != "--no-rope-fusion"]
+    code, log = launch_forked(plain_script, *flags, "--position-embedding-type", "rope", "--train-iters", "4", nproc=1)
+    assert code != 0, log[-4000:]
+    errors = [line for line in log.splitlines() if "megatron-diloco: error:" in line]
+    assert errors and all("--no-rope-fusion" in line for line in errors), log[-4000:]
+    assert not re.search(r"iteration\s+\d+/\s*\d+ \|", log), log[-4000:]
+
+
 def test_missing_script_is_a_clear_error(tmp_path):
     missing = tmp_path / "no_such_script.py"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
