@@ -253,6 +253,10 @@ def test_cli_prints_json_and_table():
     (dict(compression_ratio=0.5), "--compression-ratio"),
     (dict(local_steps=0), "--local-steps"),
     (dict(link_scope="node", dp=3, gpus_per_node=8), "--gpus-per-node"),
+    (dict(sites="1,0.5,2"), "--sites"),
+    (dict(sites="1,0"), "--sites"),
+    (dict(sites="1,fast"), "--sites"),
+    (dict(sites="1:0,1"), "--sites"),
 ])
 def test_bad_input_names_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
@@ -349,3 +353,38 @@ def test_plan_help_shows_defaults_without_markup():
     text = plan_mod.build_parser().format_help()
     assert "(default: int4)" in text and "(default: 500)" in text
     assert "``" not in text and ":data:" not in text and ":func:" not in text
+
+
+def test_sites_that_differ_hand_computed():
+    """Site 1 half as fast, site 2 at half the tokens per step (so its step takes half as long): with equal H
+    the slowest (site 1) sets the round and the others wait; with an H per site each fills the round."""
+    p = plan(cfg(replicas=3, sites="1,0.5,1:500", boundary_s=0.5, local_steps=10))  # step 1 s at 1000 tokens
+    s = p.sites
+    assert s.step_s == [1.0, 2.0, 0.5] and s.solo_tokens_per_s == [1000.0, 500.0, 1000.0]
+    exposed = max(0.0, p.exchange_s - 10 * 2.0)  # delayed: the exchange hides under the slowest round
+    round_s = 10 * 2.0 + 0.5 + exposed
+    eq = s.equal_h
+    assert eq.local_steps == [10, 10, 10] and eq.round_s == pytest.approx(round_s)
+    assert eq.idle_fraction == pytest.approx([(round_s - 10.5) / round_s, (round_s - 20.5) / round_s,
+                                              (round_s - 5.5) / round_s])
+    assert eq.weights == pytest.approx([3 * 1000 / 2500, 3 * 1000 / 2500, 3 * 500 / 2500])
+    assert eq.tokens_per_s == pytest.approx(10 * 2500 / round_s)
+    assert eq.throughput_vs_solo_sum == pytest.approx(eq.tokens_per_s / 2500)
+    assert eq.fast_site_idle_fraction == max(eq.idle_fraction)
+    per = s.per_site_h
+    assert per.local_steps == [20, 10, 40]  # floor(10 x 2 s / t_m)
+    assert per.idle_fraction == pytest.approx([(round_s - 20.5) / round_s] * 3)
+    tokens = [20 * 1000, 10 * 1000, 40 * 500]
+    assert per.weights == pytest.approx([3 * k / sum(tokens) for k in tokens])
+    assert per.tokens_per_s == pytest.approx(sum(tokens) / round_s)
+    assert plan(cfg()).sites is None
+
+
+def test_cli_prints_the_sites(capsys):
+    assert main(["--params", "85e6", "--tokens-per-step", "65536", "--step-time-s", "0.2", "--local-steps", "30",
+                 "--sites", "1,0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "sites, equal H (today)" in out and "the fast site idle 50.0%" in out, out
+    assert main(["--params", "85e6", "--tokens-per-step", "65536", "--step-time-s", "0.2", "--sites", "1,0.5",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sites"]["per_site_h"]["local_steps"] == [1000, 500]

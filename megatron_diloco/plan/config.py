@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 from megatron_diloco.algorithm.config import BLOCKWISE, CODECS
+from megatron_diloco.plan.sites import parse_sites
 
 #: Payload fraction of a TCP/IPv4 stream on Ethernet at MTU 1500 (1448 payload bytes per 1514 on the wire).
 TCP_EFFICIENCY = 1448 / 1514
@@ -60,6 +61,11 @@ class PlanConfig:
     """R: replicas (clusters)."""
     gpus_per_node: int = 8
     """GPUs per node (``--link-scope node``)."""
+    sites: str | None = None
+    """Replicas that differ (separate jobs): one entry per replica, comma-separated, SPEED or SPEED:TOKENS:
+    its inner-step rate relative to the modelled step at the same tokens (0.5: half as fast) and its tokens per
+    inner step (default --tokens-per-step). Adds each site's step, idle share and weight (plan/sites.py).
+    None: identical replicas."""
 
     # ---------------- compute ----------------
     gpu_tflops: float | None = None
@@ -201,6 +207,8 @@ class PlanConfig:
                 raise ValueError(f"{flag_name(name)} must be a byte count like 2, 4 or 12, got {getattr(self, name)!r}")
         if self.baseline_bytes_per_param is not None and not self.baseline_bytes_per_param > 0:
             raise ValueError(f"--baseline-bytes-per-param must be > 0, got {self.baseline_bytes_per_param!r}")
+        if self.sites is not None:
+            parse_sites(self.sites, self.replicas, self.tokens_per_step)
         if self.link_scope == "node" and self.gpus_per_replica % self.gpus_per_node:
             raise ValueError(f"--gpus-per-node ({self.gpus_per_node}) must divide the GPUs of a replica "
                              f"(tp x pp x dp = {self.gpus_per_replica}) with --link-scope node")

@@ -74,6 +74,7 @@ from megatron_diloco.megatron_adapter.arguments import (
     resolve_warmup, resolve_warmup_compression, resolve_warmup_overlap,
 )
 from megatron_diloco.plan.config import PlanConfig
+from megatron_diloco.plan.sites import SitesPlan, parse_sites, plan_sites
 
 #: Calibration: compression ratios (4 N / payload bytes) of the low-rank and adaptive codecs, measured
 #: by ``benchmarks/codecs_bench.py`` on real pseudo-gradients of the 4-layer, hidden-192 demo model
@@ -184,6 +185,9 @@ class Plan:
     steps."""
     warmup_share: float | None
     """warmup_exposed_s over the run's compute (``train_iters`` x step); None without train_iters."""
+    sites: SitesPlan | None = None
+    """``--sites``: each site's step, idle share and weight, with equal H and with an H per site
+    (:mod:`megatron_diloco.plan.sites`); None: identical replicas."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -267,6 +271,9 @@ def plan(cfg: PlanConfig) -> Plan:
                                                              shard_int)
     warm_share = warm_exposed / (cfg.train_iters * t_step) if cfg.train_iters else None
 
+    sites_plan = None if cfg.sites is None else plan_sites(
+        parse_sites(cfg.sites, R, cfg.tokens_per_step), t_step, cfg.tokens_per_step, H, t_boundary, exchange,
+        cfg.overlap != "none")
     tokens_round = H * R * cfg.tokens_per_step
     dx_tps = tokens_round / round_s
     ar_tps = R * cfg.tokens_per_step / ar_step
@@ -282,7 +289,7 @@ def plan(cfg: PlanConfig) -> Plan:
         allreduce_tokens_per_s=ar_tps, speedup_vs_allreduce=dx_tps / ar_tps,
         warmup=(h0, w), warmup_overlap_steps=tau_w, warmup_codec=warm_codec or cfg.codec,
         warmup_exchange_s=warm_exchange,
-        warmup_exposed_s=warm_exposed, warmup_share=warm_share,
+        warmup_exposed_s=warm_exposed, warmup_share=warm_share, sites=sites_plan,
     )
 
 

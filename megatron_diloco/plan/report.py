@@ -69,12 +69,31 @@ def format_table(p: Plan) -> str:
             else " (give --train-iters for its share of the run)")),
         ("AllReduce step", f"{_fmt_s(p.allreduce_step_s)} = compute + {_fmt_s(p.allreduce_comm_s)} comm "
                            f"({_fmt_bytes(p.allreduce_bytes_per_link_per_step)} per link, {c.baseline_algo})"),
-        ("tokens/s", f"DiLoCoX {p.dilocox_tokens_per_s:,.0f}; AllReduce {p.allreduce_tokens_per_s:,.1f}"),
+        ("tokens/s", f"DiLoCoX {p.dilocox_tokens_per_s:,.0f}; AllReduce {p.allreduce_tokens_per_s:,.1f}"
+                     + (" (replicas alike at the modelled step; the sites below)" if p.sites else "")),
         ("speedup vs AllReduce", f"{p.speedup_vs_allreduce:.1f}x"),
+        *_site_rows(p),
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
+
+
+def _site_rows(p: Plan) -> list[tuple[str, str]]:
+    """``--sites``: one row per site, then each policy's round, tokens/s and idle share."""
+    s = p.sites
+    if s is None:
+        return []
+    rows = [(f"site {m}", f"step {_fmt_s(t)}, alone {solo:,.0f} tokens/s; equal H: idle "
+                          f"{100 * s.equal_h.idle_fraction[m]:.1f}%, weight {s.equal_h.weights[m]:.3f}; H per site "
+                          f"{s.per_site_h.local_steps[m]}: idle {100 * s.per_site_h.idle_fraction[m]:.1f}%, "
+                          f"weight {s.per_site_h.weights[m]:.3f}")
+            for m, (t, solo) in enumerate(zip(s.step_s, s.solo_tokens_per_s))]
+    for name, pol in (("sites, equal H (today)", s.equal_h), ("sites, H per site (not yet)", s.per_site_h)):
+        rows.append((name, f"round {_fmt_s(pol.round_s)}, {pol.tokens_per_s:,.0f} tokens/s = "
+                           f"{100 * pol.throughput_vs_solo_sum:.1f}% of the sites' solo sum; the fast site idle "
+                           f"{100 * pol.fast_site_idle_fraction:.1f}%"))
+    return rows
 
 
 def training_flags(cfg: PlanConfig, p: Plan) -> str:

@@ -1,0 +1,115 @@
+"""Sites that differ: what a round costs each site of a run of separate jobs whose speed or global batch
+differ (``--sites``), today and with an H per site.
+
+Inputs: the run's plan (its inner step t at ``--tokens-per-step`` k, modelled or measured, the boundary b,
+the exchange e) and per site m a speed s_m (its inner-step rate relative to that step at the same tokens:
+another GPU generation, or a cluster that is shared and slows down) and its tokens per step k_m (its own
+``--global-batch-size`` x ``--seq-length``). Site m's inner step is ``t_m = t (k_m / k) / s_m``; alone it
+would train ``k_m / t_m`` tokens/s (its *solo* rate; their sum is the run's ceiling).
+
+**Equal H (what the package runs today).** Every job runs H inner steps per round and the boundary's
+meeting waits for the slowest, so the slowest sets the pace::
+
+    round = H t_max + b + exposed,   exposed = max(0, e - H t_max)  (overlapped; e with overlap none)
+    idle_m = round - (H t_m + b)     tokens/s = H sum_m k_m / round
+    weight_m = R k_m / sum_m k_m     (the token-weighted mean: docs/federation.md)
+
+**H per site** (not in the package yet; Async Local-SGD's DyLU, arXiv 2401.09135): each site runs the steps
+that fit the slowest site's round, ``H_m = floor(H t_max / t_m)``; the round and exposed time as above,
+``idle_m = round - (H_m t_m + b)``, ``tokens/s = sum_m H_m k_m / round``, ``weight_m = R H_m k_m / sum``.
+
+Per policy: the run's tokens/s, its ratio to the solo sum, and the largest idle share of a site's wall
+time (the fast site's). Pure arithmetic, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One site as ``--sites`` gives it."""
+
+    speed: float
+    """Inner-step rate relative to the modelled (or measured) step at the same tokens per step."""
+    tokens_per_step: int
+    """Tokens of one inner step of this site (its global batch x sequence length)."""
+
+
+def parse_sites(text: str, replicas: int, tokens_per_step: int) -> list[Site]:
+    """``--sites`` as a list: comma-separated ``SPEED`` or ``SPEED:TOKENS`` per replica (TOKENS defaults to
+    ``tokens_per_step``). ``ValueError`` naming ``--sites`` for a malformed entry, a speed that is not a
+    finite number > 0, tokens below 1, or a count other than ``replicas``."""
+    sites = []
+    for entry in text.split(","):
+        speed, _, tokens = entry.strip().partition(":")
+        try:
+            site = Site(float(speed), int(tokens) if tokens else tokens_per_step)
+        except ValueError:
+            raise ValueError(f"--sites: {entry.strip()!r} is not SPEED or SPEED:TOKENS (e.g. 1,0.5 or "
+                             "1:65536,0.5:32768)") from None
+        if not (site.speed > 0 and math.isfinite(site.speed)) or site.tokens_per_step < 1:
+            raise ValueError(f"--sites: {entry.strip()!r} needs a speed > 0 and tokens >= 1")
+        sites.append(site)
+    if len(sites) != replicas:
+        raise ValueError(f"--sites lists {len(sites)} sites for --replicas {replicas}: give one entry per replica")
+    return sites
+
+
+@dataclasses.dataclass
+class Policy:
+    """The run under one rule for the round's steps (module doc)."""
+
+    local_steps: list[int]
+    """Inner steps per round, per site."""
+    round_s: float
+    """Wall time of a round, seconds."""
+    idle_fraction: list[float]
+    """Per site: the share of its wall time it waits at the boundary for the others."""
+    weights: list[float]
+    """Per site: its weight in the round's mean (R x its tokens / all sites' tokens)."""
+    tokens_per_s: float
+    """The run's tokens per second over all sites."""
+    throughput_vs_solo_sum: float
+    """tokens_per_s / the sum of the sites' solo rates."""
+    fast_site_idle_fraction: float
+    """The largest idle fraction of any site."""
+
+
+@dataclasses.dataclass
+class SitesPlan:
+    """Per site and per policy (module doc): both sets of figures for one run."""
+
+    step_s: list[float]
+    """Per site: its inner step t_m, seconds."""
+    solo_tokens_per_s: list[float]
+    """Per site: k_m / t_m."""
+    equal_h: Policy
+    """Every site H steps per round (what the package runs)."""
+    per_site_h: Policy
+    """H_m = floor(H t_max / t_m) (not in the package yet)."""
+
+
+def plan_sites(sites: list[Site], step_s: float, tokens_per_step: int, local_steps: int, boundary_s: float,
+               exchange_s: float, overlapped: bool) -> SitesPlan:
+    """The module doc's figures. ``step_s``: the inner step at ``tokens_per_step`` tokens; ``local_steps``: H;
+    ``boundary_s``, ``exchange_s``: the plan's; ``overlapped``: the exchange may hide under the next round
+    (every overlap rule but ``none``)."""
+    steps = [step_s * (s.tokens_per_step / tokens_per_step) / s.speed for s in sites]
+    solo = [s.tokens_per_step / t for s, t in zip(sites, steps)]
+    slowest = max(steps)
+    exposed = max(0.0, exchange_s - local_steps * slowest) if overlapped else exchange_s
+    round_s = local_steps * slowest + boundary_s + exposed
+
+    def policy(hs: list[int]) -> Policy:
+        tokens = [h * s.tokens_per_step for h, s in zip(hs, sites)]
+        idle = [(round_s - (h * t + boundary_s)) / round_s for h, t in zip(hs, steps)]
+        rate = sum(tokens) / round_s
+        return Policy(hs, round_s, idle, [len(sites) * k / sum(tokens) for k in tokens], rate, rate / sum(solo),
+                      max(idle))
+
+    # floor, allowing for the rounding of the ratio (a site exactly twice as fast runs exactly 2 H)
+    per_site = [max(1, math.floor(local_steps * slowest / t * (1 + 1e-12))) for t in steps]
+    return SitesPlan(steps, solo, policy([local_steps] * len(sites)), policy(per_site))
