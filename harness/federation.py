@@ -69,7 +69,10 @@ class Job:
         self.name, self.index, self.nproc, self.recorders = name, index, nproc, recorders
         self.torchrun = torchrun
         secret = secret or run_secret(out.parent)
-        self.flags = [*model, *flags, "--diloco-x-lighthouse", lighthouse, "--diloco-x-run", run,
+        # each job its own dataset index cache, as every site has its own filesystem: two jobs building the same
+        # index in one folder at once read each other's half-written files (Megatron's builder assumes one world)
+        self.flags = [*model, "--data-cache-path", str(out.parent / f"{name}.dataset_cache"), *flags,
+                      "--diloco-x-lighthouse", lighthouse, "--diloco-x-run", run,
                       "--diloco-x-secret-file", str(secret),
                       "--diloco-x-replica-id", name, "--diloco-x-replica-index", str(index),
                       "--diloco-x-advertise-host", "127.0.0.1"]
