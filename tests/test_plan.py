@@ -357,7 +357,8 @@ def test_plan_help_shows_defaults_without_markup():
 
 def test_sites_that_differ_hand_computed():
     """Site 1 half as fast, site 2 at half the tokens per step (so its step takes half as long): with equal H
-    the slowest (site 1) sets the round and the others wait; with an H per site each fills the round."""
+    the slowest (site 1) sets the round and the others wait; with a global batch in proportion to speed, or an H
+    per site, each fills the round."""
     p = plan(cfg(replicas=3, sites="1,0.5,1:500", boundary_s=0.5, local_steps=10))  # step 1 s at 1000 tokens
     s = p.sites
     assert s.step_s == [1.0, 2.0, 0.5] and s.solo_tokens_per_s == [1000.0, 500.0, 1000.0]
@@ -371,6 +372,11 @@ def test_sites_that_differ_hand_computed():
     assert eq.tokens_per_s == pytest.approx(10 * 2500 / round_s)
     assert eq.throughput_vs_solo_sum == pytest.approx(eq.tokens_per_s / 2500)
     assert eq.fast_site_idle_fraction == max(eq.idle_fraction)
+    assert s.balanced_tokens_per_step == pytest.approx([2000, 1000, 2000])
+    bal = s.balanced_batch
+    assert bal.local_steps == [10, 10, 10] and bal.idle_fraction == pytest.approx([exposed / round_s] * 3)
+    assert bal.weights == pytest.approx([3 * 2000 / 5000, 3 * 1000 / 5000, 3 * 2000 / 5000])
+    assert bal.tokens_per_s == pytest.approx(10 * 5000 / round_s)
     per = s.per_site_h
     assert per.local_steps == [20, 10, 40]  # floor(10 x 2 s / t_m)
     assert per.idle_fraction == pytest.approx([(round_s - 20.5) / round_s] * 3)
@@ -384,7 +390,7 @@ def test_cli_prints_the_sites(capsys):
     assert main(["--params", "85e6", "--tokens-per-step", "65536", "--step-time-s", "0.2", "--local-steps", "30",
                  "--sites", "1,0.5"]) == 0
     out = capsys.readouterr().out
-    assert "sites, equal H (today)" in out and "the fast site idle 50.0%" in out, out
+    assert "sites as given (equal H)" in out and "the fast site idle 50.0%" in out, out
     assert main(["--params", "85e6", "--tokens-per-step", "65536", "--step-time-s", "0.2", "--sites", "1,0.5",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["sites"]["per_site_h"]["local_steps"] == [1000, 500]

@@ -14,6 +14,12 @@ meeting waits for the slowest, so the slowest sets the pace::
     idle_m = round - (H t_m + b)     tokens/s = H sum_m k_m / round
     weight_m = R k_m / sum_m k_m     (the token-weighted mean: docs/federation.md)
 
+**Global batch in proportion to speed** (runs today: jobs may differ in ``--global-batch-size``): every job
+runs H steps, a faster site on a larger batch, ``k'_m = k_m t_max / t_m`` tokens per step, so that its step
+takes the slowest's (a site's step time taken as proportional to its tokens); the round as above,
+``idle_m = 0``, ``tokens/s = H sum_m k'_m / round``, ``weight_m = R k'_m / sum k'``. A real global batch is
+a whole number of micro-batches x DP: round k'_m to one (``balanced_tokens_per_step`` is the ideal).
+
 **H per site** (not in the package yet; Async Local-SGD's DyLU, arXiv 2401.09135): each site runs the steps
 that fit the slowest site's round, ``H_m = floor(H t_max / t_m)``; the round and exposed time as above,
 ``idle_m = round - (H_m t_m + b)``, ``tokens/s = sum_m H_m k_m / round``, ``weight_m = R H_m k_m / sum``.
@@ -87,7 +93,11 @@ class SitesPlan:
     solo_tokens_per_s: list[float]
     """Per site: k_m / t_m."""
     equal_h: Policy
-    """Every site H steps per round (what the package runs)."""
+    """Every site H steps per round at its own tokens per step (what the package runs)."""
+    balanced_tokens_per_step: list[float]
+    """Per site: the tokens per step k'_m that make its step as long as the slowest's."""
+    balanced_batch: Policy
+    """Every site H steps per round at :attr:`balanced_tokens_per_step` (runs today)."""
     per_site_h: Policy
     """H_m = floor(H t_max / t_m) (not in the package yet)."""
 
@@ -103,13 +113,17 @@ def plan_sites(sites: list[Site], step_s: float, tokens_per_step: int, local_ste
     exposed = max(0.0, exchange_s - local_steps * slowest) if overlapped else exchange_s
     round_s = local_steps * slowest + boundary_s + exposed
 
-    def policy(hs: list[int]) -> Policy:
-        tokens = [h * s.tokens_per_step for h, s in zip(hs, sites)]
-        idle = [(round_s - (h * t + boundary_s)) / round_s for h, t in zip(hs, steps)]
+    def policy(hs: list[int], per_step: list[float], times: list[float]) -> Policy:
+        tokens = [h * k for h, k in zip(hs, per_step)]
+        idle = [(round_s - (h * t + boundary_s)) / round_s for h, t in zip(hs, times)]
         rate = sum(tokens) / round_s
         return Policy(hs, round_s, idle, [len(sites) * k / sum(tokens) for k in tokens], rate, rate / sum(solo),
                       max(idle))
 
     # floor, allowing for the rounding of the ratio (a site exactly twice as fast runs exactly 2 H)
     per_site = [max(1, math.floor(local_steps * slowest / t * (1 + 1e-12))) for t in steps]
-    return SitesPlan(steps, solo, policy([local_steps] * len(sites)), policy(per_site))
+    own = [float(s.tokens_per_step) for s in sites]
+    balanced = [k * slowest / t for k, t in zip(own, steps)]
+    equal = [local_steps] * len(sites)
+    return SitesPlan(steps, solo, policy(equal, own, steps), balanced, policy(equal, balanced, [slowest] * len(sites)),
+                     policy(per_site, own, steps))
