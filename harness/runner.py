@@ -180,8 +180,8 @@ class ExampleJob:
         # Megatron's dataset index cache per job: concurrent jobs would race on one
         args = [*self.args, "--data-cache-path", str(d / "dataset_cache")]
         record = self.record if self.record is not None else bench_recorders(self.env)
-        # (no checkpointing in the benchmarks: no helper processes that a fast exit would orphan)
-        argv = harness_command(record, d, args, torchrun(self.nproc), fast_exit=True)
+        # a fast exit, but not for a run that saves: it would orphan the checkpoint writer's helper processes
+        argv = harness_command(record, d, args, torchrun(self.nproc), fast_exit="--save" not in self.args)
         return Job(self.name, [Command(argv)], gpus=self.nproc, env=self.env, estimate_s=self.estimate_s,
                    timeout_s=self.timeout_s, expect_records=self.nproc, scratch=["dataset_cache"],
                    fingerprint=self.fingerprint)

@@ -1,0 +1,181 @@
+"""Runs longer than one device call: Megatron runs that save, stop in time and go on in the next call.
+
+A lent GPU machine runs one command for at most 10 minutes and keeps its files for the next call
+only while it stays held (30 s idle, 30 minutes in all). A run longer than one command is carried
+over several calls of the same command into the same folder ``DIR``:
+
+* every run saves into ``DIR/<run>/ckpt`` and loads from it (:func:`checkpoint_flags`); on ``--load``
+  Megatron resumes from the latest checkpoint there by itself (none yet: from iteration 0);
+* each call gives its runs Megatron's ``--exit-duration-in-mins`` (:class:`Call`). Megatron 0.19
+  checks it after every iteration (``training.checkpoint_and_decide_exit``: past it, it saves a
+  checkpoint, when ``--save`` is set and that iteration was not just saved, then exits with status 0) and
+  after every evaluation batch (``training.evaluate``: past it, the evaluation is dropped unprinted and
+  the save and exit follow at that iteration; the resumed run does not repeat it, so that point is
+  missing from the curve; an evaluation after training is made by the next call). The limit is whole minutes, counted on each rank from its
+  import of ``megatron.training.training``: the call's seconds left less :data:`STOP_S`, rounded down.
+  A run that has not ended :data:`END_S` before the call's end is killed (its steps since its last save
+  are lost, not its checkpoint); a run that cannot start at once (no free GPUs) waits for the next call;
+* each call's logs and records go to ``DIR/<run>/call<k>/`` (:meth:`Call.job_name`), kept, so that a
+  report reads every call's logs of a run in order (:func:`call_dirs`);
+* ``DIR/manifest.json`` (:class:`Manifest`): the calls made into ``DIR`` and, per run, its flags,
+  ``train_iters``, the last iteration saved (Megatron's ``latest_checkpointed_iteration.txt``), whether
+  it finished and the calls that launched it; read from the disk at the start and at the end of every
+  call. A call launches only the runs not finished; a run's flags may not change between calls.
+
+What cannot be seen from the device: a machine given back between two calls (idle past its window, or
+its 30 minutes up) takes ``DIR`` with it. The next call finds no manifest, counts itself call 1 and
+starts every run from iteration 0, as a first call does: its output says ``call 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import time
+from pathlib import Path
+from typing import Callable
+
+from harness.runner import done
+
+#: Seconds a call keeps after its runs' exit limit: the ranks' start before Megatron's clock, the
+#: iteration in flight, the checkpoint save (with the save's helper processes' start), the teardown,
+#: and :data:`END_S`.
+STOP_S = 60.0
+#: Seconds a call keeps after its last run was ended: the manifest and the report.
+END_S = 15.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call into a folder of continued runs: which one, and when its runs stop."""
+
+    index: int
+    """1 for the first call into the folder (no manifest yet), then 2, 3, ..."""
+    left_s: float
+    """Seconds the call has left when its runs are launched."""
+    exit_interval: int | None = None
+    """Megatron's ``--exit-interval`` for this call's runs as well: they also stop (and save) at the first
+    multiple of it, a split by iterations rather than by time (checks; not in the run's flags)."""
+
+    def __post_init__(self) -> None:
+        if self.exit_mins < 1:
+            raise SystemExit(f"--call-s: {self.left_s:.0f} s left at the launch, less {STOP_S:.0f} s to stop, leave "
+                             "no whole minute for Megatron's --exit-duration-in-mins")
+
+    @property
+    def exit_mins(self) -> int:
+        """Megatron's ``--exit-duration-in-mins`` of this call's runs."""
+        return int((self.left_s - STOP_S) // 60)
+
+    @property
+    def run_s(self) -> float:
+        """A run's seconds of Megatron's clock in this call (the runner's estimate for it)."""
+        return 60.0 * self.exit_mins
+
+    @property
+    def timeout_s(self) -> float:
+        """After this long a run of this call is killed (the runner's timeout: a run that did not stop)."""
+        return self.run_s + STOP_S - END_S
+
+    @property
+    def budget_s(self) -> float:
+        """The runner's budget: a run that cannot start within it would outlast the call, and waits."""
+        return self.left_s - STOP_S
+
+    def flags(self) -> list[str]:
+        """The example's flags of this call's launches (after the run's own)."""
+        return ["--exit-duration-in-mins", str(self.exit_mins),
+                *(["--exit-interval", str(self.exit_interval)] if self.exit_interval else [])]
+
+    def job_name(self, run: str) -> str:
+        """The runner's job of ``run`` in this call: its folder ``DIR/<run>/call<k>``."""
+        return f"{run}/call{self.index}"
+
+
+def checkpoint_flags(run_dir: Path, save_interval: int, load_rng: bool = True) -> list[str]:
+    """The example's flags that make a run continue across calls: ``--save`` / ``--load`` of
+    ``run_dir/ckpt`` and ``--save-interval``. ``load_rng`` False: ``--no-load-rng`` (the CPU shim's RNG
+    tracker has no state to restore)."""
+    ckpt = str(run_dir / "ckpt")
+    return ["--save", ckpt, "--load", ckpt, "--save-interval", str(save_interval),
+            *([] if load_rng else ["--no-load-rng"])]
+
+
+def saved_iteration(run_dir: Path) -> int | None:
+    """The iteration of the run's latest checkpoint (``ckpt/latest_checkpointed_iteration.txt``), or None."""
+    tracker = run_dir / "ckpt" / "latest_checkpointed_iteration.txt"
+    return int(tracker.read_text().strip()) if tracker.exists() else None
+
+
+def call_dirs(run_dir: Path) -> list[Path]:
+    """The folders of a run's calls in call order (``call1``, ``call2``, ...); a run not continued
+    across calls: the run's folder itself."""
+    calls = [p for p in run_dir.glob("call*") if p.is_dir() and p.name[4:].isdigit()]
+    return sorted(calls, key=lambda p: int(p.name[4:])) or [run_dir]
+
+
+def last_done(run_dir: Path) -> dict | None:
+    """The ``done.json`` of a run's last launch: its last call's (:func:`call_dirs`), or the run's own."""
+    last = call_dirs(run_dir)[-1]
+    return done(last.parent, last.name)
+
+
+class Manifest:
+    """``DIR/manifest.json``: ``calls`` (per call: its index, seconds left, exit minutes and interval, the
+    runs not finished at its start) and ``runs`` (per run: ``flags``, one shell line, ``train_iters``,
+    ``saved_iteration``, ``finished``, ``calls``: those that took it up)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.path = out / "manifest.json"
+        self.data = json.loads(self.path.read_text()) if self.path.exists() else {"calls": [], "runs": {}}
+
+    def next_call(self, left_s: float, exit_interval: int | None = None) -> Call:
+        """The call about to run, with ``left_s`` seconds left (refused when shorter than a minute's run)."""
+        return Call(len(self.data["calls"]) + 1, left_s, exit_interval)
+
+    def begin(self, call: Call, runs: dict[str, tuple[list[str], int]],
+              finished: Callable[[Path], bool]) -> list[str]:
+        """Record ``call`` with ``runs`` (``{run: (flags, train_iters)}``, the runs asked for); returns the
+        ones to launch: those not ``finished(DIR/<run>)``. Refuses a run whose flags differ from the
+        ones it was started with."""
+        for run, (flags, train_iters) in runs.items():
+            line = shlex.join(flags)
+            known = self.data["runs"].setdefault(run, {"flags": line, "train_iters": train_iters, "calls": []})
+            if known["flags"] != line:
+                was = shlex.split(known["flags"])
+                i = next((i for i, (x, y) in enumerate(zip(was, flags)) if x != y), min(len(was), len(flags)))
+                window = lambda f: shlex.join(f[max(i - 1, 0):i + 2])  # noqa: E731 - around the first difference
+                raise SystemExit(f"{run}: its flags differ from those it was started with ({self.path}): "
+                                 f"'{window(was)}' then, '{window(flags)}' now; continue it with the same "
+                                 "command, or use another --out")
+        todo = [run for run, state in self.refresh(finished).items() if run in runs and not state["finished"]]
+        for run in todo:
+            self.data["runs"][run]["calls"].append(call.index)
+        self.data["calls"].append({"call": call.index, "left_s": round(call.left_s, 1), "exit_mins": call.exit_mins,
+                                   "exit_interval": call.exit_interval, "unfinished": todo,
+                                   "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        self.write()
+        how = "no manifest: every run from iteration 0" if call.index == 1 else "runs continued from their checkpoints"
+        print(f"[continued] call {call.index} into {self.out} ({how}): {len(todo)} of {len(runs)} run(s) not "
+              f"finished, launched to stop after {call.exit_mins} min", flush=True)
+        return todo
+
+    def refresh(self, finished: Callable[[Path], bool]) -> dict[str, dict]:
+        """Every run's last saved iteration and whether it finished, from the disk (at the start and the
+        end of a call), written; returns the runs."""
+        for run, state in self.data["runs"].items():
+            state.update(saved_iteration=saved_iteration(self.out / run), finished=finished(self.out / run))
+        self.write()
+        return self.data["runs"]
+
+    def end(self, finished: Callable[[Path], bool]) -> None:
+        """At the end of a call: :meth:`refresh`, and where each run stands."""
+        where = {run: "finished" if st["finished"] else f"saved at {st['saved_iteration']}"
+                 for run, st in self.refresh(finished).items()}
+        print("[continued] " + ", ".join(f"{run}: {w}" for run, w in where.items()), flush=True)
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=1))
