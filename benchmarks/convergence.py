@@ -23,9 +23,17 @@ for ``allreduce`` the modelled ring bytes of Megatron's distributed-optimizer st
     python benchmarks/convergence.py --out DIR --report-only --from DIR2 ...   # merge into DIR/convergence.json
     python benchmarks/convergence.py --out DIR --cpu-smoke                    # tiny, CPU, gloo
     python benchmarks/convergence.py --out DIR --one-world --methods ...      # R GPUs per run, NCCL
+    python benchmarks/convergence.py --out DIR --one-world --call-s 540 ...   # the same, again: it goes on
 
 Writes ``DIR/convergence.json`` (the shape issue 12 gives) and, with matplotlib,
 ``DIR/convergence.png`` (validation loss vs tokens; final loss vs bytes).
+
+Runs longer than one device call (issue 39): with ``--call-s S`` every run saves into and loads from
+``DIR/<run>/ckpt`` and stops, saved, before S seconds from this script's start are up; the same command
+again into DIR continues the runs not finished (``DIR/manifest.json``; each call's logs in
+``DIR/<run>/call<k>/``, read in order by the report). One world only (``--one-world``, or allreduce /
+single): separate worlds cannot checkpoint. How, and a machine given back between calls:
+``harness/continued.py``; the device calls: ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -35,11 +43,15 @@ import json
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
+
+_STARTED = time.monotonic()  # what --call-s counts from
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout, uninstalled
-from harness.runner import ExampleJob, Job, done, replica_worlds_job, run_jobs  # noqa: E402
+from harness.continued import Call, Manifest, call_dirs, checkpoint_flags, last_done  # noqa: E402
+from harness.runner import ExampleJob, Job, replica_worlds_job, run_jobs  # noqa: E402
 from megatron_diloco.algorithm.config import BLOCKWISE  # noqa: E402
 from megatron_diloco.summary import parse_summaries  # noqa: E402
 
@@ -228,30 +240,43 @@ def method_flags(name: str) -> list[str]:
     return flags + m.get("flags", [])  # Megatron flags of the method: after the common ones, so they win
 
 
-def job_for(name: str, seed: int, a: argparse.Namespace, data: str) -> Job | ExampleJob:
-    """The run of method ``name`` at ``seed``: R single-rank worlds sharing one GPU (DiLoCo), one
-    world of one rank (allreduce, single); with ``a.one_world``, one ``torchrun`` world of R ranks on R
-    GPUs over NCCL (DiLoCo: one rank per replica; allreduce: data parallelism over the R ranks)."""
-    per_replica_gbs = a.micro_batch * a.accum
+def run_args(name: str, seed: int, a: argparse.Namespace, data: str) -> tuple[list[str], list[str]]:
+    """The example's flags of method ``name`` at ``seed``: (those every method shares, all). All: the shared
+    ones (with ``--call-s`` the run's checkpoint), the world's global batch (all R replicas' samples, but
+    for a replica in a world of its own) and the method's (last: its Megatron flags win)."""
+    method = METHODS[name]
     common = [*(CPU_MODEL if a.cpu_smoke else MODEL), "--micro-batch-size", str(a.micro_batch),
               *(["--eval-iters", str(a.eval_iters)] if a.eval_iters else []),
               "--train-iters", str(a.steps), "--eval-interval", str(a.eval_interval),
               "--seed", str(seed), "--data-path", data, "--split", "98,1,1",
               "--diloco-x-local-steps", str(a.local_steps), "--lr-decay-style", "cosine",
               *(["--distributed-backend", "gloo"] if a.cpu_smoke else [])]
-    method = METHODS[name]
-    # one world (allreduce: all replicas' samples per step; single: one replica's), else R replicas
+    if a.call_s is not None:
+        common += checkpoint_flags(a.out / f"{name}_seed{seed}", a.eval_interval, load_rng=not a.cpu_smoke)
+    replicas = REPLICAS if a.one_world or not (communicates(method) or method.get("alone")) else 1
+    return common, [*common, "--global-batch-size", str(a.micro_batch * a.accum * replicas), *method_flags(name)]
+
+
+def job_for(name: str, seed: int, a: argparse.Namespace, data: str, call: Call | None = None) -> Job | ExampleJob:
+    """The run of method ``name`` at ``seed``: R single-rank worlds sharing one GPU (DiLoCo), one
+    world of one rank (allreduce, single); with ``a.one_world``, one ``torchrun`` world of R ranks on R
+    GPUs over NCCL (DiLoCo: one rank per replica; allreduce: data parallelism over the R ranks).
+    ``call``: its launch in that call of continued runs (``--call-s``: it checkpoints, so one world)."""
+    run, method = f"{name}_seed{seed}", METHODS[name]
+    if a.one_world and method.get("alone"):
+        raise SystemExit(f"--one-world: method {name!r} is one replica alone; run it without --one-world")
+    if call is not None and communicates(method) and not a.one_world:  # (arguments.py refuses them a save)
+        raise SystemExit(f"--call-s: {name!r} runs R separate worlds joined by --diloco-x-outer-store, which "
+                         "cannot save or load a checkpoint; continue it as one world of R ranks: add --one-world")
+    common, args = run_args(name, seed, a, data)
+    job, estimate_s, timeout_s = run, a.estimate_s, a.timeout_s
+    if call is not None:
+        job, args, estimate_s, timeout_s = call.job_name(run), [*args, *call.flags()], call.run_s, call.timeout_s
     if a.one_world:
-        if method.get("alone"):
-            raise SystemExit(f"--one-world: method {name!r} is one replica alone; run it without --one-world")
-        return ExampleJob(f"{name}_seed{seed}", [*common, "--global-batch-size", str(per_replica_gbs * REPLICAS),
-                                                 *method_flags(name)], REPLICAS, estimate_s=a.estimate_s,
-                          timeout_s=a.timeout_s, record=["losses"], meta={"method": method, "common": common})
-    gbs = per_replica_gbs * (REPLICAS if not communicates(method) and not method.get("alone") else 1)
-    return replica_worlds_job(f"{name}_seed{seed}", a.out, [*common, "--global-batch-size", str(gbs),
-                                                           *method_flags(name)],
-                              REPLICAS if communicates(method) else 1, ["losses"], diloco=communicates(method),
-                              estimate_s=a.estimate_s, timeout_s=a.timeout_s,
+        return ExampleJob(job, args, REPLICAS, estimate_s=estimate_s, timeout_s=timeout_s, record=["losses"],
+                          meta={"method": method, "common": common})
+    return replica_worlds_job(job, a.out, args, REPLICAS if communicates(method) else 1, ["losses"],
+                              diloco=communicates(method), estimate_s=estimate_s, timeout_s=timeout_s,
                               fingerprint={"method": method, "common": common})
 
 
@@ -260,11 +285,16 @@ def job_for(name: str, seed: int, a: argparse.Namespace, data: str) -> Job | Exa
 def analyze(d: Path, tokens_per_step: int) -> dict:
     """One run folder: validation curve (mean over the replicas' halves), final loss, bytes. The
     logs: ``replica{r}.log`` of R separate worlds, or one world's ``log.txt`` (``--one-world``: its
-    last rank prints Megatron's evaluations)."""
-    logs = sorted(d.glob("replica*.log")) or sorted(d.glob("log.txt"))
+    last rank prints Megatron's evaluations); of a run continued across calls, each log is the calls'
+    logs of that name in call order (``DIR/<run>/call<k>/``). The summary is the last call's: rounds and
+    bytes of the whole run (checkpointed) but for an exchange in flight at a save, which no call counts;
+    wall seconds of that call."""
+    calls = call_dirs(d)
+    names = sorted({p.name for c in calls for p in c.glob("replica*.log")}) or \
+        sorted({p.name for c in calls for p in c.glob("log.txt")})
     per_log = []
-    for log in logs:
-        text = log.read_text(errors="replace")
+    for name in names:
+        text = "".join((c / name).read_text(errors="replace") for c in calls if (c / name).exists())
         curve, final = {}, None
         for mt in _VALID.finditer(text):
             if mt[2]:
@@ -279,7 +309,7 @@ def analyze(d: Path, tokens_per_step: int) -> dict:
     its = sorted(set.intersection(*(set(p["curve"]) for p in per_log)))
     curve = [[it * tokens_per_step, statistics.mean(p["curve"][it] for p in per_log)] for it in its]
     finals = [p["final"] for p in per_log]
-    info = done(d.parent, d.name) or {}
+    info = last_done(d) or {}
     out = {"ok": bool(info.get("ok")), "params": per_log[0]["params"],
            "final_val_loss": statistics.mean(finals) if all(f is not None for f in finals) else None,
            "final_val_loss_per_log": finals,
@@ -310,7 +340,7 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
         for run in sorted(p for p in d.glob("*_seed*") if p.is_dir()):
             name, seed = run.name.rsplit("_seed", 1)
             # the definition the run was launched with (its done.json), else today's of that name
-            m = (done(run.parent, run.name) or {}).get("method", METHODS.get(name))
+            m = (last_done(run) or {}).get("method", METHODS.get(name))
             if m is not None:
                 m = _canonical(m)
                 defs.setdefault(name, m)
@@ -465,6 +495,22 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
+def continue_runs(runs: list[tuple[str, int]], a: argparse.Namespace, data: str) -> None:
+    """One call of continued runs (``--call-s``, ``harness/continued.py``): the runs (method, seed) not
+    finished in ``a.out`` (no evaluation after training in their logs), each from its last checkpoint,
+    all stopping within the call; the manifest written before and after."""
+    manifest = Manifest(a.out)
+    call = manifest.next_call(a.call_s - (time.monotonic() - _STARTED), a.exit_interval)
+    jobs = {f"{n}_seed{s}": job_for(n, s, a, data, call) for n, s in runs}  # (refusals before any launch)
+    finished = lambda d: analyze(d, 1).get("final_val_loss") is not None  # noqa: E731
+    todo = manifest.begin(call, {f"{n}_seed{s}": (run_args(n, s, a, data)[1], a.steps) for n, s in runs}, finished)
+    try:
+        run_jobs([jobs[r] for r in todo], a.out, parallel=a.parallel, budget_s=call.budget_s, resume=False,
+                 jobs_per_gpu=a.jobs_per_gpu)
+    finally:
+        manifest.end(finished)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -491,7 +537,14 @@ def main() -> None:
     p.add_argument("--card", default=None, help="report-only: the card the runs were measured on")
     p.add_argument("--one-world", action="store_true",
                    help="each run one torchrun world of R ranks on R GPUs (NCCL; the multi-GPU user's path)")
+    p.add_argument("--call-s", type=float, default=None,
+                   help="seconds this call may use, from its start: every run checkpoints, stops in time and is "
+                        "continued by the next call of the same command (DIR/manifest.json; replaces --budget-s)")
+    p.add_argument("--exit-interval", type=int, default=None,
+                   help="with --call-s: this call's runs also stop at a multiple of this iteration (a split by steps)")
     a = p.parse_args()
+    if a.exit_interval is not None and a.call_s is None:
+        p.error("--exit-interval: only with --call-s (it stops a continued run, which saves)")
     for key, full, smoke in (("steps", 3000, 8), ("local_steps", H, 4), ("eval_interval", 300, 4), ("corpus_mb", 40, 8)):
         if getattr(a, key) is None:  # given: kept, also with --cpu-smoke
             setattr(a, key, smoke if a.cpu_smoke else full)
@@ -523,8 +576,12 @@ def main() -> None:
         unknown = [n for n in names if n not in METHODS]
         if unknown:
             raise SystemExit(f"unknown method(s) {unknown}; choose among {', '.join(METHODS)}")
-        jobs = [job_for(n, int(s), a, data) for s in a.seeds.split(",") for n in names]
-        run_jobs(jobs, a.out, parallel=a.parallel, budget_s=a.budget_s, jobs_per_gpu=a.jobs_per_gpu)
+        runs = [(n, int(s)) for s in a.seeds.split(",") for n in names]
+        if a.call_s is None:
+            run_jobs([job_for(n, s, a, data) for n, s in runs], a.out, parallel=a.parallel, budget_s=a.budget_s,
+                     jobs_per_gpu=a.jobs_per_gpu)
+        else:
+            continue_runs(runs, a, data)
     result = report([a.out, *a.more], a)
     a.out.mkdir(parents=True, exist_ok=True)  # --report-only into a new folder
     (a.out / "convergence.json").write_text(json.dumps(result, indent=1))

@@ -5,6 +5,7 @@ samples per step in one world, a DiLoCo replica its own share, ``single`` one re
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from benchmarks import convergence
 def _a(tmp_path: Path) -> argparse.Namespace:
     return argparse.Namespace(micro_batch=16, accum=1, cpu_smoke=False, eval_iters=32, steps=3000,
                               eval_interval=300, local_steps=30, out=tmp_path, estimate_s=400.0, timeout_s=520.0,
-                              one_world=False)
+                              one_world=False, call_s=None, exit_interval=None, parallel=4, jobs_per_gpu=1)
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -75,6 +76,106 @@ def test_one_world_refuses_a_replica_alone(tmp_path):
     a.one_world = True
     with pytest.raises(SystemExit, match="single"):
         convergence.job_for("single", 1, a, "/data/corpus")
+
+
+def test_a_continued_run_checkpoints_and_stops_within_its_call(tmp_path):
+    """``--call-s``: a run saves into and loads from ``DIR/<run>/ckpt`` (a save at every evaluation), and
+    its launch in call k stops by Megatron's --exit-duration-in-mins (the whole minutes the call has
+    left less ``STOP_S``), logs into ``DIR/<run>/call<k>/`` and exits with teardown (no fast exit:
+    a save starts helper processes); the runner ends it ``END_S`` before the call's end at the latest."""
+    from harness.continued import END_S, STOP_S, Call
+
+    a = _a(tmp_path)
+    a.one_world, a.call_s = True, 540.0
+    call = Call(2, left_s=530.0)
+    assert call.exit_mins == 7 and call.run_s == 420.0 and call.budget_s == 470.0
+    ej = convergence.job_for("default", 1, a, "/data/corpus", call)
+    ckpt = str(tmp_path / "default_seed1" / "ckpt")
+    assert ej.name == "default_seed1/call2" and _flag(ej.args, "--save") == _flag(ej.args, "--load") == ckpt
+    assert _flag(ej.args, "--save-interval") == "300" and "--no-load-rng" not in ej.args
+    assert ej.args == [*convergence.run_args("default", 1, a, "/data/corpus")[1], "--exit-duration-in-mins", "7"]
+    assert ej.estimate_s == 420.0 and ej.timeout_s == 420.0 + STOP_S - END_S
+    (cmd,) = ej.job(tmp_path).commands
+    assert "--fast-exit" not in cmd.argv and _flag(cmd.argv, "--out") == str(tmp_path / "default_seed1" / "call2")
+    # one world of one rank (allreduce, single) checkpoints without --one-world too; on CPU, no RNG state to load
+    a.one_world, a.cpu_smoke = False, True
+    (cmd,) = convergence.job_for("single", 1, a, "/data/corpus", Call(1, 530.0, exit_interval=4)).commands
+    argv = _example_args(cmd)
+    assert _flag(argv, "--load") == str(tmp_path / "single_seed1" / "ckpt") and "--no-load-rng" in argv
+    assert argv[-4:] == ["--exit-duration-in-mins", "7", "--exit-interval", "4"]
+    assert _flag(cmd.argv, "--out") == str(tmp_path / "single_seed1" / "call1" / "replica0")
+    with pytest.raises(SystemExit, match="--exit-duration-in-mins"):  # no whole minute left to train
+        Call(1, left_s=STOP_S + 59)
+
+
+def _fake_megatron(launched: list[str], per_call: dict[str, int], train_iters: int, eval_interval: int):
+    """A stand-in for ``run_jobs`` that trains nothing: each launched run goes on from its checkpoint's
+    iteration (``--load``) by ``per_call[method]`` iterations, logs Megatron's evaluations and, at
+    ``train_iters``, the one after training, and saves where it stopped."""
+    def run_jobs(jobs, out, **_):
+        for ej in jobs:
+            launched.append(ej.name)
+            tracker = Path(_flag(ej.args, "--load")) / "latest_checkpointed_iteration.txt"
+            start = int(tracker.read_text()) if tracker.exists() else 0
+            end = min(train_iters, start + per_call[ej.name.split("_seed")[0]])
+            lines = [f" validation loss at iteration {it} | lm loss value: {1 / it} |"
+                     for it in range(start + 1, end + 1) if it % eval_interval == 0]
+            if end == train_iters:
+                lines.append(f" validation loss at iteration {end} on validation set | lm loss value: 0.5 |")
+            (out / ej.name).mkdir(parents=True)
+            (out / ej.name / "log.txt").write_text("\n".join(lines) + "\n")
+            (out / ej.name / "done.json").write_text(json.dumps({"ok": True, **ej.fingerprint}))
+            tracker.parent.mkdir(parents=True, exist_ok=True)
+            tracker.write_text(str(end))
+    return run_jobs
+
+
+def test_the_next_call_continues_only_unfinished_runs_and_the_report_reads_every_call(tmp_path, monkeypatch):
+    """Three calls of the same command into one DIR, runs faked (:func:`_fake_megatron`): AllReduce
+    finishes in call 2 and is not launched again; the default goes on from its checkpoint each call. The
+    manifest follows (saved iteration, finished, the calls per run); the analysis reads each call's log in
+    order, so the curve is whole; a run's flags may not change between calls."""
+    from harness.continued import last_done
+
+    a = _a(tmp_path)
+    a.one_world, a.call_s, a.steps = True, 1e4, 900
+    launched: list[str] = []
+    monkeypatch.setattr(convergence, "run_jobs", _fake_megatron(launched, {"allreduce": 600, "default": 400}, 900, 300))
+    runs = [("allreduce", 1), ("default", 1)]
+    states = []
+    for _ in range(3):
+        convergence.continue_runs(runs, a, "/data/corpus")
+        manifest = json.loads((tmp_path / "manifest.json").read_text())
+        states.append({r: (st["saved_iteration"], st["finished"]) for r, st in manifest["runs"].items()})
+    assert launched == ["allreduce_seed1/call1", "default_seed1/call1", "allreduce_seed1/call2", "default_seed1/call2",
+                        "default_seed1/call3"]
+    assert states == [{"allreduce_seed1": (600, False), "default_seed1": (400, False)},
+                      {"allreduce_seed1": (900, True), "default_seed1": (800, False)},
+                      {"allreduce_seed1": (900, True), "default_seed1": (900, True)}]
+    both = ["allreduce_seed1", "default_seed1"]
+    assert [c["unfinished"] for c in manifest["calls"]] == [both, both, ["default_seed1"]]
+    assert [manifest["runs"][r]["calls"] for r in both] == [[1, 2], [1, 2, 3]]
+    assert manifest["runs"]["default_seed1"]["train_iters"] == 900
+    assert "--exit-duration-in-mins" not in manifest["runs"]["default_seed1"]["flags"]  # a call's, not the run's
+    got = convergence.analyze(tmp_path / "default_seed1", 100)
+    assert got["curve"] == [[30000, 1 / 300], [60000, 1 / 600], [90000, 1 / 900]] and got["final_val_loss"] == 0.5
+    assert last_done(tmp_path / "default_seed1")["method"] == convergence.METHODS["default"]  # the report's definition
+    a.steps = 1200  # a longer run into the same DIR: refused, nothing launched
+    with pytest.raises(SystemExit, match="--train-iters"):
+        convergence.continue_runs(runs, a, "/data/corpus")
+    assert len(launched) == 5
+
+
+def test_separate_worlds_are_refused_a_continued_run_before_anything_starts(tmp_path, monkeypatch):
+    """R single-rank worlds joined by ``--diloco-x-outer-store`` cannot save (the package refuses
+    --save / --load there): ``--call-s`` without ``--one-world`` stops before any launch or manifest."""
+    a = _a(tmp_path)
+    a.call_s = 1e4
+    launched: list[str] = []
+    monkeypatch.setattr(convergence, "run_jobs", _fake_megatron(launched, {}, 900, 300))
+    with pytest.raises(SystemExit, match="--one-world"):
+        convergence.continue_runs([("allreduce", 1), ("default", 1)], a, "/data/corpus")
+    assert launched == [] and not (tmp_path / "manifest.json").exists()
 
 
 def test_gaps_are_over_the_seeds_both_rows_ran():
