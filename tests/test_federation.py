@@ -204,7 +204,7 @@ def test_jobs_resume_from_their_own_checkpoints(tmp_path):
     trains. B is behind: it takes the outer state and the position from A at A's next boundary (its inner
     optimizer state from its own checkpoint), and the two train on identical from there to the end. Every
     mean weighs the jobs by their tokens (B twice A's), and B by 0 at the boundary it joins."""
-    base = [*BASE, "--train-iters", "120", "--no-load-rng"]
+    base = [*BASE, "--train-iters", "84", "--no-load-rng"]
     own = {"A": [], "B": ["--global-batch-size", "8"]}
     ckpt = {n: tmp_path / f"ckpt{n}" for n in "AB"}
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:
@@ -230,12 +230,12 @@ def test_jobs_resume_from_their_own_checkpoints(tmp_path):
             and "inner optimizer state from this job's checkpoint at iteration 12" in b.log()), b.log()[-3000:]
     _assert_identical_at_every_boundary([a, b])
     assert min(_rounds(a)) > 24  # the second run's boundaries only
-    assert _final(a) == _final(b) and _final(a)[0][0] == 120
+    assert _final(a) == _final(b) and _final(a)[0][0] == 84
     assert a.summary()["federation"]["heals"] == 0 and b.summary()["federation"]["heals"] == 1
     wa, wb = _weights(a), _weights(b)
     joined = max(s for s in wa if s < min(wb))  # the boundary B joins at (not in its records), contributing 0
     assert wa[joined][1] == 2.0 and all(wa[s][1] == 1.0 for s in wa if s < joined), (wa, wb)  # A alone before
     two_thirds = 0.6666666865348816  # fp32(2/3): 2 x 4 / (4 + 8)
-    together = list(wb)
+    together = [s for s in wb if s in wa]  # the boundaries both recorded
     assert together and all(wa[s][1] == two_thirds and wb[s][1] == 2 * two_thirds and
                             wb[s][0] == 2 * wa[s][0] > 0 for s in together), (wa, wb)

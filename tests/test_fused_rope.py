@@ -131,16 +131,16 @@ if not INTERPRETED:
         assert not fused_rope.install(argparse.Namespace(apply_rope_fusion=False))
 
     @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
-    def test_the_example_refuses_rope_fusion_on_cpu_before_training():
+    def test_the_example_refuses_rope_fusion_on_cpu_before_training(tmp_path):
         """``--rope-fusion`` after the demo's ``--no-rope-fusion`` turns fusion on; on CPU the example stops
-        with the fix named, before Megatron builds anything."""
-        env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT="29531", OMP_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, str(ROOT / "examples" / "pretrain_gpt_diloco.py"), "--no-diloco-x",
-                               "--mock-data", "--pipeline-model-parallel-size", "1", "--rope-fusion"],
-                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-        output = proc.stdout + proc.stderr
-        assert proc.returncode != 0 and "Add --no-rope-fusion" in output, output[-3000:]
+        with the fix named, before Megatron builds anything (one rank, forked from the tests' pre-imported
+        process)."""
+        from harness.launch import launch
+
+        code, output = launch(ROOT / "examples" / "pretrain_gpt_diloco.py",
+                              ["--no-diloco-x", "--mock-data", "--pipeline-model-parallel-size", "1", "--rope-fusion"],
+                              tmp_path, nproc=1, timeout=120)
+        assert code != 0 and "Add --no-rope-fusion" in output, output[-3000:]
         assert "building GPT" not in output and "apply_rope_fusion is not available" not in output
 
     @pytest.mark.parametrize("t_shape, freqs_shape, dtype, says", [
