@@ -273,6 +273,9 @@ def test_token_weights():
     assert token_weights([7.0, 0.0]) == (2.0, 0.0)
     w = token_weights([2.0, 1.0, 1.0])
     assert w == (1.5, 0.75, 0.75)
+    for bad in ([float("nan"), 1.0], [-1.0, 2.0], [float("inf"), 1.0]):  # a peer's slot, checked before use
+        with pytest.raises(ValueError, match="finite number >= 0"):
+            token_weights(bad)
     w = token_weights([1.0, 2.0])  # 2/3, 4/3: rounded to fp32
     assert w == (float(torch.tensor(2 / 3, dtype=torch.float32)), float(torch.tensor(4 / 3, dtype=torch.float32)))
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any, Callable, Protocol
 
 import torch
@@ -76,7 +77,10 @@ def token_weights(tokens: list[float]) -> tuple[float, ...] | None:
     """The members' weights in a round's mean from the tokens each trained on (``tokens``, in the outer
     group's rank order): ``w_r = R t_r / sum t`` rounded to fp32 (mean 1, so the exchange's
     ``(1/R) sum_r w_r delta_r`` is the token-weighted mean); None when every weight is exactly 1 (equal
-    tokens: the plain mean, no extra pass) or nobody trained. A member with no tokens weighs 0."""
+    tokens: the plain mean, no extra pass) or nobody trained. A member with no tokens weighs 0. ValueError when a
+    count is not a finite number >= 0 (a peer's slot: checked before use)."""
+    if not all(math.isfinite(t) and t >= 0 for t in tokens):
+        raise ValueError(f"a member's token count is not a finite number >= 0: {tokens}")
     total = float(sum(tokens))
     if total <= 0:
         return None
@@ -362,17 +366,16 @@ class FederatedRounds:
         sync = self.sync
         ok = decided
         mine = (float(self.tokens) if self.tokens_per_step is not None else 1.0) if self.contributing else 0.0
-        tokens = [mine]
+        self._weights = None
         if ok and sync.group is not None and dist.get_world_size(sync.group) > 1:
             slots = torch.zeros(dist.get_world_size(sync.group), dtype=torch.float64)
             slots[sync.group.rank()] = mine
-            try:
+            try:  # (a slot that is no count fails the round on every member alike: they all see the same)
                 bounded_all_reduce(slots, dist.ReduceOp.SUM, sync.group, sync.timeout_s())
-                tokens = slots.tolist()
-            except (RuntimeError, TimeoutError) as err:
-                logger.warning("DiLoCoX round %d: the outer group broke at the decision (%s)", sync.rounds, err)
+                self._weights = token_weights(slots.tolist())
+            except (RuntimeError, TimeoutError, ValueError) as err:
+                logger.warning("DiLoCoX round %d: the decision failed (%s)", sync.rounds, err)
                 ok = False
-        self._weights = token_weights(tokens)
         self.round_tokens = self.tokens if self.contributing else 0
         self.round_weight = self._weights[sync.group.rank()] if self._weights is not None else 1.0
         ok = self._job_all(ok)
