@@ -77,6 +77,14 @@ def test_warmup_schedule_rounds():
     plain = config_from_args(parse("--diloco-x-local-steps", "30", "--diloco-x-warmup-iters", "0"))
     assert [s for s in range(1, 100) if RoundSchedule(plain).steps_since_boundary(s) == 0] == [30, 60, 90]
     assert RoundSchedule(plain).round_steps(0) == RoundSchedule(plain).round_steps(30) == 30
+    # the run's clock in rounds (separate jobs of different H): boundaries within s steps, and its inverse
+    odd = config_from_args(parse("--diloco-x-local-steps", "7", "--diloco-x-warmup-local-steps", "4",
+                                 "--diloco-x-warmup-iters", "20"))
+    for cfg in (warm, plain, odd):
+        schedule = RoundSchedule(cfg)
+        bounds = [s for s in range(1, 400) if schedule.is_boundary(s)]
+        assert [schedule.boundaries_in(s) for s in range(400)] == [sum(b <= s for b in bounds) for s in range(400)]
+        assert [schedule.steps_at_boundary(k) for k in range(len(bounds) + 1)] == [0, *bounds]
 
 
 @pytest.mark.parametrize("argv,train_iters,want", [

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_diloco.algorithm import faults
 from megatron_diloco.algorithm.config import DiLoCoXConfig
 from megatron_diloco.algorithm.compression import get_codec
-from megatron_diloco.algorithm.federated import FederatedRounds, Meeting, token_weights
+from megatron_diloco.algorithm.federated import FederatedRounds, Meeting, tau_of_share, tau_share, token_weights
 from megatron_diloco.algorithm.schedule import RoundSchedule
 from megatron_diloco.algorithm.shard_view import ShardView
 from megatron_diloco.algorithm.sync import OuterSync
@@ -84,10 +84,10 @@ class ScriptedMembership:
 
 
 def _job(overlap: str, compression: str, refuse: set = frozenset(), steps: dict | None = None,
-         check_means: bool = True):
+         check_means: bool = True, local_steps: int = H):
     """One job's rank: ``(sync, fed, x, steps)`` over the world group, with a scripted membership; the job
     weighs by its tokens (:func:`_boundaries` counts them)."""
-    cfg = DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=1.0, outer_momentum=0.0, overlap=overlap,
+    cfg = DiLoCoXConfig(replicas=2, local_steps=local_steps, outer_lr=1.0, outer_momentum=0.0, overlap=overlap,
                         compression=compression, **({"overlap_steps": 1} if overlap == "partial" else {}))
     x = torch.zeros(N)
     sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
@@ -99,13 +99,14 @@ def _job(overlap: str, compression: str, refuse: set = frozenset(), steps: dict 
     return sync, fed, x, steps
 
 
-def _boundaries(sync: OuterSync, x: torch.Tensor, rank: int, steps: dict, last: int, tokens: int = 1):
-    """The inner steps 1..``last`` (``partial``'s landings included), each on ``tokens`` tokens; yields each
-    boundary's step before the caller runs it. A local step that does not depend on x, dyadic (exact in
+def _boundaries(sync: OuterSync, x: torch.Tensor, rank: int, steps: dict, last: int, tokens: int = 1,
+                first: int = 1):
+    """The inner steps ``first``..``last`` (``partial``'s landings included), each on ``tokens`` tokens; yields
+    each boundary's step before the caller runs it. A local step that does not depend on x, dyadic (exact in
     fp32), different per job."""
     schedule = RoundSchedule(sync.config)
     sync.round_rules.tokens_per_step = lambda: tokens
-    for step in range(1, last + 1):
+    for step in range(first, last + 1):
         x.sub_(torch.arange(N, dtype=torch.float32).mul_(2.0 ** -8 * (rank + 1)).add_(2.0 ** -6 * step))
         steps["steps"] = step
         sync.round_rules.count_step()
@@ -320,3 +321,64 @@ def _weighted_worker(rank: int, world: int, overlap: str) -> None:
 @pytest.mark.parametrize("overlap", ["partial", "none"])
 def test_the_mean_weighs_jobs_by_their_tokens(overlap):
     run_world(_weighted_worker, 2, overlap)
+
+
+# ---------------- jobs of different H: the rounds are the clock ----------------
+def test_tau_travels_as_a_share_of_the_round():
+    """A job of the proposer's H gets its tau back exactly; a job of twice the H twice the steps; never 0 for a
+    share that is not, never above the cap."""
+    for h in (1, 3, 4, 30, 500, 4096):
+        for tau in range(h + 1):
+            assert tau_of_share(tau_share(tau, h), h, h) == tau
+    assert tau_of_share(tau_share(1, 4), 8, 8) == 2 and tau_of_share(tau_share(3, 30), 60, 60) == 6
+    assert tau_of_share(tau_share(1, 20), 5, 5) == 1 and tau_of_share(tau_share(4, 4), 8, 2) == 2
+    assert tau_share(0, 4) == 0 and tau_of_share(0, 8, 8) == 0
+
+
+def _paced_worker(rank: int, world: int) -> None:
+    """Job 1 runs rounds of 2H inner steps (a site twice as fast), job 0 of H, over the same rounds; job 0
+    trains on 6 tokens per step (24 per round), job 1 on 1 (8): every landing moves theta by exactly
+    (1/2)(1.5 delta_0 + 0.5 delta_1) (dyadic, fp32, eta 1, mu 0), both land after the same share of their
+    round (tau 1 of H, 2 of 2H), and the two are identical at every boundary."""
+    h = H if rank == 0 else 2 * H
+    sync, fed, x, steps = _job("partial", "none", local_steps=h)
+    expected, taus = None, []
+    for _ in _boundaries(sync, x, rank, steps, STEPS * h // H, tokens=6 if rank == 0 else 1):
+        if expected is not None:
+            assert torch.equal(sync.theta, expected), (sync.theta - expected).abs().max()
+        deltas = [torch.empty(N), torch.empty(N)]
+        dist.all_gather(deltas, sync.theta - x)
+        expected = sync.theta - (1.5 * deltas[0] + 0.5 * deltas[1]) / 2
+        sync.boundary()
+        taus.append(sync.tau)
+        assert fed.round_weight == (1.5, 0.5)[rank] and fed.round_tokens == (24, 8)[rank]
+    sync.drain()
+    assert torch.equal(sync.theta, expected)
+    assert taus == [rank + 1] * (STEPS // H), taus
+
+
+def test_jobs_of_different_h_meet_by_rounds():
+    run_world(_paced_worker, 2)
+
+
+def _paced_joiner_worker(rank: int, world: int) -> None:
+    """Job 1 (rounds of 2H) restarts from its checkpoint after its first round (step 2H) and joins while job 0
+    (rounds of H) runs its second boundary (step 2H too): it is one round behind, heals, and goes on at its
+    own step of that boundary (4H), not job 0's; both are identical after the third round."""
+    h = H if rank == 0 else 2 * H
+    sync, fed, x, steps = _job("none", "none", local_steps=h)
+    for _ in _boundaries(sync, x, rank, steps, 3 * H if rank == 0 else 2 * H):
+        sync.boundary()
+    if rank == 1:
+        sync, fed, x, steps = _job("none", "none", steps={"steps": 2 * H}, local_steps=h)
+        assert fed.join() is not None and steps["steps"] == 4 * H and fed.boundaries() == 2
+        for _ in _boundaries(sync, x, rank, steps, 6 * H, first=4 * H + 1):
+            sync.boundary()
+    sync.drain()
+    thetas = [torch.empty(N), torch.empty(N)]
+    dist.all_gather(thetas, sync.theta.clone())
+    assert torch.equal(thetas[0], thetas[1]) and fed.committed == 3
+
+
+def test_a_job_of_another_h_joins_at_its_own_step():
+    run_world(_paced_joiner_worker, 2)

@@ -16,6 +16,7 @@ import math
 import signal
 import time
 
+import numpy as np
 import pytest
 
 from harness.federation import Job, Lighthouse, run_secret, wait_until
@@ -27,21 +28,22 @@ ENV = {"DILOCO_TEST_STEP_SLEEP_S": "0.1"}
 BASE = ["--diloco-x-local-steps", "6", "--global-batch-size", "4", "--diloco-x-outer-timeout-minutes", "0.25"]
 
 
-def _rounds(job: Job) -> dict[int, list]:
-    """step -> [theta fingerprint per rank, members] of every boundary the job's ranks recorded."""
+def _rounds(job: Job, per: int = 1) -> dict[int, list]:
+    """step -> [theta fingerprint per rank, members] of every boundary the job's ranks recorded (``per``: the
+    job's steps per step of the run's clock; a job of twice the H records twice the steps)."""
     recs = job.records()
     assert len(recs) == 2, job.log()[-3000:]
     out: dict[int, list] = {}
     for rank, rec in enumerate(recs):
         for step, fp, members, *_ in rec["fed_rounds"]:
-            out.setdefault(step, [[None, None], members])[0][rank] = fp
+            out.setdefault(step // per, [[None, None], members])[0][rank] = fp
     return out
 
 
-def _assert_identical_at_every_boundary(jobs: list[Job]) -> None:
+def _assert_identical_at_every_boundary(jobs: list[Job], per: tuple[int, ...] | None = None) -> None:
     """theta on every rank equal across the jobs at every boundary they both recorded (after the
     meeting: a job that failed the last round has taken the committed theta by then)."""
-    tables = [_rounds(j) for j in jobs]
+    tables = [_rounds(j, p) for j, p in zip(jobs, per or (1,) * len(jobs))]
     common = set(tables[0]).intersection(*tables[1:])
     assert common, "no boundary in common"
     for step in sorted(common):
@@ -167,15 +169,21 @@ def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
     run's secret) and ends with the others; a job with another outer learning rate is refused naming the
     flag, one with another secret naming --diloco-x-secret-file (launched by ``torchrun``, as a user
     launches a job: its refusal ends torchrun with an error), one with another number of ranks before
-    any group is built over ranks it lacks, and the run goes on."""
+    any group is built over ranks it lacks, and the run goes on.
+
+    The late job B is a faster site: rounds of twice A's H (12 inner steps to A's 6; its --train-iters and
+    --lr-warmup-iters doubled, its auto warm-up doubles with H), the same rounds. It joins at its own
+    iteration of the run's boundary (twice A's), weighs by its tokens (4/3 to A's 2/3), and the two are
+    identical at every boundary and at the end, B after twice A's iterations."""
     flags = [*BASE, "--train-iters", "140"]
+    fast = [*BASE, "--train-iters", "280", "--diloco-x-local-steps", "12", "--lr-warmup-iters", "4"]
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:  # A at 0.3 s per step: B, X, Y and Z start (~10-20 s on
         # two busy cores) while A still has ~115 steps (~35 s) to go (12 rounds: its warm-up's rounds of 2)
         a = Job(tmp_path / "A", "A", 0, lh.address, flags, env={"DILOCO_TEST_STEP_SLEEP_S": "0.3"})
         jobs = [a]
         with _closing(jobs):
             wait_until(lambda: a.rounds() >= 12, 240, "12 rounds of the first job", jobs)
-            jobs.append(Job(tmp_path / "B", "B", 1, lh.address, flags, env=ENV))
+            jobs.append(Job(tmp_path / "B", "B", 1, lh.address, fast, env=ENV))
             jobs.append(Job(tmp_path / "X", "X", 1, lh.address, [*flags, "--diloco-x-outer-lr", "0.5"], env=ENV))
             jobs.append(Job(tmp_path / "Y", "Y", 1, lh.address, flags, env=ENV, torchrun=True,
                             secret=run_secret(tmp_path / "elsewhere", "a secret that is not the run's")))
@@ -187,9 +195,15 @@ def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
     assert "--diloco-x-outer-lr is 0.5 here, 1.0 in job" in x.log(), x.log()[-3000:]
     assert "this job ('Y'" in y.log() and "--diloco-x-secret-file" in y.log(), y.log()[-3000:]
     assert b.summary()["federation"]["heals"] == 1
-    assert "joined run 'test-run' under way at iteration" in b.log(), b.log()[-3000:]
-    _assert_identical_at_every_boundary([a, b])
-    assert _final(a) == _final(b) and _final(a)[0][0] == 140
+    joined = int(b.log().split("joined run 'test-run' under way at iteration ")[1].split(":")[0])
+    assert joined % 4 == 0 and joined // 2 in _rounds(a), (joined, b.log()[-3000:])  # (B's warm-up rounds: 4)
+    _assert_identical_at_every_boundary([a, b], per=(1, 2))
+    assert [m for _, m in _final(a)] == [m for _, m in _final(b)]
+    assert {n for n, _ in _final(a)} == {140} and {n for n, _ in _final(b)} == {280}
+    shared = {step // 2: w for step, w in _weights(b).items() if step > joined}
+    a_w = _weights(a)
+    assert shared and all(tokens == 2 * a_w[step][0] and a_w[step][1] == float(np.float32(2 / 3)) and
+                          weight == float(np.float32(4 / 3)) for step, (tokens, weight) in shared.items()), (a_w, shared)
 
 
 def _weights(job: Job) -> dict[int, tuple[int, float]]:

@@ -106,6 +106,28 @@ def test_separate_jobs_may_differ_in_global_batch_given_iterations():
     assert differences(jobs(), jobs(micro_batch_size=1), 1) == ["--micro-batch-size is 2 here, 1 in replica 1"]
 
 
+def test_separate_jobs_may_differ_in_round_lengths_with_the_same_rounds():
+    """Jobs given in iterations may each have their own H, warm-up and --train-iters (a faster site runs more
+    inner steps per round) when their rounds agree: the warm-up's, the run's (a shorter last round included) and
+    the LR schedule as shares of the run. Anything else is refused, naming the rounds on both sides."""
+    def jobs(config=CFG, **args) -> dict:
+        return describe_launch(_args(**args), config, [shard_digest(rank) for rank in LAYOUT], "0.19.2", True)
+
+    warm = dataclasses.replace(CFG, warmup_local_steps=2, warmup_iters=4)  # 2 warm-up rounds, then H 4
+    double = dataclasses.replace(CFG, local_steps=8, warmup_local_steps=4, warmup_iters=8)
+    assert differences(jobs(warm, train_iters=12), jobs(double, train_iters=24, lr_warmup_iters=4), 1) == []
+    assert differences(jobs(warm, train_iters=12), jobs(double, train_iters=20, lr_warmup_iters=4), 1) == [
+        "rounds of the run (--train-iters over --diloco-x-local-steps, after the warm-up) is 4 here, 3 and a "
+        "shorter last one in replica 1",
+        "--lr-warmup-iters / --train-iters is 1/6 here, 1/5 in replica 1"]
+    found = differences(jobs(warm, train_iters=12), jobs(dataclasses.replace(double, warmup_iters=4), train_iters=20,
+                                                           lr_warmup_iters=4), 1)
+    assert "warm-up rounds (--diloco-x-warmup-iters / --diloco-x-warmup-local-steps) is 2 here, 1 in replica 1" in found
+    # launches of one world, and jobs given in samples, still compare the flags themselves
+    assert "--diloco-x-local-steps is 4 here, 8 in replica 1" in differences(
+        _describe(warm, train_iters=12), _describe(double, train_iters=24, lr_warmup_iters=4), 1)
+
+
 _STORES: list = []  # the launches' stores stay up as a run keeps them (the host's going away ends the others' reads)
 
 

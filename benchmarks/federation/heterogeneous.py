@@ -19,14 +19,17 @@ Runs, one after the other:
 * ``balanced``: A at the global batch among ``--balanced-batches`` whose solo step is closest to B's (on this
   CPU a step's time grows slower than its batch), B at 8: the means weigh each by its tokens, and neither
   should wait.
+* ``per_site_h``: A and B at global batch 8, A with twice B's H (32 to the demo's 16; its auto warm-up
+  doubles with it, its ``--train-iters`` and ``--lr-warmup-iters`` doubled: the same rounds): A runs twice
+  the inner steps per round, and neither should wait.
 
 Figures per two-job run, over the steady boundaries (after the first two): a job's step time = wall time over
 inner steps between its boundaries; ``fast_site_idle_fraction`` = 1 - A's solo step time (at its global batch)
 / its step time in the run (every wait: the meeting, the landing's commit, the exchange); the run's tokens/s =
 sum over the jobs of tokens per step / step time; ``throughput_vs_solo_sum`` = that / the same jobs' solo
 tokens/s summed; the final loss (mean of the last 20 logged) of each job and the tokens each trained on.
-The two runs train different token counts (``balanced`` A trains twice its tokens per step): their losses
-are not at equal tokens.
+The runs train different token counts (A trains twice as many in ``balanced`` and ``per_site_h``): their
+losses are not at equal tokens.
 """
 
 from __future__ import annotations
@@ -51,16 +54,20 @@ JOB_FLAGS = ["--diloco-x-replicas", "2", "--pipeline-model-parallel-size", "1", 
              "--diloco-x-outer-timeout-minutes", "1"]
 
 
-def _run(tmp: Path, iters: int, sites: dict[str, tuple[int, float]]) -> dict[str, Job]:
-    """Start the jobs of ``sites`` (name -> (global batch, seconds of sleep per step)) on one lighthouse and wait
-    for all of them; the jobs (their records and logs)."""
+H, LR_WARMUP = 16, 30  # the demo's --diloco-x-local-steps and --lr-warmup-iters
+
+
+def _run(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]]) -> dict[str, Job]:
+    """Start the jobs of ``sites`` (name -> (global batch, seconds of sleep per step, H multiple m: rounds of m H
+    over m x ``iters``)) on one lighthouse and wait for all of them; the jobs (their records and logs)."""
     shutil.rmtree(tmp, ignore_errors=True)
     with Lighthouse(tmp / "lighthouse.txt") as lh:
         jobs = {n: Job(tmp / n, n, "AB".index(n), lh.address,
-                       [*JOB_FLAGS, "--global-batch-size", str(gbs), "--train-iters", str(iters)],
+                       [*JOB_FLAGS, "--global-batch-size", str(gbs), "--train-iters", str(m * iters),
+                        "--diloco-x-local-steps", str(m * H), "--lr-warmup-iters", str(m * LR_WARMUP)],
                        model=[], run=f"heterogeneous-{tmp.name}", nproc=1,
                        env={"DILOCO_TEST_STEP_SLEEP_S": str(sleep)} if sleep else None)
-                for n, (gbs, sleep) in sites.items()}
+                for n, (gbs, sleep, m) in sites.items()}
         try:
             for job in jobs.values():
                 assert job.wait(3600) == 0, job.log()[-4000:]
@@ -83,29 +90,30 @@ def _final_loss(job: Job, last: int = 20) -> float:
 
 
 def _solo(tmp: Path, iters: int, name: str, gbs: int, sleep: float) -> dict:
-    job = _run(tmp, iters, {name: (gbs, sleep)})[name]
+    job = _run(tmp, iters, {name: (gbs, sleep, 1)})[name]
     step = _step_s(job, iters)
     return {"global_batch": gbs, "sleep_s": sleep, "step_s": step, "tokens_per_s": gbs * SEQ / step,
             "final_loss": _final_loss(job)}
 
 
-def _together(tmp: Path, iters: int, sites: dict[str, tuple[int, float]], solo: dict[str, dict]) -> dict:
+def _together(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]], solo: dict[str, dict]) -> dict:
     jobs = _run(tmp, iters, sites)
     out: dict = {"sites": {}}
     for n, job in jobs.items():
-        gbs, sleep = sites[n]
+        gbs, sleep, m = sites[n]
         rounds = job.records()[0]["fed_rounds"]
-        step = _step_s(job, iters)
-        out["sites"][n] = {"global_batch": gbs, "sleep_s": sleep, "step_s": step,
-                           "tokens_per_s": gbs * SEQ / step, "final_loss": _final_loss(job),
-                           "tokens": gbs * SEQ * iters, "weight": rounds[-1][9] if len(rounds[-1]) > 9 else None,
+        step = _step_s(job, m * iters)
+        out["sites"][n] = {"global_batch": gbs, "sleep_s": sleep, "local_steps": m * H, "iters": m * iters,
+                           "step_s": step, "tokens_per_s": gbs * SEQ / step, "final_loss": _final_loss(job),
+                           "tokens": gbs * SEQ * m * iters, "weight": rounds[-1][9] if len(rounds[-1]) > 9 else None,
                            "members_last": rounds[-1][2]}
     a = out["sites"]["A"]
     out["fast_site_idle_fraction"] = 1 - solo["A"]["step_s"] / a["step_s"]
     out["tokens_per_s"] = sum(s["tokens_per_s"] for s in out["sites"].values())
     out["solo_sum_tokens_per_s"] = sum(solo[n]["tokens_per_s"] for n in sites)
     out["throughput_vs_solo_sum"] = out["tokens_per_s"] / out["solo_sum_tokens_per_s"]
-    a_fp, b_fp = ({r[0]: r[1] for r in job.records()[0]["fed_rounds"] if r[2] == 2} for job in jobs.values())
+    a_fp, b_fp = ({r[0] // sites[n][2]: r[1] for r in job.records()[0]["fed_rounds"] if r[2] == 2}
+                  for n, job in jobs.items())  # (by the run's clock: a job of m H records m x the steps)
     common = set(a_fp) & set(b_fp)  # theta after every boundary both met at
     out["boundaries_together"] = len(common)
     out["identical_at_every_boundary"] = bool(common) and all(a_fp[s] == b_fp[s] for s in common)
@@ -129,10 +137,12 @@ def main() -> None:
         solo[f"A{gbs}"] = _solo(a.work / f"solo_A{gbs}", a.iters, "A", gbs, 0.0)
     best = min((int(k[1:]) for k in solo if k.startswith("A") and k != "A8"),
                key=lambda g: abs(solo[f"A{g}"]["step_s"] - solo["B8"]["step_s"]))
-    runs = {"equal": _together(a.work / "equal", a.iters, {"A": (8, 0.0), "B": (8, sleep)},
+    runs = {"equal": _together(a.work / "equal", a.iters, {"A": (8, 0.0, 1), "B": (8, sleep, 1)},
                                {"A": solo["A8"], "B": solo["B8"]}),
-            "balanced": _together(a.work / "balanced", a.iters, {"A": (best, 0.0), "B": (8, sleep)},
-                                  {"A": solo[f"A{best}"], "B": solo["B8"]})}
+            "balanced": _together(a.work / "balanced", a.iters, {"A": (best, 0.0, 1), "B": (8, sleep, 1)},
+                                  {"A": solo[f"A{best}"], "B": solo["B8"]}),
+            "per_site_h": _together(a.work / "per_site_h", a.iters, {"A": (8, 0.0, 2), "B": (8, sleep, 1)},
+                                    {"A": solo["A8"], "B": solo["B8"]})}
     result = {"machine": "CPU, 2 cores (one per job), gloo over loopback", "commit": commit, "iters": a.iters,
               "model": "the demo (examples/pretrain_gpt_diloco.py defaults), PP 1, one rank per job",
               "slow_site": f"B sleeps {sleep:.4f} s per step (A's solo step at global batch 8)",

@@ -14,11 +14,15 @@ Every boundary, on every rank of every job, in the same order:
 
 1. **Meet** (:meth:`FederatedRounds.meet`): after the pending exchange landed (``partial`` with
    tau = H), before the pseudo-gradient is taken. The members present form the outer group of this
-   boundary. Each job announces its **progress** ``(inner steps done, rounds committed)``; a job
-   behind the most advanced receives, per rank from rank k of an up-to-date job, :meth:`state_dict`:
-   theta, the outer momentum, the codec state, the round counters, tau, the timings auto tau and
-   the bounds use, and the position in the run.
-2. **Decide** (the boundary's decision all-reduce), then two small collectives: the **tokens** each
+   boundary. Each job announces its **progress** ``(boundaries reached, rounds committed)``: the run's
+   clock is its rounds, not inner steps, so jobs may run rounds of different H (each its own
+   ``--diloco-x-local-steps``, warm-up and ``--train-iters``, with the same rounds: the handshake compares
+   them). A job behind the most advanced receives, per rank from rank k of an up-to-date job,
+   :meth:`state_dict`: theta, the outer momentum, the codec state, the round counters, tau, the timings
+   auto tau and the bounds use, and the position in the run (the boundary, from which the receiver
+   derives its own inner steps and iteration: :meth:`own_position`).
+2. **Decide** (the boundary's decision all-reduce: tau is proposed and agreed as a share of the round,
+   :func:`tau_share`, so that every job lands after the same share of its round), then two small collectives: the **tokens** each
    member trained on since the point its pseudo-gradient is taken from (a slot per member, summed over
    the outer group: every member learns every weight), and a job-wide AND of "every rank of this job
    decided": a job launches on all its ranks or on none (:meth:`FederatedRounds.launch` records the
@@ -68,9 +72,28 @@ from megatron_diloco.algorithm.rounds import RoundOutcome
 
 logger = logging.getLogger(__name__)
 
-#: progress = inner steps x PROGRESS_RADIX + rounds committed (one integer: the coordinator heals a
+#: progress = boundaries reached x PROGRESS_RADIX + rounds committed (one integer: the coordinator heals a
 #: member whose progress is below the most advanced member's)
 PROGRESS_RADIX = 1 << 32
+#: the scale of tau as a share of a round in the decision (an integer below 2^53: exact in its float64 slot)
+TAU_SHARE_SCALE = 1 << 20
+
+
+def tau_share(tau: int, round_steps: int) -> int:
+    """tau as a share of a round of ``round_steps`` inner steps, in units of 1 / :data:`TAU_SHARE_SCALE`
+    rounded up: what a member proposes in the decision, so that jobs of different H agree on a share of
+    the round (the same wall time when their rounds take the same time), not on a number of steps."""
+    return -(-tau * TAU_SHARE_SCALE // round_steps) if round_steps > 0 else 0
+
+
+def tau_of_share(share: int, round_steps: int, cap: int) -> int:
+    """This job's tau for the agreed ``share`` (:func:`tau_share`, the largest proposed) of its round of
+    ``round_steps``: rounded down, at least 1 when the share is not 0, at most ``cap``. A job of the
+    same ``round_steps`` as the proposer gets the proposed tau back exactly (``round_steps`` below
+    :data:`TAU_SHARE_SCALE`)."""
+    if share <= 0:
+        return 0
+    return min(cap, max(1, share * round_steps // TAU_SHARE_SCALE))
 
 
 def token_weights(tokens: list[float]) -> tuple[float, ...] | None:
@@ -197,9 +220,24 @@ class FederatedRounds:
             self.tokens += int(self.tokens_per_step())
 
     # ---------------- progress, heal ----------------
+    def boundaries(self) -> int:
+        """The boundaries this job has reached (its inner steps on its own schedule): the run's clock."""
+        return self.sync.schedule.boundaries_in(int(self.position()["steps"]))
+
     def progress(self) -> int:
-        """This job's progress: inner steps x :data:`PROGRESS_RADIX` + rounds committed."""
-        return int(self.position()["steps"]) * PROGRESS_RADIX + self.committed
+        """This job's progress: boundaries reached x :data:`PROGRESS_RADIX` + rounds committed."""
+        return self.boundaries() * PROGRESS_RADIX + self.committed
+
+    def own_position(self, healed: dict) -> dict:
+        """This job's position at a peer's healed position (``healed``: the peer's :meth:`position` with its
+        ``"boundaries"``): the inner steps at that boundary on this job's own schedule, and Megatron's
+        iteration offset by as many (the peer's offset kept: with the same H, exactly the peer's position)."""
+        steps = self.sync.schedule.steps_at_boundary(int(healed["boundaries"]))
+        own = {k: v for k, v in healed.items() if k != "boundaries"}
+        own["steps"] = steps
+        if "iteration" in healed:
+            own["iteration"] = int(healed["iteration"]) - int(healed["steps"]) + steps
+        return own
 
     def heal_bytes(self) -> int:
         """The largest heal this rank accepts (bytes): theta, the momentum and a pending mean as fp32, plus
@@ -211,7 +249,8 @@ class FederatedRounds:
         position), as this rank holds it at the meeting."""
         sync = self.sync
         state = sync.heal_state()  # theta, the momentum, the codec state, the counters, tau, timings, link
-        state["meta"].update(committed=self.committed, position=self.position(), identity=self.identity,
+        state["meta"].update(committed=self.committed, position={**self.position(), "boundaries": self.boundaries()},
+                             identity=self.identity,
                              # False at a job's start: no boundary follows this meeting on that job
                              in_boundary=not self._joining)
         # at a job's start, the exchange its checkpoint restored (its mean), applied tau steps in
@@ -266,6 +305,7 @@ class FederatedRounds:
                 raise ValueError(f"a peer job sent a heal whose {name} is {meta.get(name)!r}")
         position = meta.get("position")
         if (not isinstance(position, dict) or not isinstance(position.get("steps"), int) or
+                not isinstance(position.get("boundaries"), int) or
                 not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in position.values())):
             raise ValueError(f"a peer job sent a heal whose position is {position!r}")
         if not isinstance(meta.get("timings"), dict):
@@ -277,7 +317,7 @@ class FederatedRounds:
         Raises :class:`FellBehindError` when a heal moved this job's position while it trained."""
         sync = self.sync
         self._healed = None
-        before = self.position()
+        before = self.boundaries()
         faults.point("meeting", sync.rounds)
         meeting = self.membership.meet(self.progress())
         self.stats["meetings"] += 1
@@ -291,9 +331,9 @@ class FederatedRounds:
         if meeting.changed or sync.group is not meeting.group:
             sync.regroup(meeting.group, self._decision_groups(meeting.group))
         healed = self._healed
-        if healed is not None and not self._joining and int(healed["steps"]) != int(before["steps"]):
+        if healed is not None and not self._joining and int(healed["boundaries"]) != before:
             raise FellBehindError(
-                f"megatron-diloco: this job is {int(healed['steps']) - int(before['steps'])} inner steps behind "
+                f"megatron-diloco: this job is {int(healed['boundaries']) - before} rounds behind "
                 "the run (it was stopped or cut off for more than a round); it leaves the run with its outer "
                 "state intact. Restart it (with --load to keep its inner optimizer state) to rejoin at the "
                 "next boundary.")
@@ -346,14 +386,17 @@ class FederatedRounds:
         this round's :attr:`outcome` (x_L with ``partial``, x before the pseudo-gradient with ``none``)."""
         sync = self.sync
         self.outcome = RoundOutcome(sync.rounds, x_before=self.x_before)
+        steps = sync.next_round_steps  # tau travels as a share of this job's round (jobs may differ in H)
         try:
-            decision = sync.decision.decide(sync.rounds, sq, tau, theta_fp, sync.timeout_s, local_steps)
+            decision = sync.decision.decide(sync.rounds, sq, tau_share(tau, steps), theta_fp, sync.timeout_s,
+                                            local_steps)
         except OuterGroupError as err:
             logger.warning("%s", err)
             decision = None
         if not self.agree(decision is not None):
             return None
         faults.point("decision", sync.rounds, company=self.members > 1)
+        decision = dataclasses.replace(decision, tau=tau_of_share(decision.tau, steps, sync.schedule.tau_cap(steps)))
         if decision.skip:  # x <- theta: the round's progress is dropped, and its tokens with it
             self.tokens = 0
             return decision
@@ -466,7 +509,7 @@ class FederatedRounds:
         self.failed = False
         if healed is None:
             return None
-        self.set_position(healed)
+        self.set_position(healed := self.own_position(healed))
         sync = self.sync
         sync.x_from(sync.theta)
         self.tokens = 0  # x is the run's theta: nothing trained since

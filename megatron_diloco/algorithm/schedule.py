@@ -143,6 +143,30 @@ class RoundSchedule:
             return steps % c.warmup_local_steps
         return (steps - (w if self.anchor is None else self.anchor)) % c.local_steps
 
+    def boundaries_in(self, steps: int) -> int:
+        """The boundaries that fall within the first ``steps`` inner steps (``steps`` itself included): the
+        run's clock in rounds, which jobs of different H share (separate jobs: :meth:`steps_at_boundary`
+        is its inverse). Fixed H only (auto H keeps no history before its :attr:`anchor`)."""
+        c = self.config
+        if c.local_steps_auto:
+            raise RuntimeError("boundaries are counted from the start with a fixed --diloco-x-local-steps only")
+        w = c.warmup_iters
+        if w and steps <= w:
+            return steps // c.warmup_local_steps
+        return (w // c.warmup_local_steps if w else 0) + (steps - w) // c.local_steps
+
+    def steps_at_boundary(self, boundaries: int) -> int:
+        """The inner steps done at the ``boundaries``-th boundary (0: the start): the inverse of
+        :meth:`boundaries_in` on the boundaries. Fixed H only."""
+        c = self.config
+        if c.local_steps_auto:
+            raise RuntimeError("boundaries are counted from the start with a fixed --diloco-x-local-steps only")
+        w = c.warmup_iters
+        warm = w // c.warmup_local_steps if w else 0
+        if w and boundaries <= warm:
+            return boundaries * c.warmup_local_steps
+        return w + (boundaries - warm) * c.local_steps
+
     def is_boundary(self, steps: int) -> bool:
         """Whether a boundary falls after ``steps`` (>= 1) inner steps."""
         return steps > 0 and self.steps_since_boundary(steps) == 0

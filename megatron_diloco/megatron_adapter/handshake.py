@@ -17,7 +17,9 @@ code decode and step differently). What may differ per launch (:data:`MAY_DIFFER
 state lives and its chunking, timeouts, the given link bandwidth (the adaptive plan and auto tau are
 agreed by the boundary's collectives), data paths, precision, logging. Separate jobs
 (``--diloco-x-lighthouse``) may also differ in their global batch (:data:`PER_JOB_MEGATRON`: each job is
-weighed by the tokens it trains on) when the run's length is given in iterations.
+weighed by the tokens it trains on) and in their round lengths (:data:`PER_JOB_DILOCO`: H, H0, W, with
+``--train-iters`` and the LR schedule's iterations) when the run's length is given in iterations; their
+rounds must agree (:func:`describe_rounds`).
 
 How (:func:`join_launches`, once, before the outer groups are built): rank 0 of each launch writes its
 description under ``diloco_x/join/<replica index>`` in the store; every rank of every launch reads
@@ -81,7 +83,6 @@ MUST_AGREE_MEGATRON: tuple[tuple[str, str], ...] = (
     ("--context-parallel-size", "context_parallel_size"),
     ("data-parallel size (world size / (TP x PP x CP))", "data_parallel_size"),
     # run length: the number of boundaries, the end
-    ("--train-iters", "train_iters"),
     ("--train-samples", "train_samples"),
     # the batch per launch and the data split (each launch reads its share of one world's samples)
     ("--micro-batch-size", "micro_batch_size"),
@@ -93,8 +94,6 @@ MUST_AGREE_MEGATRON: tuple[tuple[str, str], ...] = (
     ("--lr", "lr"),
     ("--min-lr", "min_lr"),
     ("--lr-decay-style", "lr_decay_style"),
-    ("--lr-decay-iters", "lr_decay_iters"),
-    ("--lr-warmup-iters", "lr_warmup_iters"),
     ("--lr-warmup-fraction", "lr_warmup_fraction"),
     ("--lr-warmup-init", "lr_warmup_init"),
     ("--weight-decay", "weight_decay"),
@@ -114,12 +113,39 @@ MUST_AGREE_MEGATRON: tuple[tuple[str, str], ...] = (
     ("padded vocabulary size (tokenizer, --make-vocab-size-divisible-by)", "padded_vocab_size"),
 )
 
-#: Megatron arguments separate jobs may set apiece (their rounds count iterations, the mean weighs each job
-#: by its tokens, each reads its data slot at its own rate); launches of one run, and jobs of a run given
-#: in samples (--train-samples: its iterations would differ), must agree on them.
+#: Megatron arguments separate jobs may set apiece (the mean weighs each job by its tokens, each reads its
+#: data slot at its own rate, each counts its own inner steps and LR schedule); launches of one run, and
+#: jobs of a run given in samples (--train-samples: its iterations would differ), must agree on them.
 PER_JOB_MEGATRON: tuple[tuple[str, str], ...] = (
     ("--global-batch-size", "global_batch_size"),
+    ("--train-iters", "train_iters"),
+    ("--lr-decay-iters", "lr_decay_iters"),
+    ("--lr-warmup-iters", "lr_warmup_iters"),
 )
+#: DiLoCoX flags separate jobs may set apiece, given --train-iters: the round lengths in inner steps (a
+#: faster site runs more steps per round); the rounds themselves must agree (:func:`describe_rounds`).
+PER_JOB_DILOCO = ("--diloco-x-local-steps", "--diloco-x-warmup-local-steps", "--diloco-x-warmup-iters")
+
+
+def describe_rounds(args: argparse.Namespace, config: DiLoCoXConfig) -> dict[str, Any]:
+    """What jobs of different round lengths (:data:`PER_JOB_DILOCO`) must still share: the rounds of the
+    warm-up and of the run (boundaries in ``--train-iters`` on this job's schedule, and whether a shorter
+    last round ends it) and the LR schedule as shares of the run (exact fractions), so that every job's
+    boundaries, warm-up codec and learning rate fall at the same rounds."""
+    from fractions import Fraction
+
+    from megatron_diloco.algorithm.schedule import RoundSchedule
+
+    schedule, iters = RoundSchedule(config), int(args.train_iters)
+    last = " and a shorter last one" if not schedule.is_boundary(iters) else ""
+    out = {"rounds of the run (--train-iters over --diloco-x-local-steps, after the warm-up)":
+           f"{schedule.boundaries_in(iters)}{last}",
+           "warm-up rounds (--diloco-x-warmup-iters / --diloco-x-warmup-local-steps)":
+           schedule.boundaries_in(config.warmup_iters)}
+    for flag, attr in (("--lr-decay-iters", "lr_decay_iters"), ("--lr-warmup-iters", "lr_warmup_iters")):
+        value = getattr(args, attr, None)
+        out[f"{flag} / --train-iters"] = None if value is None else str(Fraction(int(value), iters))
+    return out
 
 #: the longest the store's host waits, on a refusal, for every rank to have read (they read at once)
 READ_WAIT_S = 60.0
@@ -154,10 +180,12 @@ def describe_launch(args: argparse.Namespace, config: DiLoCoXConfig, shards: lis
     out: dict[str, Any] = {"handshake format": HANDSHAKE_FORMAT,
                            "megatron-diloco": f"{__version__} (source {package_source_digest()})",
                            "megatron-core": megatron_version}
-    for flag, read, used in MUST_AGREE_DILOCO:
-        if used is None or used(config):
-            out[flag] = read(config)
     per_job = separate_jobs and getattr(args, "train_samples", None) is None
+    for flag, read, used in MUST_AGREE_DILOCO:
+        if (used is None or used(config)) and not (per_job and flag in PER_JOB_DILOCO):
+            out[flag] = read(config)
+    if per_job:
+        out.update(describe_rounds(args, config))
     for flag, attr in MUST_AGREE_MEGATRON + (() if per_job else PER_JOB_MEGATRON):
         value = getattr(args, attr, None)
         out[flag] = list(value) if isinstance(value, tuple) else value

@@ -87,14 +87,17 @@ def _site_rows(p: Plan) -> list[tuple[str, str]]:
     rows = [(f"site {m}", f"step {_fmt_s(t)}, alone {solo:,.0f} tokens/s; as given: idle "
                           f"{100 * s.equal_h.idle_fraction[m]:.1f}%, weight {s.equal_h.weights[m]:.3f}; balanced: "
                           f"{s.balanced_tokens_per_step[m]:,.0f} tokens per step, weight "
-                          f"{s.balanced_batch.weights[m]:.3f}; H per site {s.per_site_h.local_steps[m]}: idle "
-                          f"{100 * s.per_site_h.idle_fraction[m]:.1f}%")
+                          f"{s.balanced_batch.weights[m]:.3f}; H per site: --diloco-x-local-steps "
+                          f"{s.per_site_h.local_steps[m]}, idle {100 * s.per_site_h.idle_fraction[m]:.1f}%")
             for m, (t, solo) in enumerate(zip(s.step_s, s.solo_tokens_per_s))]
     for name, pol in (("sites as given (equal H)", s.equal_h),
-                      ("sites, batch by speed", s.balanced_batch), ("sites, H per site (not yet)", s.per_site_h)):
+                      ("sites, batch by speed", s.balanced_batch), ("sites, H per site", s.per_site_h)):
         rows.append((name, f"round {_fmt_s(pol.round_s)}, {pol.tokens_per_s:,.0f} tokens/s = "
                            f"{100 * pol.throughput_vs_solo_sum:.1f}% of the sites' solo sum; the fast site idle "
                            f"{100 * pol.fast_site_idle_fraction:.1f}%"))
+    rows.append(("H per site, to run it", "give each site its --diloco-x-local-steps above, and its warm-up "
+                 "(--diloco-x-warmup-local-steps, --diloco-x-warmup-iters), --train-iters and --lr-warmup-iters / "
+                 "--lr-decay-iters in the same proportion: the jobs must have the same rounds (docs/federation.md)"))
     return rows
 
 

@@ -1,5 +1,5 @@
 """Sites that differ: what a round costs each site of a run of separate jobs whose speed or global batch
-differ (``--sites``), today and with an H per site.
+differ (``--sites``): with equal H, with a global batch in proportion to speed, and with an H per site.
 
 Inputs: the run's plan (its inner step t at ``--tokens-per-step`` k, modelled or measured, the boundary b,
 the exchange e) and per site m a speed s_m (its inner-step rate relative to that step at the same tokens:
@@ -7,7 +7,7 @@ another GPU generation, or a cluster that is shared and slows down) and its toke
 ``--global-batch-size`` x ``--seq-length``). Site m's inner step is ``t_m = t (k_m / k) / s_m``; alone it
 would train ``k_m / t_m`` tokens/s (its *solo* rate; their sum is the run's ceiling).
 
-**Equal H (what the package runs today).** Every job runs H inner steps per round and the boundary's
+**Equal H (the same flags everywhere).** Every job runs H inner steps per round and the boundary's
 meeting waits for the slowest, so the slowest sets the pace::
 
     round = H t_max + b + exposed,   exposed = max(0, e - H t_max)  (overlapped; e with overlap none)
@@ -20,8 +20,8 @@ takes the slowest's (a site's step time taken as proportional to its tokens); th
 ``idle_m = 0``, ``tokens/s = H sum_m k'_m / round``, ``weight_m = R k'_m / sum k'``. A real global batch is
 a whole number of micro-batches x DP: round k'_m to one (``balanced_tokens_per_step`` is the ideal).
 
-**H per site** (not in the package yet; Async Local-SGD's DyLU, arXiv 2401.09135): each site runs the steps
-that fit the slowest site's round, ``H_m = floor(H t_max / t_m)``; the round and exposed time as above,
+**H per site** (jobs may differ in ``--diloco-x-local-steps`` when their rounds agree; Async Local-SGD's
+DyLU, arXiv 2401.09135, sizes H by speed the same way): each site runs the steps that fit the slowest site's round, ``H_m = floor(H t_max / t_m)``; the round and exposed time as above,
 ``idle_m = round - (H_m t_m + b)``, ``tokens/s = sum_m H_m k_m / round``, ``weight_m = R H_m k_m / sum``.
 
 Per policy: the run's tokens/s, its ratio to the solo sum, and the largest idle share of a site's wall
@@ -93,13 +93,13 @@ class SitesPlan:
     solo_tokens_per_s: list[float]
     """Per site: k_m / t_m."""
     equal_h: Policy
-    """Every site H steps per round at its own tokens per step (what the package runs)."""
+    """Every site H steps per round at its own tokens per step (the same flags everywhere)."""
     balanced_tokens_per_step: list[float]
     """Per site: the tokens per step k'_m that make its step as long as the slowest's."""
     balanced_batch: Policy
     """Every site H steps per round at :attr:`balanced_tokens_per_step` (runs today)."""
     per_site_h: Policy
-    """H_m = floor(H t_max / t_m) (not in the package yet)."""
+    """H_m = floor(H t_max / t_m) (each job its own ``--diloco-x-local-steps``)."""
 
 
 def plan_sites(sites: list[Site], step_s: float, tokens_per_step: int, local_steps: int, boundary_s: float,
