@@ -8,6 +8,8 @@ two DiLoCoX replicas. Every flag given on the command line overrides the demo's 
 keeps the last occurrence); ``--no-diloco-x`` turns DiLoCoX off. Giving ``--data-path`` (or
 ``--mock-data``) replaces the demo corpus; giving ``--tokenizer-type`` replaces its byte tokenizer.
 
+``--transformer-impl transformer_engine`` (Megatron's default; the demo passes ``local``) builds Megatron's
+Transformer Engine layers (refused before training where Transformer Engine is not installed).
 ``--attention-sdpa`` builds the layers with torch's ``scaled_dot_product_attention`` as their core
 attention (flash kernels on a GPU) in place of the local spec's unfused ``DotProductAttention``
 (``megatron_diloco/megatron_adapter/sdpa_attention.py``); with ``--transformer-impl local`` only.
@@ -21,6 +23,7 @@ On a machine without CUDA, ``megatron_diloco.compat.cpu`` patches Megatron-Core 
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from functools import partial
 from pathlib import Path
@@ -126,18 +129,37 @@ def add_script_args(parser):
 # --- model -------------------------------------------------------------------------------------
 
 
+def check_transformer_impl(args) -> None:
+    """``--transformer-impl transformer_engine`` (Megatron's default; the demo passes ``local``) needs
+    Transformer Engine installed: refused before anything is built when it is not, naming the fix."""
+    if args.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        raise SystemExit("pretrain_gpt_diloco.py: error: --transformer-impl transformer_engine needs Transformer "
+                         "Engine, which is not installed (pip install 'megatron-diloco[transformer-engine]' on a "
+                         "CUDA machine); without it give --transformer-impl local (the demo's)")
+
+
+def layer_spec(args):
+    """The layers' ModuleSpec: Megatron's Transformer Engine spec with ``--transformer-impl
+    transformer_engine``; else Megatron-Core's local modules (with ``--attention-sdpa``, SDPA as the core
+    attention)."""
+    if args.transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=getattr(args, "qk_layernorm", False))
+    # (a script that imports this provider without the example's flags gets the local spec)
+    spec = get_gpt_layer_sdpa_spec if getattr(args, "attention_sdpa", False) else get_gpt_layer_local_spec
+    return spec(normalization=args.normalization)
+
+
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
                    pg_collection=None):
-    """One pipeline stage (or virtual stage) of a GPT built from Megatron-Core's local modules (with
-    ``--attention-sdpa``, SDPA as the core attention)."""
+    """One pipeline stage (or virtual stage) of a GPT from :func:`layer_spec`."""
     args = get_args()
     config = config or core_transformer_config_from_args(args)
     print_rank_0(f"> building GPT stage (pre_process={pre_process}, post_process={post_process})")
-    # (a script that imports this provider without the example's flags gets the local spec)
-    layer_spec = get_gpt_layer_sdpa_spec if getattr(args, "attention_sdpa", False) else get_gpt_layer_local_spec
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(normalization=args.normalization),
+        transformer_layer_spec=layer_spec(args),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -240,6 +262,7 @@ def main() -> None:
     destroy_process_groups_at_exit()
     sys.argv[1:] = demo_argv(sys.argv[1:])
     args = parse_and_validate_args(extra_args_provider=add_script_args)
+    check_transformer_impl(args)
     if args.attention_sdpa:
         check_sdpa_args(args, flag="--attention-sdpa")
     fused_rope.install(args)  # rope fusion without Transformer Engine: the Triton kernel (refused on CPU)

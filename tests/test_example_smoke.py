@@ -91,3 +91,31 @@ def test_attention_sdpa_trains_as_the_local_spec(reference, tmp_path):
     for it, loss in reference.loss.items():
         assert sdpa.loss[it] == pytest.approx(loss, rel=1e-4), it
     assert sdpa.valid_loss == pytest.approx(reference.valid_loss, rel=1e-4)
+
+
+def test_transformer_impl_picks_the_layers_and_te_is_refused_where_absent(monkeypatch):
+    """``--transformer-impl transformer_engine`` builds Megatron's Transformer Engine spec (the example used to
+    build local layers whatever the flag said), ``local`` the local or SDPA spec; without Transformer Engine
+    installed the TE choice is refused naming the fix, before anything is built."""
+    import argparse
+    import importlib.util
+
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # (its stdlib_corpus beside it, as when run as a script)
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_diloco_under_test", SCRIPT)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    te = argparse.Namespace(transformer_impl="transformer_engine", attention_sdpa=False, normalization="RMSNorm")
+    monkeypatch.setattr(example.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match="needs Transformer Engine.*give --transformer-impl local"):
+        example.check_transformer_impl(te)
+    example.check_transformer_impl(argparse.Namespace(transformer_impl="local"))
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", lambda **k: ("te", k))
+    assert example.layer_spec(te) == ("te", {"qk_layernorm": False})
+    local = example.layer_spec(argparse.Namespace(transformer_impl="local", attention_sdpa=False,
+                                                  normalization="RMSNorm"))
+    sdpa = example.layer_spec(argparse.Namespace(transformer_impl="local", attention_sdpa=True,
+                                                 normalization="RMSNorm"))
+    attention = [s.submodules.self_attention.submodules.core_attention for s in (local, sdpa)]
+    assert attention[0] is not attention[1] and "te" not in (local, sdpa)

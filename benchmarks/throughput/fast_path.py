@@ -16,9 +16,12 @@ biases, distributed optimizer, torch AdamW, ``--num-workers 0``). Paths (``--run
   loader processes while the GPU computes);
 * ``fast_rope``: ``fast_workers`` with ``--rope-fusion``: Megatron's fused RoPE, served without
   Transformer Engine by the package's Triton kernel (``megatron_adapter/fused_rope.py``) instead of the
-  unfused ``mul`` / ``cat`` / ``neg`` kernels.
+  unfused ``mul`` / ``cat`` / ``neg`` kernels;
+* ``te``: Transformer Engine's layers (``--transformer-impl transformer_engine``, where it is installed) with
+  ``fast_rope``'s loader settings and TE's own fused RoPE.
 
-The fast path of a model is its best run among the SDPA paths (every path but ``local``).
+The fast path of a model is its best run among the SDPA paths (every path but ``local`` and ``te``: the
+fast path is the one without Transformer Engine).
 
 Models: ``85M`` (12 x 768, 12 heads), ``302M`` (24 x 1024, 16 heads), ``cpu`` (2 x 64, for
 ``--cpu-smoke``). Figures per run, over iterations ``--skip`` + 1 .. ``--iters``:
@@ -57,7 +60,10 @@ MODELS = {"85M": (12, 768, 12), "302M": (24, 1024, 16), "cpu": (2, 64, 2)}
 _FAST = ["--attention-sdpa", "--no-create-attention-mask-in-dataloader"]
 _WORKERS = [*_FAST, "--num-workers", "2"]
 PATHS = {"local": [], "sdpa": ["--attention-sdpa"], "fast": _FAST, "fast_workers": _WORKERS,
-         "fast_rope": [*_WORKERS, "--rope-fusion"]}
+         "fast_rope": [*_WORKERS, "--rope-fusion"],
+         # Transformer Engine's layers (where it is installed), with the fast path's loader and its fused RoPE
+         "te": ["--transformer-impl", "transformer_engine", "--no-create-attention-mask-in-dataloader",
+                "--num-workers", "2", "--rope-fusion"]}
 #: priority order: the budget drops the last ones first
 DEFAULT_RUNS = ("85M:local:16,85M:local:64,85M:fast:128,302M:local:32,302M:fast:64,302M:fast:128,"
                 "85M:sdpa:64,302M:sdpa:32,85M:fast:256,85M:fast_workers:256,302M:fast_workers:128,"
@@ -120,7 +126,8 @@ def summarize(runs: list[dict]) -> dict:
         ok = [r for r in runs if r["model"] == model and r["ok"]]
         best = {p: max((r for r in ok if r["path"] == p), key=lambda r: r["tokens_per_s"], default=None) for p in PATHS}
         local = best["local"]
-        fast = max((best[p] for p in PATHS if p != "local" and best[p]), key=lambda r: r["tokens_per_s"], default=None)
+        fast = max((best[p] for p in PATHS if p not in ("local", "te") and best[p]), key=lambda r: r["tokens_per_s"],
+                   default=None)
         entry = {"params": ok[0]["params"] if ok else None,
                  **{f"tokens_per_s_{p}_by_micro_batch": {str(r["micro_batch"]): round(r["tokens_per_s"])
                                                          for r in ok if r["path"] == p} for p in PATHS}}
@@ -131,6 +138,9 @@ def summarize(runs: list[dict]) -> dict:
             entry.update(tokens_per_s_fast=fast["tokens_per_s"], micro_batch_fast=fast["micro_batch"],
                          flags_fast=fast["flags"], mfu_fast=fast["mfu"],
                          mfu_fast_with_attention=fast["mfu_with_attention"], max_mem_gb_fast=fast["max_mem_gb"])
+        if best["te"]:
+            entry.update(tokens_per_s_te=best["te"]["tokens_per_s"], micro_batch_te=best["te"]["micro_batch"],
+                         mfu_te=best["te"]["mfu"])
         if local and fast:
             entry["speedup_fast_vs_best_local"] = fast["tokens_per_s"] / local["tokens_per_s"]
             smallest = min((r for r in ok if r["path"] == "local"), key=lambda r: r["micro_batch"])
