@@ -301,26 +301,34 @@ def test_weighed_payloads_decode_to_the_weighted_mean():
     assert torch.equal(codec.decode(ones, n), plain)
 
 
-def _weighted_worker(rank: int, world: int, overlap: str) -> None:
+def _weighted_worker(rank: int, world: int, overlap: str, paced: bool) -> None:
     """Job 0 trains on 3 tokens per step, job 1 on 1: every landing moves theta by exactly
-    (1/2)(1.5 delta_0 + 0.5 delta_1) (dyadic values, fp32 exchange, eta 1, mu 0)."""
-    sync, fed, x, steps = _job(overlap, "none")
-    expected = None
-    for _ in _boundaries(sync, x, rank, steps, STEPS, tokens=3 if rank == 0 else 1):
+    (1/2)(1.5 delta_0 + 0.5 delta_1) (dyadic values, fp32 exchange, eta 1, mu 0). ``paced``: job 1 runs rounds
+    of 2H inner steps (a site twice as fast), job 0 of H, over the same rounds, on 6 and 1 tokens per step (24
+    and 8 a round): the same weights; both land after the same share of their round (tau 1 of H, 2 of 2H)."""
+    h = 2 * H if paced and rank == 1 else H
+    sync, fed, x, steps = _job(overlap, "none", local_steps=h)
+    tokens = (6 if paced else 3) if rank == 0 else 1
+    expected, taus = None, []
+    for _ in _boundaries(sync, x, rank, steps, STEPS * h // H, tokens=tokens):
         if expected is not None:
             assert torch.equal(sync.theta, expected), (sync.theta - expected).abs().max()
         deltas = [torch.empty(N), torch.empty(N)]
         dist.all_gather(deltas, sync.theta - x)
         expected = sync.theta - (1.5 * deltas[0] + 0.5 * deltas[1]) / 2
         sync.boundary()
-        assert fed.round_weight == (1.5 if rank == 0 else 0.5) and fed.round_tokens == H * (3 if rank == 0 else 1)
+        taus.append(sync.tau)
+        assert fed.round_weight == (1.5, 0.5)[rank] and fed.round_tokens == h * tokens
     sync.drain()
     assert torch.equal(sync.theta, expected)
+    if paced:
+        assert taus == [h // H] * (STEPS // H), taus
 
 
-@pytest.mark.parametrize("overlap", ["partial", "none"])
-def test_the_mean_weighs_jobs_by_their_tokens(overlap):
-    run_world(_weighted_worker, 2, overlap)
+@pytest.mark.parametrize("overlap, paced", [("partial", False), ("none", False), ("partial", True)],
+                         ids=["partial", "none", "partial-jobs-of-different-H"])
+def test_the_mean_weighs_jobs_by_their_tokens(overlap, paced):
+    run_world(_weighted_worker, 2, overlap, paced)
 
 
 # ---------------- jobs of different H: the rounds are the clock ----------------
@@ -333,32 +341,6 @@ def test_tau_travels_as_a_share_of_the_round():
     assert tau_of_share(tau_share(1, 4), 8, 8) == 2 and tau_of_share(tau_share(3, 30), 60, 60) == 6
     assert tau_of_share(tau_share(1, 20), 5, 5) == 1 and tau_of_share(tau_share(4, 4), 8, 2) == 2
     assert tau_share(0, 4) == 0 and tau_of_share(0, 8, 8) == 0
-
-
-def _paced_worker(rank: int, world: int) -> None:
-    """Job 1 runs rounds of 2H inner steps (a site twice as fast), job 0 of H, over the same rounds; job 0
-    trains on 6 tokens per step (24 per round), job 1 on 1 (8): every landing moves theta by exactly
-    (1/2)(1.5 delta_0 + 0.5 delta_1) (dyadic, fp32, eta 1, mu 0), both land after the same share of their
-    round (tau 1 of H, 2 of 2H), and the two are identical at every boundary."""
-    h = H if rank == 0 else 2 * H
-    sync, fed, x, steps = _job("partial", "none", local_steps=h)
-    expected, taus = None, []
-    for _ in _boundaries(sync, x, rank, steps, STEPS * h // H, tokens=6 if rank == 0 else 1):
-        if expected is not None:
-            assert torch.equal(sync.theta, expected), (sync.theta - expected).abs().max()
-        deltas = [torch.empty(N), torch.empty(N)]
-        dist.all_gather(deltas, sync.theta - x)
-        expected = sync.theta - (1.5 * deltas[0] + 0.5 * deltas[1]) / 2
-        sync.boundary()
-        taus.append(sync.tau)
-        assert fed.round_weight == (1.5, 0.5)[rank] and fed.round_tokens == (24, 8)[rank]
-    sync.drain()
-    assert torch.equal(sync.theta, expected)
-    assert taus == [rank + 1] * (STEPS // H), taus
-
-
-def test_jobs_of_different_h_meet_by_rounds():
-    run_world(_paced_worker, 2)
 
 
 def _paced_joiner_worker(rank: int, world: int) -> None:
