@@ -114,7 +114,7 @@ def test_separate_jobs_may_differ_in_round_lengths_with_the_same_rounds():
         return describe_launch(_args(**args), config, [shard_digest(rank) for rank in LAYOUT], "0.19.2", True)
 
     warm = dataclasses.replace(CFG, warmup_local_steps=2, warmup_iters=4)  # 2 warm-up rounds, then H 4
-    double = dataclasses.replace(CFG, local_steps=8, warmup_local_steps=4, warmup_iters=8)
+    double = dataclasses.replace(CFG, local_steps=8, warmup_local_steps=4, warmup_iters=8, warmup_overlap_steps=1)
     assert differences(jobs(warm, train_iters=12), jobs(double, train_iters=24, lr_warmup_iters=4), 1) == []
     assert differences(jobs(warm, train_iters=12), jobs(double, train_iters=20, lr_warmup_iters=4), 1) == [
         "rounds of the run (--train-iters over --diloco-x-local-steps, after the warm-up) is 4 here, 3 and a "

@@ -15,9 +15,9 @@ MAY_DIFFER = ("--diloco-x-outer-state", "--diloco-x-outer-chunk-mb", "--diloco-x
               "precision (--bf16 / --fp16)", "logging")
 #: What separate jobs may also set apiece (their means weigh each job by its tokens), given --train-iters.
 JOBS_MAY_DIFFER = ("--global-batch-size (with --train-iters)",
-                   "--diloco-x-local-steps, --diloco-x-warmup-local-steps, --diloco-x-warmup-iters, --train-iters, "
-                   "--lr-decay-iters and --lr-warmup-iters (with --train-iters, in proportion: the same rounds and LR "
-                   "schedule over them)")
+                   "--diloco-x-local-steps, --diloco-x-warmup-local-steps, --diloco-x-warmup-iters, the overlap "
+                   "steps, --train-iters, --lr-decay-iters and --lr-warmup-iters (with --train-iters, in proportion: "
+                   "the same rounds and LR schedule over them)")
 
 SHARDS = "fp32 main shards"
 """The description's key for the per-rank shards: a list (by rank) of ``[numel, digest]``."""

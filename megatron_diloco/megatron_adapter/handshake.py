@@ -122,9 +122,11 @@ PER_JOB_MEGATRON: tuple[tuple[str, str], ...] = (
     ("--lr-decay-iters", "lr_decay_iters"),
     ("--lr-warmup-iters", "lr_warmup_iters"),
 )
-#: DiLoCoX flags separate jobs may set apiece, given --train-iters: the round lengths in inner steps (a
-#: faster site runs more steps per round); the rounds themselves must agree (:func:`describe_rounds`).
-PER_JOB_DILOCO = ("--diloco-x-local-steps", "--diloco-x-warmup-local-steps", "--diloco-x-warmup-iters")
+#: DiLoCoX flags separate jobs may set apiece, given --train-iters: the round lengths and overlaps in inner steps
+#: (a faster site runs more steps per round; tau is agreed as a share of the round); the rounds themselves must
+#: agree (:func:`describe_rounds`).
+PER_JOB_DILOCO = ("--diloco-x-local-steps", "--diloco-x-warmup-local-steps", "--diloco-x-warmup-iters",
+                  "--diloco-x-warmup-overlap-steps", "--diloco-x-overlap-steps")
 
 
 def describe_rounds(args: argparse.Namespace, config: DiLoCoXConfig) -> dict[str, Any]:
