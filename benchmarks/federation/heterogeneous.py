@@ -130,26 +130,37 @@ def main() -> None:
     commit = os.environ.get("DILOCO_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     started = time.time()
-    solo = {"A8": _solo(a.work / "solo_A8", a.iters, "A", 8, 0.0)}
+    solo: dict = {}
+    runs: dict = {}
+
+    def write() -> dict:  # after every run: a failure later keeps what was measured
+        result = {"machine": "CPU, 2 cores (one per job), gloo over loopback", "commit": commit, "iters": a.iters,
+                  "model": "the demo (examples/pretrain_gpt_diloco.py defaults), PP 1, one rank per job",
+                  "slow_site": f"B sleeps {solo['A8']['step_s']:.4f} s per step (A's solo step at global batch 8)"
+                  if "A8" in solo else None,
+                  "solo": solo, "runs": runs, "wall_s": time.time() - started,
+                  "cpu": {name: {"fast_site_idle_fraction": r["fast_site_idle_fraction"],
+                                 "throughput_vs_solo_sum": r["throughput_vs_solo_sum"]} for name, r in runs.items()}}
+        a.out.write_text(json.dumps(result, indent=1) + "\n")
+        return result
+
+    solo["A8"] = _solo(a.work / "solo_A8", a.iters, "A", 8, 0.0)
     sleep = solo["A8"]["step_s"]  # B: half A's speed at the same global batch
     solo["B8"] = _solo(a.work / "solo_B8", a.iters, "B", 8, sleep)
+    write()
+    runs["per_site_h"] = _together(a.work / "per_site_h", a.iters, {"A": (8, 0.0, 2), "B": (8, sleep, 1)},
+                                   {"A": solo["A8"], "B": solo["B8"]})
+    write()
+    runs["equal"] = _together(a.work / "equal", a.iters, {"A": (8, 0.0, 1), "B": (8, sleep, 1)},
+                              {"A": solo["A8"], "B": solo["B8"]})
+    write()
     for gbs in map(int, a.balanced_batches.split(",")):
         solo[f"A{gbs}"] = _solo(a.work / f"solo_A{gbs}", a.iters, "A", gbs, 0.0)
     best = min((int(k[1:]) for k in solo if k.startswith("A") and k != "A8"),
                key=lambda g: abs(solo[f"A{g}"]["step_s"] - solo["B8"]["step_s"]))
-    runs = {"equal": _together(a.work / "equal", a.iters, {"A": (8, 0.0, 1), "B": (8, sleep, 1)},
-                               {"A": solo["A8"], "B": solo["B8"]}),
-            "balanced": _together(a.work / "balanced", a.iters, {"A": (best, 0.0, 1), "B": (8, sleep, 1)},
-                                  {"A": solo[f"A{best}"], "B": solo["B8"]}),
-            "per_site_h": _together(a.work / "per_site_h", a.iters, {"A": (8, 0.0, 2), "B": (8, sleep, 1)},
-                                    {"A": solo["A8"], "B": solo["B8"]})}
-    result = {"machine": "CPU, 2 cores (one per job), gloo over loopback", "commit": commit, "iters": a.iters,
-              "model": "the demo (examples/pretrain_gpt_diloco.py defaults), PP 1, one rank per job",
-              "slow_site": f"B sleeps {sleep:.4f} s per step (A's solo step at global batch 8)",
-              "solo": solo, "runs": runs, "wall_s": time.time() - started,
-              "cpu": {name: {"fast_site_idle_fraction": r["fast_site_idle_fraction"],
-                             "throughput_vs_solo_sum": r["throughput_vs_solo_sum"]} for name, r in runs.items()}}
-    a.out.write_text(json.dumps(result, indent=1) + "\n")
+    runs["balanced"] = _together(a.work / "balanced", a.iters, {"A": (best, 0.0, 1), "B": (8, sleep, 1)},
+                                 {"A": solo[f"A{best}"], "B": solo["B8"]})
+    result = write()
     print(json.dumps(result["cpu"], indent=1))
     print(f"wrote {a.out}")
 
