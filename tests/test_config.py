@@ -77,6 +77,14 @@ def test_warmup_schedule_rounds():
     plain = config_from_args(parse("--diloco-x-local-steps", "30", "--diloco-x-warmup-iters", "0"))
     assert [s for s in range(1, 100) if RoundSchedule(plain).steps_since_boundary(s) == 0] == [30, 60, 90]
     assert RoundSchedule(plain).round_steps(0) == RoundSchedule(plain).round_steps(30) == 30
+    # H0 = H: the warm-up changes nothing (the same boundaries, round lengths, codec and tau cap as none)
+    same = RoundSchedule(config_from_args(parse("--diloco-x-local-steps", "4", "--diloco-x-warmup-local-steps", "4",
+                                                "--diloco-x-warmup-iters", "4")))
+    none = RoundSchedule(config_from_args(parse("--diloco-x-local-steps", "4", "--diloco-x-warmup-iters", "0")))
+    for schedule in (same, none):
+        assert [s for s in range(1, 30) if schedule.is_boundary(s)] == list(range(4, 30, 4))
+        assert all(schedule.round_steps(s) == 4 and not schedule.is_warmup_round(schedule.round_steps(s))
+                   and schedule.tau_cap(schedule.round_steps(s)) == 4 for s in range(0, 30, 4))
     # the run's clock in rounds (separate jobs of different H): boundaries within s steps, and its inverse
     odd = config_from_args(parse("--diloco-x-local-steps", "7", "--diloco-x-warmup-local-steps", "4",
                                  "--diloco-x-warmup-iters", "20"))

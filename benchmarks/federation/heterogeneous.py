@@ -112,9 +112,11 @@ def _together(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]], s
     out["tokens_per_s"] = sum(s["tokens_per_s"] for s in out["sites"].values())
     out["solo_sum_tokens_per_s"] = sum(solo[n]["tokens_per_s"] for n in sites)
     out["throughput_vs_solo_sum"] = out["tokens_per_s"] / out["solo_sum_tokens_per_s"]
-    a_fp, b_fp = ({r[0] // sites[n][2]: r[1] for r in job.records()[0]["fed_rounds"] if r[2] == 2}
-                  for n, job in jobs.items())  # (by the run's clock: a job of m H records m x the steps)
-    common = set(a_fp) & set(b_fp)  # theta after every boundary both met at
+    # theta after the same committed rounds, at every boundary both met at (by rounds, not steps: a job of m H
+    # records m x the steps; and a job whose warm-up exchanges block has landed one round more at a boundary
+    # than one whose exchanges overlap a step)
+    a_fp, b_fp = ({r[4]: r[1] for r in job.records()[0]["fed_rounds"] if r[2] == 2} for job in jobs.values())
+    common = set(a_fp) & set(b_fp)
     out["boundaries_together"] = len(common)
     out["identical_at_every_boundary"] = bool(common) and all(a_fp[s] == b_fp[s] for s in common)
     return out
