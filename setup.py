@@ -18,7 +18,8 @@ setup(
         # Transformer Engine's PyTorch extension (builds against the installed torch; NVIDIA's PyTorch
         # containers ship it). NVIDIA Apex has no PyPI release (the PyPI package "apex" is another
         # project): build it from github.com/NVIDIA/apex or use a container that has it.
-        "te": ["transformer-engine[pytorch]"],
+        "transformer-engine": ["transformer-engine[pytorch]>=2.2,<3"],  # 2.20.2 ran (RESULTS §9.1)
+        "te": ["transformer-engine[pytorch]>=2.2,<3"],  # (the same, by its short name)
         # separate jobs per cluster (--diloco-x-lighthouse): torchft's lighthouse, quorum and groups
         "federation": ["torchft>=0.2.0,<0.3"],
         "test": ["pytest"],
