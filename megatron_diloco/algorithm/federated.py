@@ -159,6 +159,50 @@ class Membership(Protocol):
         may still be queued there; the next meeting forms a new one). Local."""
 
 
+def check_heal(sync, identity: str | None, state: Any) -> None:
+    """Refuse (ValueError; :class:`ForeignStateError` for another run or configuration) a heal that is not
+    this rank's outer state (``sync``'s :class:`~megatron_diloco.algorithm.sync.OuterSync`; ``identity``: this
+    job's run and configuration): its identity, theta / momentum / pending as fp32 vectors of this shard's
+    length and finite (the momentum present exactly when this run keeps one), the counters and the position
+    as non-negative integers. Local."""
+    if not isinstance(state, dict) or not isinstance(state.get("meta"), dict):
+        raise ValueError("a peer job sent a heal without its metadata")
+    meta = state["meta"]
+    if meta.get("identity") != identity:
+        raise ForeignStateError("a member of another run, or with other flags, was ahead; its state was not "
+                                "taken (the handshake names the difference)")
+    n = sync.theta.numel()
+
+    def vector(name: str, value: Any, required: bool) -> None:
+        if value is None:
+            if required:
+                raise ValueError(f"a peer job sent a heal without {name}")
+            return
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.numel() != n:
+            what = (f"{value.dtype} x {value.numel()}" if isinstance(value, torch.Tensor)
+                    else type(value).__name__)
+            raise ValueError(f"a peer job sent {name} as {what} for this rank's float32 x {n}: every job must "
+                             "use the same TP/PP/DP layout and model")
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"a peer job sent a non-finite {name}; not taken")
+
+    vector("theta", state.get("theta"), True)
+    vector("the outer momentum", state.get("momentum_buffer"), sync.outer.momentum_buffer is not None)
+    if sync.outer.momentum_buffer is None and state.get("momentum_buffer") is not None:
+        raise ValueError("a peer job sent an outer momentum this run does not keep (--diloco-x-outer-momentum)")
+    vector("the pending exchange", state.get("pending"), False)
+    for name in ("rounds", "skipped_rounds", "tau", "committed"):
+        if not isinstance(meta.get(name), int) or isinstance(meta[name], bool) or meta[name] < 0:
+            raise ValueError(f"a peer job sent a heal whose {name} is {meta.get(name)!r}")
+    position = meta.get("position")
+    if (not isinstance(position, dict) or not isinstance(position.get("steps"), int) or
+            not isinstance(position.get("boundaries"), int) or
+            not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in position.values())):
+        raise ValueError(f"a peer job sent a heal whose position is {position!r}")
+    if not isinstance(meta.get("timings"), dict):
+        raise ValueError("a peer job sent a heal without its timings")
+
+
 class FederatedRounds:
     """The membership side of one rank's boundaries (module doc): the
     :class:`~megatron_diloco.algorithm.rounds.RoundRules` of separate jobs, installed as
@@ -269,47 +313,8 @@ class FederatedRounds:
         self.stats["heals"] += 1
 
     def check_heal(self, state: Any) -> None:
-        """Refuse (ValueError; :class:`ForeignStateError` for another run or configuration) a heal that is
-        not this rank's outer state: its identity, theta / momentum / pending as fp32 vectors of this
-        shard's length and finite (the momentum present exactly when this run keeps one), the counters
-        and the position as non-negative integers."""
-        sync = self.sync
-        if not isinstance(state, dict) or not isinstance(state.get("meta"), dict):
-            raise ValueError("a peer job sent a heal without its metadata")
-        meta = state["meta"]
-        if meta.get("identity") != self.identity:
-            raise ForeignStateError("a member of another run, or with other flags, was ahead; its state was not "
-                                    "taken (the handshake names the difference)")
-        n = sync.theta.numel()
-
-        def vector(name: str, value: Any, required: bool) -> None:
-            if value is None:
-                if required:
-                    raise ValueError(f"a peer job sent a heal without {name}")
-                return
-            if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.numel() != n:
-                what = (f"{value.dtype} x {value.numel()}" if isinstance(value, torch.Tensor)
-                        else type(value).__name__)
-                raise ValueError(f"a peer job sent {name} as {what} for this rank's float32 x {n}: every job must "
-                                 "use the same TP/PP/DP layout and model")
-            if not bool(torch.isfinite(value).all()):
-                raise ValueError(f"a peer job sent a non-finite {name}; not taken")
-
-        vector("theta", state.get("theta"), True)
-        vector("the outer momentum", state.get("momentum_buffer"), sync.outer.momentum_buffer is not None)
-        if sync.outer.momentum_buffer is None and state.get("momentum_buffer") is not None:
-            raise ValueError("a peer job sent an outer momentum this run does not keep (--diloco-x-outer-momentum)")
-        vector("the pending exchange", state.get("pending"), False)
-        for name in ("rounds", "skipped_rounds", "tau", "committed"):
-            if not isinstance(meta.get(name), int) or isinstance(meta[name], bool) or meta[name] < 0:
-                raise ValueError(f"a peer job sent a heal whose {name} is {meta.get(name)!r}")
-        position = meta.get("position")
-        if (not isinstance(position, dict) or not isinstance(position.get("steps"), int) or
-                not isinstance(position.get("boundaries"), int) or
-                not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in position.values())):
-            raise ValueError(f"a peer job sent a heal whose position is {position!r}")
-        if not isinstance(meta.get("timings"), dict):
-            raise ValueError("a peer job sent a heal without its timings")
+        """Refuse a heal that is not this rank's outer state (:func:`check_heal`)."""
+        check_heal(self.sync, self.identity, state)
 
     # ---------------- the boundary ----------------
     def meet(self) -> Meeting:
