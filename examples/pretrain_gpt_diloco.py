@@ -23,7 +23,6 @@ On a machine without CUDA, ``megatron_diloco.compat.cpu`` patches Megatron-Core 
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from functools import partial
 from pathlib import Path
@@ -131,8 +130,11 @@ def add_script_args(parser):
 
 def check_transformer_impl(args) -> None:
     """``--transformer-impl transformer_engine`` (Megatron's default; the demo passes ``local``) needs
-    Transformer Engine installed: refused before anything is built when it is not, naming the fix."""
-    if args.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+    Transformer Engine importable (Megatron's own ``HAVE_TE``): refused before anything is built when it is
+    not, naming the fix."""
+    from megatron.core.extensions import transformer_engine as te_extension
+
+    if args.transformer_impl == "transformer_engine" and not te_extension.HAVE_TE:
         raise SystemExit("pretrain_gpt_diloco.py: error: --transformer-impl transformer_engine needs Transformer "
                          "Engine, which is not installed (pip install 'megatron-diloco[transformer-engine]' on a "
                          "CUDA machine); without it give --transformer-impl local (the demo's)")

@@ -147,25 +147,26 @@ class RoundSchedule:
         """The boundaries that fall within the first ``steps`` inner steps (``steps`` itself included): the
         run's clock in rounds, which jobs of different H share (separate jobs: :meth:`steps_at_boundary`
         is its inverse). Fixed H only (auto H keeps no history before its :attr:`anchor`)."""
-        c = self.config
-        if c.local_steps_auto:
-            raise RuntimeError("boundaries are counted from the start with a fixed --diloco-x-local-steps only")
-        w = c.warmup_iters
-        if w and steps <= w:
+        c, warm = self.config, self._warmup_rounds()
+        if c.warmup_iters and steps <= c.warmup_iters:
             return steps // c.warmup_local_steps
-        return (w // c.warmup_local_steps if w else 0) + (steps - w) // c.local_steps
+        return warm + (steps - c.warmup_iters) // c.local_steps
 
     def steps_at_boundary(self, boundaries: int) -> int:
         """The inner steps done at the ``boundaries``-th boundary (0: the start): the inverse of
         :meth:`boundaries_in` on the boundaries. Fixed H only."""
+        c, warm = self.config, self._warmup_rounds()
+        if c.warmup_iters and boundaries <= warm:
+            return boundaries * c.warmup_local_steps
+        return c.warmup_iters + (boundaries - warm) * c.local_steps
+
+    def _warmup_rounds(self) -> int:
+        """The boundaries within the warm-up (W // H0; 0 without one). Fixed H only: the boundaries are counted
+        from the start (auto H keeps no history before its :attr:`anchor`)."""
         c = self.config
         if c.local_steps_auto:
             raise RuntimeError("boundaries are counted from the start with a fixed --diloco-x-local-steps only")
-        w = c.warmup_iters
-        warm = w // c.warmup_local_steps if w else 0
-        if w and boundaries <= warm:
-            return boundaries * c.warmup_local_steps
-        return w + (boundaries - warm) * c.local_steps
+        return c.warmup_iters // c.warmup_local_steps if c.warmup_iters else 0
 
     def is_boundary(self, steps: int) -> bool:
         """Whether a boundary falls after ``steps`` (>= 1) inner steps."""

@@ -21,7 +21,8 @@ takes the slowest's (a site's step time taken as proportional to its tokens); th
 a whole number of micro-batches x DP: round k'_m to one (``balanced_tokens_per_step`` is the ideal).
 
 **H per site** (jobs may differ in ``--diloco-x-local-steps`` when their rounds agree; Async Local-SGD's
-DyLU, arXiv 2401.09135, sizes H by speed the same way): each site runs the steps that fit the slowest site's round, ``H_m = floor(H t_max / t_m)``; the round and exposed time as above,
+DyLU, arXiv 2401.09135, sizes H by speed the same way): each site runs the steps that fit the slowest site's
+round, ``H_m = floor(H t_max / t_m)``; the round and exposed time as above,
 ``idle_m = round - (H_m t_m + b)``, ``tokens/s = sum_m H_m k_m / round``, ``weight_m = R H_m k_m / sum``.
 
 Per policy: the run's tokens/s, its ratio to the solo sum, and the largest idle share of a site's wall
