@@ -100,7 +100,12 @@ class Job:
                                      start_new_session=True)
 
     def log(self) -> str:
-        return self.logfile.read_text(errors="replace")
+        """The job's output so far ("" until its launcher has created the file: forked jobs start it
+        asynchronously, and a poll right after the start may come first)."""
+        try:
+            return self.logfile.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
 
     def rounds(self) -> int:
         """Boundaries this job's rank 0 logged so far (all its starts)."""
