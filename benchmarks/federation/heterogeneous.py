@@ -1,35 +1,42 @@
-"""Two sites of different speed as separate jobs (``--diloco-x-lighthouse``), on this CPU machine: how long
-the fast site waits, and the run's tokens/s against the two sites' solo tokens/s summed; writes
-``benchmarks/results/heterogeneous.json``.
+"""Two sites of different speed as separate jobs (``--diloco-x-lighthouse``): how long the fast site
+waits, and the run's tokens/s against the two sites' solo tokens/s summed; writes
+``benchmarks/results/heterogeneous.json`` (CPU) or the file given by ``--out`` (GPU).
 
     python benchmarks/federation/heterogeneous.py [--iters 160] [--balanced-batches 16,24] [--out JSON]
+    python benchmarks/federation/heterogeneous.py --gpus 2 --model 85M --out JSON   # a GPU per site
 
-Each job is one replica of the demo model (the example's defaults, PP 1), one rank on one core
-(``OMP_NUM_THREADS=1``; the machine's two cores, one per job), a real ``torchft_lighthouse``, the package's
-defaults (partial overlap, int4, auto tau, the auto warm-up). Site B is the slow one: every one of its inner
-steps sleeps as long as site A's step at its global batch takes alone (``DILOCO_TEST_STEP_SLEEP_S``, no
-compute: the core stays free), so B runs at half A's speed at the same global batch.
+CPU (the default): each job is one replica of the demo model (the example's defaults, PP 1), one rank on one
+core (``OMP_NUM_THREADS=1``; the machine's two cores, one per job). ``--gpus N``: each job one rank on a GPU
+of its own (site A GPU 0, B GPU 1 mod N); ``--model 85M``: 12 x 768, sequence 512, bf16, torch's SDPA
+attention, H 30 (else the demo's model, H 16). Both: a real ``torchft_lighthouse``, the package's defaults
+(partial overlap, int4, auto tau, the auto warm-up). Site B is the slow one: every one of its inner steps
+sleeps as long as site A's step at its global batch takes alone (``DILOCO_TEST_STEP_SLEEP_S``, no compute:
+the core or GPU stays free), so B runs at half A's speed at the same global batch.
 
-Runs, one after the other:
+Runs, one after the other (on GPUs the two solo runs at once, one per GPU):
 
-* ``solo_A8``, ``solo_B8``, ``solo_A<k>``: each job alone (it meets only itself), global batch 8, or for A each
-  of ``--balanced-batches`` (x the demo's sequence length in tokens per step): its solo step time and tokens/s.
-* ``equal``: A and B at global batch 8 each, the same H (what the package runs when sites differ only in
+* ``solo_A8``, ``solo_B8``, ``solo_A<k>``: each job alone (it meets only itself), the model's global batch
+  (8 sequences for the demo: the keys name it), or for A each of ``--balanced-batches`` (CPU only): its solo
+  step time and tokens/s.
+* ``equal``: A and B at the same global batch, the same H (what the package runs when sites differ only in
   speed): the slowest sets the pace.
-* ``balanced``: A at the global batch among ``--balanced-batches`` whose solo step is closest to B's (on this
-  CPU a step's time grows slower than its batch), B at 8: the means weigh each by its tokens, and neither
+* ``balanced`` (CPU only): A at the global batch among ``--balanced-batches`` whose solo step is closest to
+  B's (on this CPU a step's time grows slower than its batch), B at 8: the means weigh each by its tokens,
+  and neither should wait.
+* ``per_site_h``: A and B at the same global batch, A with twice B's H (its warm-up H0, ``--train-iters``
+  and ``--lr-warmup-iters`` doubled: the same rounds): A runs twice the inner steps per round, and neither
   should wait.
-* ``per_site_h``: A and B at global batch 8, A with twice B's H (32 to the demo's 16; its auto warm-up
-  doubles with it, its ``--train-iters`` and ``--lr-warmup-iters`` doubled: the same rounds): A runs twice
-  the inner steps per round, and neither should wait.
+* GPU only, for the loss at the same tokens as ``per_site_h`` (3 x iters x the global batch):
+  ``equal_tokens``, A and B at the same H for 1.5 x iters each; ``allreduce``, ``--no-diloco-x`` data
+  parallel over both GPUs at twice the global batch for 1.5 x iters (Megatron's AllReduce run).
 
-Figures per two-job run, over the steady boundaries (after the first two): a job's step time = wall time over
+Figures per two-job run, over the steady boundaries (after the first half): a job's step time = wall time over
 inner steps between its boundaries; ``fast_site_idle_fraction`` = 1 - A's solo step time (at its global batch)
 / its step time in the run (every wait: the meeting, the landing's commit, the exchange); the run's tokens/s =
 sum over the jobs of tokens per step / step time; ``throughput_vs_solo_sum`` = that / the same jobs' solo
-tokens/s summed; the final loss (mean of the last 20 logged) of each job and the tokens each trained on.
-The runs train different token counts (A trains twice as many in ``balanced`` and ``per_site_h``): their
-losses are not at equal tokens.
+tokens/s summed; the final training loss (mean of the last 20 logged) of each job, the validation loss after
+training (the example's own evaluation, each job on its own slot of the validation set; the run's is their
+mean, the samples the AllReduce run evaluates), and the tokens each trained on.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -47,34 +55,72 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from harness.federation import Job, Lighthouse  # noqa: E402
+from harness.runner import torchrun  # noqa: E402
 
 ITERS = 160
-SEQ = 256  # the demo's --seq-length
 JOB_FLAGS = ["--diloco-x-replicas", "2", "--pipeline-model-parallel-size", "1", "--log-interval", "1",
              "--diloco-x-outer-timeout-minutes", "1"]
 
+#: name -> (model flags, sequence length, H, --lr-warmup-iters, global batch); "demo": the example's defaults
+MODELS = {
+    "demo": ([], 256, 16, 30, 8),
+    "85M": (["--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "3072", "--num-attention-heads", "12",
+             "--seq-length", "512", "--max-position-embeddings", "512", "--micro-batch-size", "64", "--bf16",
+             "--attention-sdpa", "--no-create-attention-mask-in-dataloader", "--lr", "1e-3", "--min-lr", "1e-4"],
+            512, 30, 60, 64),
+}
+#: --gpus N: each job on GPU (its index mod N); 0: the CPU
+GPUS = 0
+MODEL = "demo"
+_VAL = re.compile(r"on validation set \| lm loss value: ([0-9.Ee+-]+)")
 
-H, LR_WARMUP = 16, 30  # the demo's --diloco-x-local-steps and --lr-warmup-iters
+
+def _model() -> tuple[list[str], int, int, int, int]:
+    return MODELS[MODEL]
+
+
+def _site_flags(gbs: int, iters: int, m: int) -> list[str]:
+    """A job of m x the model's H over m x ``iters`` (its warm-up H0 and LR warm-up in proportion: the same
+    rounds as a job of H)."""
+    _, _, h, lr_warmup, _ = _model()
+    scaled = ["--diloco-x-warmup-local-steps", str(m * min(h // 3, 10))] if m > 1 else []
+    return ["--global-batch-size", str(gbs), "--train-iters", str(m * iters), "--diloco-x-local-steps", str(m * h),
+            "--lr-warmup-iters", str(m * lr_warmup), *scaled]
+
+
+def _start(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]]) -> tuple[Lighthouse, dict[str, Job]]:
+    """Start the jobs of ``sites`` (name -> (global batch, seconds of sleep per step, H multiple m: rounds of m H
+    over m x ``iters``)) on a lighthouse of their own."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    lh = Lighthouse(tmp / "lighthouse.txt")
+    model = _model()[0]
+    jobs = {}
+    for n, (gbs, sleep, m) in sites.items():
+        env = {"DILOCO_TEST_STEP_SLEEP_S": str(sleep)} if sleep else {}
+        if GPUS:
+            env["CUDA_VISIBLE_DEVICES"] = str("AB".index(n) % GPUS)
+        jobs[n] = Job(tmp / n, n, "AB".index(n), lh.address, [*JOB_FLAGS, *_site_flags(gbs, iters, m)],
+                      model=model, run=f"heterogeneous-{tmp.name}", nproc=1, env=env or None, torchrun=bool(GPUS))
+    return lh, jobs
 
 
 def _run(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]]) -> dict[str, Job]:
-    """Start the jobs of ``sites`` (name -> (global batch, seconds of sleep per step, H multiple m: rounds of m H
-    over m x ``iters``)) on one lighthouse and wait for all of them; the jobs (their records and logs)."""
-    shutil.rmtree(tmp, ignore_errors=True)
-    with Lighthouse(tmp / "lighthouse.txt") as lh:
-        jobs = {n: Job(tmp / n, n, "AB".index(n), lh.address,
-                       [*JOB_FLAGS, "--global-batch-size", str(gbs), "--train-iters", str(m * iters),
-                        "--diloco-x-local-steps", str(m * H), "--lr-warmup-iters", str(m * LR_WARMUP)],
-                       model=[], run=f"heterogeneous-{tmp.name}", nproc=1,
-                       env={"DILOCO_TEST_STEP_SLEEP_S": str(sleep)} if sleep else None)
-                for n, (gbs, sleep, m) in sites.items()}
-        try:
-            for job in jobs.values():
-                assert job.wait(3600) == 0, job.log()[-4000:]
-        finally:
-            for job in jobs.values():
-                job.close()
+    """Run the jobs of ``sites`` (as :func:`_start`) and wait for all of them; the jobs (records and logs)."""
+    lh, jobs = _start(tmp, iters, sites)
+    try:
+        for job in jobs.values():
+            assert job.wait(3600) == 0, job.log()[-4000:]
+    finally:
+        for job in jobs.values():
+            job.close()
+        lh.__exit__(None, None, None)
     return jobs
+
+
+def _val_loss(log: str) -> float | None:
+    """The validation loss the example printed after training (the last one), or None."""
+    found = _VAL.findall(log)
+    return float(found[-1]) if found else None
 
 
 def _step_s(job: Job, iters: int) -> float:
@@ -89,29 +135,41 @@ def _final_loss(job: Job, last: int = 20) -> float:
     return sum(values) / len(values)
 
 
-def _solo(tmp: Path, iters: int, name: str, gbs: int, sleep: float) -> dict:
-    job = _run(tmp, iters, {name: (gbs, sleep, 1)})[name]
+def _solo_record(job: Job, iters: int, gbs: int, sleep: float) -> dict:
     step = _step_s(job, iters)
-    return {"global_batch": gbs, "sleep_s": sleep, "step_s": step, "tokens_per_s": gbs * SEQ / step,
-            "final_loss": _final_loss(job)}
+    return {"global_batch": gbs, "sleep_s": sleep, "step_s": step, "tokens_per_s": gbs * _model()[1] / step,
+            "final_loss": _final_loss(job), "val_loss": _val_loss(job.log())}
+
+
+def _solo(tmp: Path, iters: int, name: str, gbs: int, sleep: float) -> dict:
+    return _solo_record(_run(tmp, iters, {name: (gbs, sleep, 1)})[name], iters, gbs, sleep)
 
 
 def _together(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]], solo: dict[str, dict]) -> dict:
     jobs = _run(tmp, iters, sites)
+    seq = _model()[1]
     out: dict = {"sites": {}}
     for n, job in jobs.items():
         gbs, sleep, m = sites[n]
         rounds = job.records()[0]["fed_rounds"]
         step = _step_s(job, m * iters)
-        out["sites"][n] = {"global_batch": gbs, "sleep_s": sleep, "local_steps": m * H, "iters": m * iters,
-                           "step_s": step, "tokens_per_s": gbs * SEQ / step, "final_loss": _final_loss(job),
-                           "tokens": gbs * SEQ * m * iters, "weight": rounds[-1][9] if len(rounds[-1]) > 9 else None,
-                           "members_last": rounds[-1][2]}
-    a = out["sites"]["A"]
-    out["fast_site_idle_fraction"] = 1 - solo["A"]["step_s"] / a["step_s"]
-    out["tokens_per_s"] = sum(s["tokens_per_s"] for s in out["sites"].values())
-    out["solo_sum_tokens_per_s"] = sum(solo[n]["tokens_per_s"] for n in sites)
-    out["throughput_vs_solo_sum"] = out["tokens_per_s"] / out["solo_sum_tokens_per_s"]
+        out["sites"][n] = {"global_batch": gbs, "sleep_s": sleep, "local_steps": m * _model()[2], "iters": m * iters,
+                           "step_s": step, "tokens_per_s": gbs * seq / step, "final_loss": _final_loss(job),
+                           "val_loss": _val_loss(job.log()), "tokens": gbs * seq * m * iters,
+                           "weight": rounds[-1][9] if len(rounds[-1]) > 9 else None, "members_last": rounds[-1][2]}
+    out["tokens"] = sum(s["tokens"] for s in out["sites"].values())
+    # each job evaluates its own slot of the validation set (as one replica of a data-parallel world would):
+    # their mean covers the samples Megatron's AllReduce run evaluates
+    vals = [s["val_loss"] for s in out["sites"].values()]
+    out["val_loss"] = sum(vals) / len(vals) if None not in vals else None
+    ends = [job.records()[0].get("final_fp", {}).get("main") for job in jobs.values()]
+    out["identical_at_end"] = None not in ends and all(e == ends[0] for e in ends)
+    if solo:
+        a = out["sites"]["A"]
+        out["fast_site_idle_fraction"] = 1 - solo["A"]["step_s"] / a["step_s"]
+        out["tokens_per_s"] = sum(s["tokens_per_s"] for s in out["sites"].values())
+        out["solo_sum_tokens_per_s"] = sum(solo[n]["tokens_per_s"] for n in sites)
+        out["throughput_vs_solo_sum"] = out["tokens_per_s"] / out["solo_sum_tokens_per_s"]
     # theta after the same committed rounds, at every boundary both met at (by rounds, not steps: a job of m H
     # records m x the steps; and a job whose warm-up exchanges block has landed one round more at a boundary
     # than one whose exchanges overlap a step)
@@ -122,48 +180,97 @@ def _together(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]], s
     return out
 
 
+def _allreduce(tmp: Path, iters: int, gbs: int) -> dict:
+    """Megatron's data parallel run (``--no-diloco-x``) over ``GPUS`` GPUs, ``iters`` iterations of ``gbs``
+    sequences, the model's flags and LR warm-up: its validation loss after training."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model, seq, _, lr_warmup, _ = _model()
+    args = [*torchrun(GPUS), str(REPO / "examples" / "pretrain_gpt_diloco.py"), *model, "--no-diloco-x",
+            "--pipeline-model-parallel-size", "1", "--log-interval", "10", "--global-batch-size", str(gbs),
+            "--train-iters", str(iters), "--lr-warmup-iters", str(lr_warmup), "--data-cache-path", str(tmp / "cache")]
+    with open(tmp / "log.txt", "w") as log:
+        code = subprocess.run(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=3600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}).returncode
+    text = (tmp / "log.txt").read_text()
+    assert code == 0, text[-4000:]
+    return {"global_batch": gbs, "iters": iters, "tokens": gbs * seq * iters, "val_loss": _val_loss(text)}
+
+
 def main() -> None:
+    global GPUS, MODEL
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=ITERS)
-    p.add_argument("--balanced-batches", default="16,24", help="A's global batches to balance B with (solo runs)")
+    p.add_argument("--balanced-batches", default="16,24", help="A's global batches to balance B with (CPU runs)")
+    p.add_argument("--gpus", type=int, default=0, help="each job on a GPU of its own (2); 0: the CPU")
+    p.add_argument("--model", choices=sorted(MODELS), default="demo")
     p.add_argument("--work", type=Path, default=REPO / ".cache" / "heterogeneous")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "heterogeneous.json")
+    p.add_argument("--resume", action="store_true", help="keep the runs --out holds and run the rest")
     a = p.parse_args()
+    GPUS, MODEL = a.gpus, a.model
+    _, seq, h, _, gbs = _model()
     commit = os.environ.get("DILOCO_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     started = time.time()
     solo: dict = {}
     runs: dict = {}
+    if GPUS:
+        import torch
+
+        machine = f"{GPUS} x {torch.cuda.get_device_name(0)}, one job per GPU, gloo over loopback"
+    else:
+        machine = "CPU, 2 cores (one per job), gloo over loopback"
+    a_key, b_key = f"A{gbs}", f"B{gbs}"
+
+    describe = (f"{MODEL} ({'the demo, ' if MODEL == 'demo' else ''}examples/pretrain_gpt_diloco.py), PP 1, one rank "
+                f"per job, sequence {seq}, H {h}, global batch {gbs}")
 
     def write() -> dict:  # after every run: a failure later keeps what was measured
-        result = {"machine": "CPU, 2 cores (one per job), gloo over loopback", "commit": commit, "iters": a.iters,
-                  "model": "the demo (examples/pretrain_gpt_diloco.py defaults), PP 1, one rank per job",
-                  "slow_site": f"B sleeps {solo['A8']['step_s']:.4f} s per step (A's solo step at global batch 8)"
-                  if "A8" in solo else None,
-                  "solo": solo, "runs": runs, "wall_s": time.time() - started,
-                  "cpu": {name: {"fast_site_idle_fraction": r["fast_site_idle_fraction"],
-                                 "throughput_vs_solo_sum": r["throughput_vs_solo_sum"]} for name, r in runs.items()}}
+        result = {"machine": machine, "commit": commit, "iters": a.iters, "model": describe,
+                  "slow_site": f"B sleeps {solo[a_key]['step_s']:.4f} s per step (A's solo step at global batch {gbs})"
+                  if a_key in solo else None,
+                  "solo": solo, "runs": runs, "wall_s": time.time() - started}
+        result["gpu" if GPUS else "cpu"] = {
+            name: {"fast_site_idle_fraction": r["fast_site_idle_fraction"],
+                   "throughput_vs_solo_sum": r["throughput_vs_solo_sum"]}
+            for name, r in runs.items() if "fast_site_idle_fraction" in r}
         a.out.write_text(json.dumps(result, indent=1) + "\n")
         return result
 
-    solo["A8"] = _solo(a.work / "solo_A8", a.iters, "A", 8, 0.0)
-    sleep = solo["A8"]["step_s"]  # B: half A's speed at the same global batch
-    solo["B8"] = _solo(a.work / "solo_B8", a.iters, "B", 8, sleep)
-    write()
-    runs["per_site_h"] = _together(a.work / "per_site_h", a.iters, {"A": (8, 0.0, 2), "B": (8, sleep, 1)},
-                                   {"A": solo["A8"], "B": solo["B8"]})
-    write()
-    runs["equal"] = _together(a.work / "equal", a.iters, {"A": (8, 0.0, 1), "B": (8, sleep, 1)},
-                              {"A": solo["A8"], "B": solo["B8"]})
-    write()
-    for gbs in map(int, a.balanced_batches.split(",")):
-        solo[f"A{gbs}"] = _solo(a.work / f"solo_A{gbs}", a.iters, "A", gbs, 0.0)
-    best = min((int(k[1:]) for k in solo if k.startswith("A") and k != "A8"),
-               key=lambda g: abs(solo[f"A{g}"]["step_s"] - solo["B8"]["step_s"]))
-    runs["balanced"] = _together(a.work / "balanced", a.iters, {"A": (best, 0.0, 1), "B": (8, sleep, 1)},
-                                 {"A": solo[f"A{best}"], "B": solo["B8"]})
-    result = write()
-    print(json.dumps(result["cpu"], indent=1))
+    if a.resume and a.out.exists():  # a previous call's runs (same commit and settings): go on after them
+        before = json.loads(a.out.read_text())
+        assert (before["commit"], before["iters"], before["model"]) == (commit, a.iters, describe), \
+            f"{a.out} holds runs of other settings: remove it or leave --resume out"
+        solo, runs, started = before["solo"], before["runs"], started - before["wall_s"]
+
+    def once(table: dict, key: str, fn, *args) -> None:
+        if key not in table:
+            table[key] = fn(*args)
+            write()
+
+    once(solo, a_key, _solo, a.work / f"solo_{a_key}", a.iters, "A", gbs, 0.0)
+    sleep = solo[a_key]["step_s"]  # B: half A's speed at the same global batch
+    once(solo, b_key, _solo, a.work / f"solo_{b_key}", a.iters, "B", gbs, sleep)
+    pair = {"A": solo[a_key], "B": solo[b_key]}
+    once(runs, "per_site_h", _together, a.work / "per_site_h", a.iters, {"A": (gbs, 0.0, 2), "B": (gbs, sleep, 1)},
+         pair)
+    once(runs, "equal", _together, a.work / "equal", a.iters, {"A": (gbs, 0.0, 1), "B": (gbs, sleep, 1)}, pair)
+    if GPUS:  # the loss at per_site_h's tokens: the same H, and Megatron's AllReduce
+        once(runs, "equal_tokens", _together, a.work / "equal_tokens", 3 * a.iters // 2,
+             {"A": (gbs, 0.0, 1), "B": (gbs, 0.0, 1)}, {})
+        if GPUS > 1:
+            once(runs, "allreduce", _allreduce, a.work / "allreduce", 3 * a.iters // 2, 2 * gbs)
+        result = write()
+    else:
+        for g in map(int, a.balanced_batches.split(",")):
+            solo[f"A{g}"] = _solo(a.work / f"solo_A{g}", a.iters, "A", g, 0.0)
+        best = min((int(k[1:]) for k in solo if k.startswith("A") and k != a_key),
+                   key=lambda g: abs(solo[f"A{g}"]["step_s"] - solo[b_key]["step_s"]))
+        runs["balanced"] = _together(a.work / "balanced", a.iters, {"A": (best, 0.0, 1), "B": (gbs, sleep, 1)},
+                                     {"A": solo[f"A{best}"], "B": solo[b_key]})
+        result = write()
+    print(json.dumps(result["gpu" if GPUS else "cpu"], indent=1))
     print(f"wrote {a.out}")
 
 
