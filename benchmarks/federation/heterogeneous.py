@@ -17,7 +17,10 @@ Runs, one after the other (on GPUs the two solo runs at once, one per GPU):
 
 * ``solo_A8``, ``solo_B8``, ``solo_A<k>``: each job alone (it meets only itself), the model's global batch
   (8 sequences for the demo: the keys name it), or for A each of ``--balanced-batches`` (CPU only): its solo
-  step time and tokens/s.
+  step time and tokens/s. On GPUs also ``side_by_side``: A and B alone at the same time, each on its GPU:
+  one host holds both sites here, and a GPU's step is slower while the other GPU computes too (the host's
+  share, not the run's); the two-job runs are measured against these (``against_each_solo_alone``: against
+  the solos run one at a time).
 * ``equal``: A and B at the same global batch, the same H (what the package runs when sites differ only in
   speed): the slowest sets the pace.
 * ``balanced`` (CPU only): A at the global batch among ``--balanced-batches`` whose solo step is closest to
@@ -104,17 +107,25 @@ def _start(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]]) -> t
     return lh, jobs
 
 
+def _run_many(runs: list[tuple[Path, int, dict[str, tuple[int, float, int]]]]) -> list[dict[str, Job]]:
+    """Start the runs (each (folder, iters, sites) as :func:`_start`, its own lighthouse) at once and wait for
+    all their jobs; per run its jobs (records and logs)."""
+    started = [_start(*r) for r in runs]
+    try:
+        for _, jobs in started:
+            for job in jobs.values():
+                assert job.wait(3600) == 0, job.log()[-4000:]
+    finally:
+        for lh, jobs in started:
+            for job in jobs.values():
+                job.close()
+            lh.__exit__(None, None, None)
+    return [jobs for _, jobs in started]
+
+
 def _run(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]]) -> dict[str, Job]:
     """Run the jobs of ``sites`` (as :func:`_start`) and wait for all of them; the jobs (records and logs)."""
-    lh, jobs = _start(tmp, iters, sites)
-    try:
-        for job in jobs.values():
-            assert job.wait(3600) == 0, job.log()[-4000:]
-    finally:
-        for job in jobs.values():
-            job.close()
-        lh.__exit__(None, None, None)
-    return jobs
+    return _run_many([(tmp, iters, sites)])[0]
 
 
 def _val_loss(log: str) -> float | None:
@@ -145,6 +156,14 @@ def _solo(tmp: Path, iters: int, name: str, gbs: int, sleep: float) -> dict:
     return _solo_record(_run(tmp, iters, {name: (gbs, sleep, 1)})[name], iters, gbs, sleep)
 
 
+def _solos_side_by_side(tmp: Path, iters: int, sites: dict[str, tuple[int, float]]) -> dict:
+    """Each job of ``sites`` (name -> (global batch, sleep)) alone, all at once, each on its own GPU and
+    lighthouse: the solo steps under the host's load of a two-site run (one host holds both sites here;
+    apart, they would not share it)."""
+    runs = _run_many([(tmp / n, iters, {n: (gbs, sleep, 1)}) for n, (gbs, sleep) in sites.items()])
+    return {n: _solo_record(jobs[n], iters, *sites[n]) for n, jobs in zip(sites, runs)}
+
+
 def _together(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]], solo: dict[str, dict]) -> dict:
     jobs = _run(tmp, iters, sites)
     seq = _model()[1]
@@ -164,12 +183,9 @@ def _together(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]], s
     out["val_loss"] = sum(vals) / len(vals) if None not in vals else None
     ends = [job.records()[0].get("final_fp", {}).get("main") for job in jobs.values()]
     out["identical_at_end"] = None not in ends and all(e == ends[0] for e in ends)
+    out["tokens_per_s"] = sum(s["tokens_per_s"] for s in out["sites"].values())
     if solo:
-        a = out["sites"]["A"]
-        out["fast_site_idle_fraction"] = 1 - solo["A"]["step_s"] / a["step_s"]
-        out["tokens_per_s"] = sum(s["tokens_per_s"] for s in out["sites"].values())
-        out["solo_sum_tokens_per_s"] = sum(solo[n]["tokens_per_s"] for n in sites)
-        out["throughput_vs_solo_sum"] = out["tokens_per_s"] / out["solo_sum_tokens_per_s"]
+        _figures(out, solo)
     # theta after the same committed rounds, at every boundary both met at (by rounds, not steps: a job of m H
     # records m x the steps; and a job whose warm-up exchanges block has landed one round more at a boundary
     # than one whose exchanges overlap a step)
@@ -178,6 +194,14 @@ def _together(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]], s
     out["boundaries_together"] = len(common)
     out["identical_at_every_boundary"] = bool(common) and all(a_fp[s] == b_fp[s] for s in common)
     return out
+
+
+def _figures(run: dict, solo: dict[str, dict]) -> None:
+    """Set ``run``'s idle share of site A and its tokens/s against the solo sum, against ``solo`` (name -> its
+    solo record)."""
+    run["fast_site_idle_fraction"] = 1 - solo["A"]["step_s"] / run["sites"]["A"]["step_s"]
+    run["solo_sum_tokens_per_s"] = sum(solo[n]["tokens_per_s"] for n in run["sites"])
+    run["throughput_vs_solo_sum"] = run["tokens_per_s"] / run["solo_sum_tokens_per_s"]
 
 
 def _allreduce(tmp: Path, iters: int, gbs: int) -> dict:
@@ -226,7 +250,21 @@ def main() -> None:
     describe = (f"{MODEL} ({'the demo, ' if MODEL == 'demo' else ''}examples/pretrain_gpt_diloco.py), PP 1, one rank "
                 f"per job, sequence {seq}, H {h}, global batch {gbs}")
 
+    def reference() -> dict[str, dict]:
+        """The solo records a two-job run is measured against: on GPUs the solos side by side (the same
+        host load as the run), else each alone."""
+        side = solo.get("side_by_side")
+        return side if side else {"A": solo[a_key], "B": solo[b_key]}
+
     def write() -> dict:  # after every run: a failure later keeps what was measured
+        for name, r in runs.items():
+            if name in ("per_site_h", "equal") and b_key in solo:
+                _figures(r, reference())
+                if GPUS:
+                    alone = {"sites": r["sites"], "tokens_per_s": r["tokens_per_s"]}
+                    _figures(alone, {"A": solo[a_key], "B": solo[b_key]})
+                    r["against_each_solo_alone"] = {k: alone[k] for k in
+                                                    ("fast_site_idle_fraction", "throughput_vs_solo_sum")}
         result = {"machine": machine, "commit": commit, "iters": a.iters, "model": describe,
                   "slow_site": f"B sleeps {solo[a_key]['step_s']:.4f} s per step (A's solo step at global batch {gbs})"
                   if a_key in solo else None,
@@ -238,24 +276,27 @@ def main() -> None:
         a.out.write_text(json.dumps(result, indent=1) + "\n")
         return result
 
-    if a.resume and a.out.exists():  # a previous call's runs (same commit and settings): go on after them
+    if a.resume and a.out.exists():  # a previous call's runs (same settings; each names its commit): go on
         before = json.loads(a.out.read_text())
-        assert (before["commit"], before["iters"], before["model"]) == (commit, a.iters, describe), \
+        assert (before["iters"], before["model"]) == (a.iters, describe), \
             f"{a.out} holds runs of other settings: remove it or leave --resume out"
         solo, runs, started = before["solo"], before["runs"], started - before["wall_s"]
 
     def once(table: dict, key: str, fn, *args) -> None:
         if key not in table:
-            table[key] = fn(*args)
+            table[key] = {**fn(*args), "commit": commit}
             write()
 
     once(solo, a_key, _solo, a.work / f"solo_{a_key}", a.iters, "A", gbs, 0.0)
     sleep = solo[a_key]["step_s"]  # B: half A's speed at the same global batch
     once(solo, b_key, _solo, a.work / f"solo_{b_key}", a.iters, "B", gbs, sleep)
-    pair = {"A": solo[a_key], "B": solo[b_key]}
+    if GPUS > 1:
+        once(solo, "side_by_side", _solos_side_by_side, a.work / "solo_side_by_side", a.iters,
+             {"A": (gbs, 0.0), "B": (gbs, sleep)})
     once(runs, "per_site_h", _together, a.work / "per_site_h", a.iters, {"A": (gbs, 0.0, 2), "B": (gbs, sleep, 1)},
-         pair)
-    once(runs, "equal", _together, a.work / "equal", a.iters, {"A": (gbs, 0.0, 1), "B": (gbs, sleep, 1)}, pair)
+         reference())
+    once(runs, "equal", _together, a.work / "equal", a.iters, {"A": (gbs, 0.0, 1), "B": (gbs, sleep, 1)},
+         reference())
     if GPUS:  # the loss at per_site_h's tokens: the same H, and Megatron's AllReduce
         once(runs, "equal_tokens", _together, a.work / "equal_tokens", 3 * a.iters // 2,
              {"A": (gbs, 0.0, 1), "B": (gbs, 0.0, 1)}, {})
