@@ -16,8 +16,9 @@
   killed and restarted, beside the undisturbed run.
 - ``wan.png`` (``results/wan.json``): ``benchmarks/throughput/wan_bench.py``'s figure (tokens/s,
   speedup, utilization per emulated link).
-- ``sites.png`` (``results/heterogeneous.json``): two sites of different speed, per way of running them: the
-  fast site's idle share of its wall time and the run's tokens/s against the two sites' solo sum.
+- ``sites.png`` (``results/heterogeneous.json``, ``heterogeneous_gpu.json``: a row each): two sites of different
+  speed, per way of running them: the fast site's idle share of its wall time and the run's tokens/s against the
+  two sites' solo sum.
 
 Each plot is stamped with the commit it was made at (``git rev-parse --short HEAD``; ``+dirty`` when
 the results or this file have uncommitted changes). Needs matplotlib (``make bench-venv``).
@@ -422,23 +423,29 @@ SITE_RUNS = (("equal", "the same flags\n(equal H, batch)"), ("balanced", "fast s
              ("per_site_h", "fast site: twice\nthe H"))
 
 
-def plot_sites(het: dict, path: Path, stamp: str) -> None:
-    """Per way of running two sites of different speed: the fast site's idle share and the run's tokens/s
-    against the solo sum (%), with the targets (5%, 95%) drawn."""
+def plot_sites(hets: list[dict], path: Path, stamp: str) -> None:
+    """Per machine (one row each: heterogeneous.json, heterogeneous_gpu.json) and way of running two sites of
+    different speed: the fast site's idle share and the run's tokens/s against the solo sum (%), with the targets
+    (5%, 95%) drawn."""
     plt = _plt()
-    runs = [(words, het["runs"][name]) for name, words in SITE_RUNS if name in het.get("runs", {})]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    for ax, key, title, target in ((axes[0], "fast_site_idle_fraction", "fast site idle (% of its wall time)", 5),
-                                   (axes[1], "throughput_vs_solo_sum", "run's tokens/s (% of the solo sum)", 95)):
-        values = [100 * r[key] for _, r in runs]
-        bars = ax.bar(range(len(runs)), values, color=["0.6", "tab:blue", "tab:green"][:len(runs)])
-        ax.bar_label(bars, fmt="%.1f", fontsize=8)
-        ax.axhline(target, color="tab:red", ls="--", lw=1, label=f"target {target}%")
-        ax.set_xticks(range(len(runs)), [w for w, _ in runs], fontsize=8)
-        ax.set_title(title, fontsize=9)
-        ax.set_ylim(0, 105)
-        ax.legend(fontsize=7.5)
-    fig.suptitle(f"Two sites, one half as fast ({het.get('machine', '')}; commit {het.get('commit')})", fontsize=9)
+    fig, axes = plt.subplots(len(hets), 2, figsize=(9, 3.3 * len(hets)), squeeze=False)
+    for row, het in zip(axes, hets):
+        runs = [(words, het["runs"][name]) for name, words in SITE_RUNS if name in het.get("runs", {})]
+        for ax, key, title, target in ((row[0], "fast_site_idle_fraction", "fast site idle (% of its wall time)", 5),
+                                       (row[1], "throughput_vs_solo_sum", "run's tokens/s (% of the solo sum)", 95)):
+            values = [100 * r[key] for _, r in runs]
+            colors = {"equal": "0.6", "balanced": "tab:blue", "per_site_h": "tab:green"}
+            bars = ax.bar(range(len(runs)), values,
+                          color=[colors[n] for n, _ in SITE_RUNS if n in het.get("runs", {})])
+            ax.bar_label(bars, fmt="%.1f", fontsize=8)
+            ax.axhline(target, color="tab:red", ls="--", lw=1, label=f"target {target}%")
+            ax.set_xticks(range(len(runs)), [w for w, _ in runs], fontsize=8)
+            ax.set_title(f"{het.get('machine', '').split(',')[0]}: {title}", fontsize=9)
+            ax.set_ylim(0, 105)
+            ax.legend(fontsize=7.5)
+    commits = ", ".join(f"{h.get('machine', '').split(',')[0]} {h.get('commit')}" for h in hets)
+    fig.suptitle(f"Two sites, one half as fast (commits: {commits})", fontsize=9)
+    fig.tight_layout()
     _save(fig, path, stamp)
 
 
@@ -476,7 +483,9 @@ def main(argv: list[str] | None = None) -> int:
         wan_bench.plot(json.loads((RESULTS / "wan.json").read_text()), a.out / "wan.png", stamp)
         made.append("wan.png")
     if "sites" in only and (RESULTS / "heterogeneous.json").exists():
-        plot_sites(json.loads((RESULTS / "heterogeneous.json").read_text()), a.out / "sites.png", stamp)
+        hets = [json.loads((RESULTS / f).read_text()) for f in ("heterogeneous.json", "heterogeneous_gpu.json")
+                if (RESULTS / f).exists()]
+        plot_sites(hets, a.out / "sites.png", stamp)
         made.append("sites.png")
     print(f"plots ({stamp}): " + ", ".join(str(a.out / m) for m in made))
     return 0
