@@ -442,7 +442,7 @@ def plot_sites(hets: list[dict], path: Path, stamp: str) -> None:
             ax.set_xticks(range(len(runs)), [w for w, _ in runs], fontsize=8)
             ax.set_title(f"{het.get('machine', '').split(',')[0]}: {title}", fontsize=9)
             ax.set_ylim(0, 105)
-            ax.legend(fontsize=7.5)
+            ax.legend(fontsize=7.5, loc="upper right" if target < 50 else "lower right")
     commits = ", ".join(f"{h.get('machine', '').split(',')[0]} {h.get('commit')}" for h in hets)
     fig.suptitle(f"Two sites, one half as fast (commits: {commits})", fontsize=9)
     fig.tight_layout()
