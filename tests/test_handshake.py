@@ -182,3 +182,29 @@ def test_megatron_version_keeps_a_checkouts_commit_only(tmp_path):
     assert megatron_version(wheel) == "0.19.2"
     assert megatron_version(checkout) == "0.19.2+5edf013"
     assert megatron_version(info(tmp_path / "plain", "0.19.2")) == "0.19.2"
+
+
+def test_the_documented_unequal_sites_have_the_same_rounds():
+    """docs/federation.md's two sites (A twice as fast: twice B's H, its warm-up H0, --train-iters and LR iterations)
+    describe the same rounds, 40 of which 30 of warm-up, as the handshake compares them; read from the page, so
+    the example cannot drift from what a run accepts."""
+    from pathlib import Path
+
+    from megatron_diloco.megatron_adapter.arguments import add_diloco_x_args, config_from_args
+    from megatron_diloco.megatron_adapter.handshake import describe_rounds
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "federation.md").read_text()
+    block = page.split("# site A\n", 1)[1].split("```", 1)[0]
+    described = []
+    for site in block.split("# site B\n"):
+        words = site.replace("\\\n", " ").split()
+        flags = {w: words[i + 1] for i, w in enumerate(words) if w.startswith("--")}
+        own = ("--diloco-x-local-steps", "--diloco-x-warmup-local-steps")
+        args = add_diloco_x_args(argparse.ArgumentParser()).parse_args(
+            ["--diloco-x", *(t for f in own for t in (f, flags[f]))])
+        args.train_iters, args.lr_warmup_iters, args.lr_decay_iters = (
+            int(flags[f]) for f in ("--train-iters", "--lr-warmup-iters", "--lr-decay-iters"))
+        described.append(describe_rounds(args, config_from_args(args)))
+    a, b = described
+    assert a == b, (a, b)
+    assert list(a.values())[:2] == ["40", 30], a  # 40 rounds in all, the first 30 of the warm-up
