@@ -7,20 +7,20 @@ waits, and the run's tokens/s against the two sites' solo tokens/s summed; write
 
 CPU (the default): each job is one replica of the demo model (the example's defaults, PP 1), one rank on one
 core (``OMP_NUM_THREADS=1``; the machine's two cores, one per job). ``--gpus N``: each job one rank on a GPU
-of its own (site A GPU 0, B GPU 1 mod N); ``--model 85M``: 12 x 768, sequence 512, bf16, torch's SDPA
+of its own (site A GPU 0, B GPU 1); ``--model 85M``: 12 x 768, sequence 512, bf16, torch's SDPA
 attention, H 30 (else the demo's model, H 16). Both: a real ``torchft_lighthouse``, the package's defaults
 (partial overlap, int4, auto tau, the auto warm-up). Site B is the slow one: every one of its inner steps
 sleeps as long as site A's step at its global batch takes alone (``DILOCO_TEST_STEP_SLEEP_S``, no compute:
 the core or GPU stays free), so B runs at half A's speed at the same global batch.
 
-Runs, one after the other (on GPUs the two solo runs at once, one per GPU):
+Runs, one after the other (``--resume`` keeps those ``--out`` holds: a run longer than one device call):
 
 * ``solo_A8``, ``solo_B8``, ``solo_A<k>``: each job alone (it meets only itself), the model's global batch
   (8 sequences for the demo: the keys name it), or for A each of ``--balanced-batches`` (CPU only): its solo
-  step time and tokens/s. On GPUs also ``side_by_side``: A and B alone at the same time, each on its GPU:
-  one host holds both sites here, and a GPU's step is slower while the other GPU computes too (the host's
-  share, not the run's); the two-job runs are measured against these (``against_each_solo_alone``: against
-  the solos run one at a time).
+  step time and tokens/s. Also ``side_by_side`` (``side_by_side_A<k>`` for the balanced pair): A and B alone
+  at the same time, each on its core or GPU. One machine holds both sites here, and a job's step is slower
+  while the other computes too (the machine's share, not the run's): the two-job runs are measured against
+  these; ``against_each_solo_alone`` gives them against the solos run one at a time.
 * ``equal``: A and B at the same global batch, the same H (what the package runs when sites differ only in
   speed): the slowest sets the pace.
 * ``balanced`` (CPU only): A at the global batch among ``--balanced-batches`` whose solo step is closest to
@@ -29,15 +29,15 @@ Runs, one after the other (on GPUs the two solo runs at once, one per GPU):
 * ``per_site_h``: A and B at the same global batch, A with twice B's H (its warm-up H0, ``--train-iters``
   and ``--lr-warmup-iters`` doubled: the same rounds): A runs twice the inner steps per round, and neither
   should wait.
-* GPU only, for the loss at the same tokens as ``per_site_h`` (3 x iters x the global batch):
+* GPUs only, for the loss at the same tokens as ``per_site_h`` (3 x iters x the global batch):
   ``equal_tokens``, A and B at the same H for 1.5 x iters each; ``allreduce``, ``--no-diloco-x`` data
   parallel over both GPUs at twice the global batch for 1.5 x iters (Megatron's AllReduce run).
 
 Figures per two-job run, over the steady boundaries (after the first half): a job's step time = wall time over
-inner steps between its boundaries; ``fast_site_idle_fraction`` = 1 - A's solo step time (at its global batch)
-/ its step time in the run (every wait: the meeting, the landing's commit, the exchange); the run's tokens/s =
+inner steps between its boundaries; ``fast_site_idle_fraction`` = 1 - A's solo step time (at its global
+batch, side by side) / its step time in the run (every wait: the meeting, the landing's commit, the exchange); the run's tokens/s =
 sum over the jobs of tokens per step / step time; ``throughput_vs_solo_sum`` = that / the same jobs' solo
-tokens/s summed; the final training loss (mean of the last 20 logged) of each job, the validation loss after
+tokens/s summed (solo: side by side, above); the final training loss (mean of the last 20 logged) of each job, the validation loss after
 training (the example's own evaluation, each job on its own slot of the validation set; the run's is their
 mean, the samples the AllReduce run evaluates), and the tokens each trained on.
 """
@@ -232,6 +232,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "heterogeneous.json")
     p.add_argument("--resume", action="store_true", help="keep the runs --out holds and run the rest")
     a = p.parse_args()
+    if a.gpus == 1:
+        p.error("--gpus 1 would put both sites on one GPU: give each site its own (--gpus 2), or run on the CPU")
     GPUS, MODEL = a.gpus, a.model
     _, seq, h, _, gbs = _model()
     commit = os.environ.get("DILOCO_COMMIT") or subprocess.run(
@@ -250,21 +252,25 @@ def main() -> None:
     describe = (f"{MODEL} ({'the demo, ' if MODEL == 'demo' else ''}examples/pretrain_gpt_diloco.py), PP 1, one rank "
                 f"per job, sequence {seq}, H {h}, global batch {gbs}")
 
-    def reference() -> dict[str, dict]:
-        """The solo records a two-job run is measured against: on GPUs the solos side by side (the same
-        host load as the run), else each alone."""
-        side = solo.get("side_by_side")
-        return side if side else {"A": solo[a_key], "B": solo[b_key]}
+    def side_key(g: int) -> str:
+        return "side_by_side" if g == gbs else f"side_by_side_A{g}"
+
+    def reference(g: int) -> dict[str, dict]:
+        """The solo records a two-job run with A at global batch ``g`` is measured against: both solos run side
+        by side (the same load on the machine as the run: one machine holds both sites here); without them, each
+        alone."""
+        side = solo.get(side_key(g))
+        return {n: side[n] for n in "AB"} if side else {"A": solo[f"A{g}"], "B": solo[b_key]}
 
     def write() -> dict:  # after every run: a failure later keeps what was measured
         for name, r in runs.items():
-            if name in ("per_site_h", "equal") and b_key in solo:
-                _figures(r, reference())
-                if GPUS:
-                    alone = {"sites": r["sites"], "tokens_per_s": r["tokens_per_s"]}
-                    _figures(alone, {"A": solo[a_key], "B": solo[b_key]})
-                    r["against_each_solo_alone"] = {k: alone[k] for k in
-                                                    ("fast_site_idle_fraction", "throughput_vs_solo_sum")}
+            if name in ("per_site_h", "equal", "balanced"):
+                g = r["sites"]["A"]["global_batch"]
+                _figures(r, reference(g))
+                alone = {"sites": r["sites"], "tokens_per_s": r["tokens_per_s"]}
+                _figures(alone, {"A": solo[f"A{g}"], "B": solo[b_key]})
+                r["against_each_solo_alone"] = {k: alone[k] for k in
+                                                ("fast_site_idle_fraction", "throughput_vs_solo_sum")}
         result = {"machine": machine, "commit": commit, "iters": a.iters, "model": describe,
                   "slow_site": f"B sleeps {solo[a_key]['step_s']:.4f} s per step (A's solo step at global batch {gbs})"
                   if a_key in solo else None,
@@ -290,27 +296,27 @@ def main() -> None:
     once(solo, a_key, _solo, a.work / f"solo_{a_key}", a.iters, "A", gbs, 0.0)
     sleep = solo[a_key]["step_s"]  # B: half A's speed at the same global batch
     once(solo, b_key, _solo, a.work / f"solo_{b_key}", a.iters, "B", gbs, sleep)
-    if GPUS > 1:
-        once(solo, "side_by_side", _solos_side_by_side, a.work / "solo_side_by_side", a.iters,
-             {"A": (gbs, 0.0), "B": (gbs, sleep)})
+    once(solo, side_key(gbs), _solos_side_by_side, a.work / "solo_side_by_side", a.iters,
+         {"A": (gbs, 0.0), "B": (gbs, sleep)})
     once(runs, "per_site_h", _together, a.work / "per_site_h", a.iters, {"A": (gbs, 0.0, 2), "B": (gbs, sleep, 1)},
-         reference())
+         reference(gbs))
     once(runs, "equal", _together, a.work / "equal", a.iters, {"A": (gbs, 0.0, 1), "B": (gbs, sleep, 1)},
-         reference())
+         reference(gbs))
     if GPUS:  # the loss at per_site_h's tokens: the same H, and Megatron's AllReduce
         once(runs, "equal_tokens", _together, a.work / "equal_tokens", 3 * a.iters // 2,
              {"A": (gbs, 0.0, 1), "B": (gbs, 0.0, 1)}, {})
         if GPUS > 1:
             once(runs, "allreduce", _allreduce, a.work / "allreduce", 3 * a.iters // 2, 2 * gbs)
-        result = write()
-    else:
+    else:  # A at the global batch whose solo step is closest to B's
         for g in map(int, a.balanced_batches.split(",")):
-            solo[f"A{g}"] = _solo(a.work / f"solo_A{g}", a.iters, "A", g, 0.0)
-        best = min((int(k[1:]) for k in solo if k.startswith("A") and k != a_key),
+            once(solo, f"A{g}", _solo, a.work / f"solo_A{g}", a.iters, "A", g, 0.0)
+        best = min((int(k[1:]) for k in solo if k[0] == "A" and k[1:].isdigit() and k != a_key),
                    key=lambda g: abs(solo[f"A{g}"]["step_s"] - solo[b_key]["step_s"]))
-        runs["balanced"] = _together(a.work / "balanced", a.iters, {"A": (best, 0.0, 1), "B": (gbs, sleep, 1)},
-                                     {"A": solo[f"A{best}"], "B": solo[b_key]})
-        result = write()
+        once(solo, side_key(best), _solos_side_by_side, a.work / f"solo_side_by_side_A{best}", a.iters,
+             {"A": (best, 0.0), "B": (gbs, sleep)})
+        once(runs, "balanced", _together, a.work / "balanced", a.iters, {"A": (best, 0.0, 1), "B": (gbs, sleep, 1)},
+             reference(best))
+    result = write()
     print(json.dumps(result["gpu" if GPUS else "cpu"], indent=1))
     print(f"wrote {a.out}")
 
