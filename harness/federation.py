@@ -40,7 +40,7 @@ class Lighthouse:
 
     def __init__(self, log: Path, min_replicas: int = 1, join_timeout_ms: int = 60000,
                  heartbeat_timeout_ms: int = 3000) -> None:
-        self.port = free_port(listening=True)
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log, "w")

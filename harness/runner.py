@@ -114,23 +114,24 @@ class Job:
         return self.timeout_s if self.timeout_s is not None else 3 * self.estimate_s + 120
 
 
-def free_port(listening: bool = False) -> int:
-    """A free TCP port on 127.0.0.1. ``listening``: for a server that other processes find by its port and
-    that binds it some time after this returns: taken below the kernel's ephemeral range
-    (``ip_local_port_range``), from which outgoing connections (gloo's, for instance) take theirs, so that
-    none can take it meanwhile (seen: a torchft lighthouse failing with "Address already in use")."""
-    if listening:
-        try:
-            low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            low = 32768
-        for port in random.sample(range(max(1024, low - 12000), low), 64):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                    return port
-                except OSError:
-                    continue
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a server that binds it some time after this returns (a torchrun
+    master, a store, a lighthouse) and that other processes find by its port. Taken below the kernel's
+    ephemeral range (``ip_local_port_range``), from which every outgoing connection and every bind to port 0
+    take theirs, so that none can take it meanwhile (seen: a torchft lighthouse failing, and a torchrun
+    rendezvous among jobs starting at once, with "address already in use"). Falls back to the kernel's
+    choice when 64 tries below that range are all taken."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.sample(range(max(1024, low - 12000), low), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

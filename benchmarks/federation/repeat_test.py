@@ -5,8 +5,8 @@
         [--deadline-s 540] [--run-timeout-s 600] [--seed-corpus]
 
 Each repetition is its own ``pytest`` process with its own ``--basetemp`` (``DIR/runs/NNN``: distinct
-tmp dirs; the federation tests pick their lighthouse and torchrun ports with ``free_port()``, the OS's
-choice for a bind to port 0, so parallel runs do not collide by design). Every log under a run's
+tmp dirs; the federation tests pick their lighthouse and torchrun ports with ``free_port()``, at random
+below the kernel's ephemeral range and free when picked, so parallel runs seldom collide). Every log under a run's
 basetemp (the jobs' ``log.txt``, ``lighthouse.txt``) and pytest's own output are scanned for abort
 markers (``terminate called``, ``gloo::EnforceNotMet``, ``exitcode: -6``, ``SIGABRT``, ``Fatal Python
 error``, ``core dumped``), passing runs too (a job expected to fail could fail by aborting). One JSON
