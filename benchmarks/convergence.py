@@ -51,7 +51,7 @@ _STARTED = time.monotonic()  # what --call-s counts from
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout, uninstalled
 from harness.continued import Call, Manifest, call_dirs, checkpoint_flags, last_done  # noqa: E402
-from harness.runner import ExampleJob, Job, replica_worlds_job, run_jobs  # noqa: E402
+from harness.runner import VALIDATION_LINE, ExampleJob, Job, replica_worlds_job, run_jobs  # noqa: E402
 from megatron_diloco.algorithm.config import BLOCKWISE  # noqa: E402
 from megatron_diloco.summary import parse_summaries  # noqa: E402
 
@@ -202,7 +202,6 @@ MEASURED_AS_DEFAULT = ("partial_auto_int4_hwarm900_wtau1_w2",)
 HEADLINE_METHODS = ("allreduce", DEFAULT_METHOD, "diloco_int4_hwarm900_w2", "partial_auto_int4", "diloco_int4")
 #: The link the auto tau and the adaptive byte budget are sized for (Mbit/s): the issue's 1 Gbit.
 LINK_MBPS = 1000
-_VALID = re.compile(r"validation loss at iteration (\d+)( on validation set)? \| lm loss value: (\S+)")
 _PARAMS = re.compile(r"number of parameters on \([^)]*\) model parallel rank \([^)]*\): (\d+)")
 
 
@@ -296,7 +295,7 @@ def analyze(d: Path, tokens_per_step: int) -> dict:
     for name in names:
         text = "".join((c / name).read_text(errors="replace") for c in calls if (c / name).exists())
         curve, final = {}, None
-        for mt in _VALID.finditer(text):
+        for mt in VALIDATION_LINE.finditer(text):
             if mt[2]:
                 final = float(mt[3])
             else:

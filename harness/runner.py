@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -112,6 +113,11 @@ class Job:
     @property
     def limit_s(self) -> float:
         return self.timeout_s if self.timeout_s is not None else 3 * self.estimate_s + 120
+
+
+#: A validation line Megatron prints (``evaluate_and_print_results``): iteration, " on validation set" for the
+#: evaluation after training (absent for those during it), the loss
+VALIDATION_LINE = re.compile(r"validation loss at iteration (\d+)( on validation set)? \| lm loss value: (\S+)")
 
 
 def free_port() -> int:

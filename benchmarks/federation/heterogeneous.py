@@ -33,13 +33,14 @@ Runs, one after the other (``--resume`` keeps those ``--out`` holds: a run longe
   ``equal_tokens``, A and B at the same H for 1.5 x iters each; ``allreduce``, ``--no-diloco-x`` data
   parallel over both GPUs at twice the global batch for 1.5 x iters (Megatron's AllReduce run).
 
-Figures per two-job run, over the steady boundaries (after the first half): a job's step time = wall time over
-inner steps between its boundaries; ``fast_site_idle_fraction`` = 1 - A's solo step time (at its global
-batch, side by side) / its step time in the run (every wait: the meeting, the landing's commit, the exchange); the run's tokens/s =
-sum over the jobs of tokens per step / step time; ``throughput_vs_solo_sum`` = that / the same jobs' solo
-tokens/s summed (solo: side by side, above); the final training loss (mean of the last 20 logged) of each job, the validation loss after
-training (the example's own evaluation, each job on its own slot of the validation set; the run's is their
-mean, the samples the AllReduce run evaluates), and the tokens each trained on.
+Figures per two-job run, over the steady boundaries (after the first half): a job's step time = wall time
+over inner steps between its boundaries; ``fast_site_idle_fraction`` = 1 - A's solo step time (at its global
+batch, side by side) / its step time in the run (every wait: the meeting, the landing's commit, the exchange);
+the run's tokens/s = sum over the jobs of tokens per step / step time; ``throughput_vs_solo_sum`` = that / the
+same jobs' solo tokens/s summed (side by side); the final training loss (mean of the last 20 logged) of each
+job, the validation loss after training (the example's own evaluation, each job on its own slot of the
+validation set; the run's is their mean, the samples the AllReduce run evaluates), and the tokens each trained
+on.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -58,7 +58,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from harness.federation import Job, Lighthouse  # noqa: E402
-from harness.runner import torchrun  # noqa: E402
+from harness.runner import VALIDATION_LINE, ExampleJob, run_jobs  # noqa: E402
 
 ITERS = 160
 JOB_FLAGS = ["--diloco-x-replicas", "2", "--pipeline-model-parallel-size", "1", "--log-interval", "1",
@@ -75,7 +75,6 @@ MODELS = {
 #: --gpus N: each job on GPU (its index mod N); 0: the CPU
 GPUS = 0
 MODEL = "demo"
-_VAL = re.compile(r"on validation set \| lm loss value: ([0-9.Ee+-]+)")
 
 
 def _model() -> tuple[list[str], int, int, int, int]:
@@ -130,8 +129,8 @@ def _run(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]]) -> dic
 
 def _val_loss(log: str) -> float | None:
     """The validation loss the example printed after training (the last one), or None."""
-    found = _VAL.findall(log)
-    return float(found[-1]) if found else None
+    found = [float(m[3]) for m in VALIDATION_LINE.finditer(log) if m[2]]
+    return found[-1] if found else None
 
 
 def _step_s(job: Job, iters: int) -> float:
@@ -164,7 +163,9 @@ def _solos_side_by_side(tmp: Path, iters: int, sites: dict[str, tuple[int, float
     return {n: _solo_record(jobs[n], iters, *sites[n]) for n, jobs in zip(sites, runs)}
 
 
-def _together(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]], solo: dict[str, dict]) -> dict:
+def _together(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]]) -> dict:
+    """Run the two jobs of ``sites`` (as :func:`_start`) together: per job its step, tokens/s, losses, tokens and
+    weight; the run's tokens/s, validation loss and identity at every shared boundary and at the end."""
     jobs = _run(tmp, iters, sites)
     seq = _model()[1]
     out: dict = {"sites": {}}
@@ -184,8 +185,6 @@ def _together(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]], s
     ends = [job.records()[0].get("final_fp", {}).get("main") for job in jobs.values()]
     out["identical_at_end"] = None not in ends and all(e == ends[0] for e in ends)
     out["tokens_per_s"] = sum(s["tokens_per_s"] for s in out["sites"].values())
-    if solo:
-        _figures(out, solo)
     # theta after the same committed rounds, at every boundary both met at (by rounds, not steps: a job of m H
     # records m x the steps; and a job whose warm-up exchanges block has landed one round more at a boundary
     # than one whose exchanges overlap a step)
@@ -208,16 +207,13 @@ def _allreduce(tmp: Path, iters: int, gbs: int) -> dict:
     """Megatron's data parallel run (``--no-diloco-x``) over ``GPUS`` GPUs, ``iters`` iterations of ``gbs``
     sequences, the model's flags and LR warm-up: its validation loss after training."""
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     model, seq, _, lr_warmup, _ = _model()
-    args = [*torchrun(GPUS), str(REPO / "examples" / "pretrain_gpt_diloco.py"), *model, "--no-diloco-x",
-            "--pipeline-model-parallel-size", "1", "--log-interval", "10", "--global-batch-size", str(gbs),
-            "--train-iters", str(iters), "--lr-warmup-iters", str(lr_warmup), "--data-cache-path", str(tmp / "cache")]
-    with open(tmp / "log.txt", "w") as log:
-        code = subprocess.run(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=3600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}).returncode
-    text = (tmp / "log.txt").read_text()
-    assert code == 0, text[-4000:]
+    job = ExampleJob("allreduce", [*model, "--no-diloco-x", "--pipeline-model-parallel-size", "1", "--log-interval",
+                                   "10", "--global-batch-size", str(gbs), "--train-iters", str(iters),
+                                   "--lr-warmup-iters", str(lr_warmup)], nproc=GPUS, estimate_s=600)
+    info = run_jobs([job], tmp, resume=False)["allreduce"]
+    text = (tmp / "allreduce" / "log.txt").read_text(errors="replace")
+    assert info.get("ok"), text[-4000:]
     return {"global_batch": gbs, "iters": iters, "tokens": gbs * seq * iters, "val_loss": _val_loss(text)}
 
 
@@ -298,13 +294,11 @@ def main() -> None:
     once(solo, b_key, _solo, a.work / f"solo_{b_key}", a.iters, "B", gbs, sleep)
     once(solo, side_key(gbs), _solos_side_by_side, a.work / "solo_side_by_side", a.iters,
          {"A": (gbs, 0.0), "B": (gbs, sleep)})
-    once(runs, "per_site_h", _together, a.work / "per_site_h", a.iters, {"A": (gbs, 0.0, 2), "B": (gbs, sleep, 1)},
-         reference(gbs))
-    once(runs, "equal", _together, a.work / "equal", a.iters, {"A": (gbs, 0.0, 1), "B": (gbs, sleep, 1)},
-         reference(gbs))
+    once(runs, "per_site_h", _together, a.work / "per_site_h", a.iters, {"A": (gbs, 0.0, 2), "B": (gbs, sleep, 1)})
+    once(runs, "equal", _together, a.work / "equal", a.iters, {"A": (gbs, 0.0, 1), "B": (gbs, sleep, 1)})
     if GPUS:  # the loss at per_site_h's tokens: the same H, and Megatron's AllReduce
         once(runs, "equal_tokens", _together, a.work / "equal_tokens", 3 * a.iters // 2,
-             {"A": (gbs, 0.0, 1), "B": (gbs, 0.0, 1)}, {})
+             {"A": (gbs, 0.0, 1), "B": (gbs, 0.0, 1)})
         if GPUS > 1:
             once(runs, "allreduce", _allreduce, a.work / "allreduce", 3 * a.iters // 2, 2 * gbs)
     else:  # A at the global batch whose solo step is closest to B's
@@ -314,8 +308,7 @@ def main() -> None:
                    key=lambda g: abs(solo[f"A{g}"]["step_s"] - solo[b_key]["step_s"]))
         once(solo, side_key(best), _solos_side_by_side, a.work / f"solo_side_by_side_A{best}", a.iters,
              {"A": (best, 0.0), "B": (gbs, sleep)})
-        once(runs, "balanced", _together, a.work / "balanced", a.iters, {"A": (best, 0.0, 1), "B": (gbs, sleep, 1)},
-             reference(best))
+        once(runs, "balanced", _together, a.work / "balanced", a.iters, {"A": (best, 0.0, 1), "B": (gbs, sleep, 1)})
     result = write()
     print(json.dumps(result["gpu" if GPUS else "cpu"], indent=1))
     print(f"wrote {a.out}")
