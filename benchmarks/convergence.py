@@ -51,7 +51,7 @@ _STARTED = time.monotonic()  # what --call-s counts from
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout, uninstalled
 from harness.continued import Call, Manifest, call_dirs, checkpoint_flags, last_done  # noqa: E402
-from harness.runner import VALIDATION_LINE, ExampleJob, Job, replica_worlds_job, run_jobs  # noqa: E402
+from harness.runner import FAST_PATH, VALIDATION_LINE, ExampleJob, Job, replica_worlds_job, run_jobs  # noqa: E402
 from megatron_diloco.algorithm.config import BLOCKWISE  # noqa: E402
 from megatron_diloco.summary import parse_summaries  # noqa: E402
 
@@ -244,7 +244,8 @@ def run_args(name: str, seed: int, a: argparse.Namespace, data: str) -> tuple[li
     ones (with ``--call-s`` the run's checkpoint), the world's global batch (all R replicas' samples, but
     for a replica in a world of its own) and the method's (last: its Megatron flags win)."""
     method = METHODS[name]
-    common = [*(CPU_MODEL if a.cpu_smoke else MODEL), "--micro-batch-size", str(a.micro_batch),
+    common = [*(CPU_MODEL if a.cpu_smoke else MODEL), *(FAST_PATH if getattr(a, "fast_path", False) else []),
+              "--micro-batch-size", str(a.micro_batch),
               *(["--eval-iters", str(a.eval_iters)] if a.eval_iters else []),
               "--train-iters", str(a.steps), "--eval-interval", str(a.eval_interval),
               "--seed", str(seed), "--data-path", data, "--split", "98,1,1",
@@ -400,6 +401,7 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
                        if a.corpus_train_tokens else None, "rounds": a.steps // a.local_steps,
                        "local_steps": a.local_steps, "replicas": REPLICAS, "seeds": sorted({s for r in per_seed.values() for s in r}),
                        "tokens_per_step": a.tokens_per_step, "corpus": a.corpus_desc,
+                       "fast_path": FAST_PATH if getattr(a, "fast_path", False) else None,
                        "launch": f"one torchrun world of {REPLICAS} ranks, one GPU each (NCCL)" if a.one_world
                        else "one single-rank world per replica, sharing one GPU"},
             "card": a.card, "default_method": a.default_method, "methods": methods}
@@ -539,9 +541,13 @@ def main() -> None:
     p.add_argument("--call-s", type=float, default=None,
                    help="seconds this call may use, from its start: every run checkpoints, stops in time and is "
                         "continued by the next call of the same command (DIR/manifest.json; replaces --budget-s)")
+    p.add_argument("--fast-path", action="store_true",
+                   help="train on the one-GPU fast path (RESULTS.md §9: SDPA, fused RoPE, loader workers); GPU only")
     p.add_argument("--exit-interval", type=int, default=None,
                    help="with --call-s: this call's runs also stop at a multiple of this iteration (a split by steps)")
     a = p.parse_args()
+    if a.fast_path and a.cpu_smoke:
+        p.error("--fast-path: GPU only (its fused RoPE needs a GPU); drop it with --cpu-smoke")
     if a.exit_interval is not None and a.call_s is None:
         p.error("--exit-interval: only with --call-s (it stops a continued run, which saves)")
     for key, full, smoke in (("steps", 3000, 8), ("local_steps", H, 4), ("eval_interval", 300, 4), ("corpus_mb", 40, 8)):

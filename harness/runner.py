@@ -117,6 +117,10 @@ class Job:
 
 #: A validation line Megatron prints (``evaluate_and_print_results``): iteration, " on validation set" for the
 #: evaluation after training (absent for those during it), the loss
+#: The one-GPU fast path without Transformer Engine (benchmarks/RESULTS.md §9): SDPA core attention, no
+#: attention mask built by the data loader, two loader workers, Megatron's fused RoPE (served by the
+#: package's Triton kernel). The flags a benchmark appends to its model's to train on it.
+FAST_PATH = ["--attention-sdpa", "--no-create-attention-mask-in-dataloader", "--num-workers", "2", "--rope-fusion"]
 VALIDATION_LINE = re.compile(r"validation loss at iteration (\d+)( on validation set)? \| lm loss value: (\S+)")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -400,3 +401,19 @@ def test_gap_vs_h_points_pair_each_method_at_its_best_lr():
     assert pts["default"][0][1] == pytest.approx([100 * (1.05 / 1.1 - 1), 0.0])
     assert [h for h, _ in pts["best_lrs"]] == [30]
     assert pts["best_lrs"][0][1] == pytest.approx([100 * (1.05 / 1.0 - 1), 10.0])
+
+
+def test_fast_path_runs_every_method_on_the_measured_fast_flags(tmp_path):
+    """--fast-path appends the flags RESULTS §9 measured (fast_path.py's ``fast_rope``) to every method's run, and
+    a method's own flags still come last."""
+    sys.path.insert(0, str(Path(convergence.__file__).parent / "throughput"))
+    import fast_path
+
+    assert fast_path.PATHS["fast_rope"] == [*fast_path.PATHS["fast_workers"], "--rope-fusion"]
+    a = _a(tmp_path)
+    plain = convergence.run_args("allreduce_lr2e-3", 1, a, "/data/corpus")[1]
+    a.fast_path = True
+    fast = convergence.run_args("allreduce_lr2e-3", 1, a, "/data/corpus")[1]
+    assert [f for f in fast if f.startswith("--") and f not in plain] == [
+        "--attention-sdpa", "--no-create-attention-mask-in-dataloader", "--num-workers", "--rope-fusion"]
+    assert fast[-2:] == ["--min-lr", "2e-4"] and _flag(fast, "--num-workers") == "2"

@@ -52,7 +52,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, uninstalled
-from harness.runner import ExampleJob, done, load_ranks, run_jobs  # noqa: E402
+from harness.runner import FAST_PATH, ExampleJob, done, load_ranks, run_jobs  # noqa: E402
 
 SEQ = 512
 #: layers, hidden, heads (ffn 4 x hidden)
@@ -60,7 +60,7 @@ MODELS = {"85M": (12, 768, 12), "302M": (24, 1024, 16), "cpu": (2, 64, 2)}
 _FAST = ["--attention-sdpa", "--no-create-attention-mask-in-dataloader"]
 _WORKERS = [*_FAST, "--num-workers", "2"]
 PATHS = {"local": [], "sdpa": ["--attention-sdpa"], "fast": _FAST, "fast_workers": _WORKERS,
-         "fast_rope": [*_WORKERS, "--rope-fusion"],
+         "fast_rope": FAST_PATH,  # _WORKERS + --rope-fusion
          # Transformer Engine's layers (where it is installed), with the fast path's loader and its fused RoPE
          "te": ["--transformer-impl", "transformer_engine", "--no-create-attention-mask-in-dataloader",
                 "--num-workers", "2", "--rope-fusion"]}
