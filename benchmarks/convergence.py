@@ -351,7 +351,8 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
     for name, runs in per_seed.items():
         ok = {s: r for s, r in sorted(runs.items()) if r.get("final_val_loss") is not None}
         m = defs[name]
-        row = {"overlap": m.get("overlap", "alone" if m.get("alone") else "allreduce"), "codec": m.get("codec"), "tau": m.get("tau"),
+        kind = "alone" if m.get("alone") else "package default" if m.get("default") else "allreduce"
+        row = {"overlap": m.get("overlap", kind), "codec": m.get("codec"), "tau": m.get("tau"),
                "merge": m.get("merge", "exact") if m.get("overlap") == "partial" else None,
                "warmup_overlap_steps": m.get("tau_w", 0) if m.get("overlap") == "partial" else None,
                "warmup_codec": m.get("wc"),  # the warm-up's exchanges' codec where it is not ``codec``

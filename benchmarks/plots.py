@@ -16,6 +16,9 @@
   killed and restarted, beside the undisturbed run.
 - ``wan.png`` (``results/wan.json``): ``benchmarks/throughput/wan_bench.py``'s figure (tokens/s,
   speedup, utilization per emulated link).
+- ``gap_vs_size.png`` (``results/convergence_scale.json``): the package default's gap to AllReduce (each at its
+  best inner lr) by model size and by tokens per parameter, beside the published gaps of DiLoCo to data
+  parallelism (Charles et al. 2025; Streaming DiLoCo), with each point's bytes.
 - ``sites.png`` (``results/heterogeneous.json``, ``heterogeneous_gpu.json``: a row each): two sites of different
   speed, per way of running them: the fast site's idle share of its wall time and the run's tokens/s against the
   two sites' solo sum.
@@ -417,6 +420,53 @@ def plot_gap_vs_h(conv_h: dict, path: Path, stamp: str) -> None:
     _save(fig, path, stamp)
 
 
+# --------------------------------------------------------------------------- gap by size
+def plot_gap_vs_size(scale: dict, path: Path, stamp: str) -> None:
+    """Left: gap to data parallelism (%) vs parameters, the published points (20 tokens per parameter) and ours
+    (labelled with tokens per parameter and bytes). Right: our gap vs tokens per parameter, per H."""
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.3))
+    pub = scale.get("published", [])
+    series: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
+    for q in pub:
+        series.setdefault((q["source"], q["replicas"], q["H"]), []).append((q["params"], 100 * q["gap"]))
+    for k, ((source, m, h), pts) in enumerate(sorted(series.items())):
+        pts.sort()
+        left.plot([x for x, _ in pts], [y for _, y in pts], color=f"C{k + 2}", marker="o", ms=4, lw=1, alpha=0.7,
+                  label=f"{source.split(' (')[0]}: M {m}, H {h}")
+    ours = scale.get("points", [])
+    for q in ours:
+        marker = "*" if q["H"] == 30 else "D"
+        for ax, x in ((left, q["params"]), (right, q["tokens_per_param"])):
+            ax.scatter([x], [100 * q["gap_best_lrs"]], marker=marker, s=90 if marker == "*" else 40, color="black",
+                       zorder=4)
+        right.annotate(f"H {q['H']}: {100 * q['gap_best_lrs']:+.2f}%, {q['fewer_bytes']:.0f}x fewer bytes",
+                       (q["tokens_per_param"], 100 * q["gap_best_lrs"]), xytext=(7, -3), textcoords="offset points",
+                       fontsize=7)
+    left.scatter([], [], marker="*", color="black", label="ours, H 30: the package default (M 2, int4), best lrs")
+    left.scatter([], [], marker="D", color="black", label="ours, H 100")
+    left.axhline(0, color="black", lw=0.8)
+    left.set_xscale("log")
+    _gap_axes(left, "parameters", "Gap to data parallelism by size\n(published: ~20 tokens per parameter)",
+              legend_loc="upper right")
+    for q in pub:  # the published 90-100M, M 2 gaps at 20 tokens per parameter, as reference lines
+        if q["replicas"] == 2 and q["params"] <= 100e6 and q["params"] >= 90e6:
+            right.axhline(100 * q["gap"], color="0.6", lw=0.8, ls=":")
+    right.set_xscale("log")
+    right.set_xlim(0.3, 30)
+    right.axvline(20, color="0.6", lw=0.8)
+    right.text(20, right.get_ylim()[1], " 20", fontsize=7, va="top", color="0.4")
+    right.set(xlabel="tokens per parameter", ylabel="validation loss above AllReduce (%)",
+              title="Ours at 85M by tokens per parameter\n(dotted: the published 90-100M, M 2 gaps, at 20)")
+    right.title.set_fontsize(9)
+    right.grid(alpha=0.3)
+    right.set_ylim(bottom=0)
+    cards = sorted({q["card"] for q in ours})
+    fig.suptitle(f"DiLoCo's gap to data parallelism ({', '.join(cards)})", fontsize=9)
+    fig.tight_layout()
+    _save(fig, path, stamp)
+
+
 # --------------------------------------------------------------------------- sites that differ
 #: heterogeneous.json's runs, in the order and words of the plot
 SITE_RUNS = (("equal", "the same flags\n(equal H, batch)"), ("balanced", "fast site: larger\nglobal batch"),
@@ -452,8 +502,8 @@ def plot_sites(hets: list[dict], path: Path, stamp: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=BENCH / "plots", help="folder for the PNGs (default benchmarks/plots)")
-    p.add_argument("--only", default="gap,bytes,speedup,h,faults,wan,sites",
-                   help="comma-separated subset of gap, bytes, speedup, h, faults, wan, sites (default: all)")
+    p.add_argument("--only", default="gap,bytes,speedup,h,faults,wan,sites,size",
+                   help="comma-separated subset of gap, bytes, speedup, h, faults, wan, sites, size (default: all)")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     stamp = commit_stamp()
@@ -487,6 +537,11 @@ def main(argv: list[str] | None = None) -> int:
                 if (RESULTS / f).exists()]
         plot_sites(hets, a.out / "sites.png", stamp)
         made.append("sites.png")
+    if "size" in only and (RESULTS / "convergence_scale.json").exists():
+        scale = json.loads((RESULTS / "convergence_scale.json").read_text())
+        if scale.get("points"):
+            plot_gap_vs_size(scale, a.out / "gap_vs_size.png", stamp)
+            made.append("gap_vs_size.png")
     print(f"plots ({stamp}): " + ", ".join(str(a.out / m) for m in made))
     return 0
 

@@ -417,3 +417,38 @@ def test_fast_path_runs_every_method_on_the_measured_fast_flags(tmp_path):
     assert [f for f in fast if f.startswith("--") and f not in plain] == [
         "--attention-sdpa", "--no-create-attention-mask-in-dataloader", "--num-workers", "--rope-fusion"]
     assert fast[-2:] == ["--min-lr", "2e-4"] and _flag(fast, "--num-workers") == "2"
+
+
+def test_a_scale_point_takes_each_family_at_its_best_lr_over_shared_seeds(tmp_path):
+    """convergence_scale.json's points: AllReduce and the default each at the lr that ends lowest over the
+    seeds every lr ran (not the lr that ran a luckier extra seed), the gap paired over shared seeds."""
+    from benchmarks import scale_points
+
+    row = lambda seeds, losses, b=1.0: {"seeds": seeds, "final_val_loss_per_seed": losses, "bytes_total": b}  # noqa: E731
+    conv = {"regime": {"params": 100, "tokens": 200, "replicas": 2, "local_steps": 30},
+            "methods": {"allreduce": row([1, 2], [1.00, 1.20], 600.0),    # lr 1e-3: seed 1 1.00
+                        "allreduce_lr5e-4": row([1], [0.99], 600.0),       # lr 5e-4: seed 1 0.99 -> best
+                        "allreduce_lr2e-3": row([1], [1.10], 600.0), "allreduce_lr2.5e-4": row([1], [1.02], 600.0),
+                        "default": row([1, 2], [1.05, 1.25], 4.0), "default_lr2e-3": row([1], [1.2], 4.0),
+                        "diloco_int4": row([1], [0.5])}}                   # another family: not a point's
+    pt = scale_points.point(conv, resolved_flags={"compression": "int4"}, commit="c", card="card")
+    assert pt["allreduce"]["lr"] == 5e-4 and pt["allreduce"]["best_lr_bracketed"]
+    assert pt["default"]["lr"] == 1e-3 and not pt["default"]["best_lr_bracketed"]
+    assert pt["gap_best_lrs"] == pytest.approx(1.05 / 0.99 - 1) and pt["gap_seeds"] == [1]
+    assert pt["fewer_bytes"] == 150 and pt["tokens_per_param"] == 2
+    assert list(pt["allreduce"]["lr_sweep"]) == ["0.00025", "0.0005", "0.001", "0.002"]
+    log = tmp_path / "replica0.log"
+    log.write_text("x\nmegatron-diloco: DiLoCoX on: DiLoCoXConfig(replicas=2, warmup_compression='int2', "
+                   "overlap_steps=None, outer_lr=1.0, nesterov=True); set --use-distributed-optimizer\n")
+    assert scale_points.resolved_from_log(log) == {"replicas": 2, "warmup_compression": "int2", "overlap_steps": None,
+                                                   "outer_lr": 1.0, "nesterov": True}
+
+
+def test_the_earlier_sweep_as_points_gives_results_2_3s_gaps():
+    """RESULTS §2.3's best-lr gaps (+2.79% at H 30, +2.63% at H 100) come out of convergence_h.json's sweep."""
+    from benchmarks import scale_points
+
+    conv_h = json.loads((scale_points.RESULTS / "convergence_h.json").read_text())
+    pts = {p["H"]: p for p in scale_points.earlier_points(conv_h)}
+    assert round(100 * pts[30]["gap_best_lrs"], 2) == 2.79 and round(100 * pts[100]["gap_best_lrs"], 2) == 2.63
+    assert pts[30]["allreduce"]["lr"] == 5e-4 and pts[30]["default"]["lr"] == 1e-3
