@@ -364,3 +364,35 @@ def _paced_joiner_worker(rank: int, world: int) -> None:
 
 def test_a_job_of_another_h_joins_at_its_own_step():
     run_world(_paced_joiner_worker, 2)
+
+
+def _pending_heal_worker(rank: int, world: int) -> None:
+    """Job 0 (rounds of H, partial, tau 1) and job 1 (rounds of 2H: tau 2, the same share) launch their first
+    exchange; job 0 saves it, pending, and both restart: job 0 from that checkpoint, job 1 with none. Job 1 is
+    healed at its start from job 0, pending exchange included: it lands it after the same share of its own round
+    (2 steps, not job 0's 1), and both end identical after the next round."""
+    h = H if rank == 0 else 2 * H
+    sync, fed, x, steps = _job("partial", "none", local_steps=h)
+    for _ in _boundaries(sync, x, rank, steps, h):
+        sync.boundary()
+    assert sync.tau == (1 if rank == 0 else 2)  # the agreed share, in each job's steps
+    saved = sync.state_dict() if rank == 0 else None
+    sync.drain()
+    sync, fed, x, steps = _job("partial", "none", steps={"steps": h if rank == 0 else 0}, local_steps=h)
+    if rank == 0:
+        assert saved["pending_delta"] is not None
+        sync.load_state_dict(saved)
+        x.copy_(sync.theta)
+    healed = fed.join()
+    assert (healed is None) == (rank == 0) and steps["steps"] == h
+    assert sync.pending is not None and sync.tau == (1 if rank == 0 else 2), (rank, sync.tau)
+    for _ in _boundaries(sync, x, rank, steps, 2 * h, first=h + 1):
+        sync.boundary()
+    sync.drain()
+    thetas = [torch.empty(N), torch.empty(N)]
+    dist.all_gather(thetas, sync.theta.clone())
+    assert torch.equal(thetas[0], thetas[1])
+
+
+def test_a_job_healed_at_its_start_lands_the_pending_exchange_at_its_own_share_of_the_round():
+    run_world(_pending_heal_worker, 2)

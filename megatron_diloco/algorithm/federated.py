@@ -191,9 +191,12 @@ def check_heal(sync, identity: str | None, state: Any) -> None:
     if sync.outer.momentum_buffer is None and state.get("momentum_buffer") is not None:
         raise ValueError("a peer job sent an outer momentum this run does not keep (--diloco-x-outer-momentum)")
     vector("the pending exchange", state.get("pending"), False)
-    for name in ("rounds", "skipped_rounds", "tau", "committed"):
+    for name in ("rounds", "skipped_rounds", "tau", "committed", "round_steps"):
         if not isinstance(meta.get(name), int) or isinstance(meta[name], bool) or meta[name] < 0:
             raise ValueError(f"a peer job sent a heal whose {name} is {meta.get(name)!r}")
+    if meta["round_steps"] < 1 or meta["tau"] > meta["round_steps"]:
+        raise ValueError(f"a peer job sent a heal whose tau {meta['tau']} is not a share of its round of "
+                         f"{meta['round_steps']} steps")
     position = meta.get("position")
     if (not isinstance(position, dict) or not isinstance(position.get("steps"), int) or
             not isinstance(position.get("boundaries"), int) or
@@ -251,6 +254,7 @@ class FederatedRounds:
         self.outcome = RoundOutcome(x_before=self.x_before)
         self._healed: dict | None = None
         self._healed_pending: torch.Tensor | None = None
+        self._healed_tau_share = 0
         self._joining = False
         #: what this job's run and configuration are (a digest); a heal from a peer with another is refused
         self.identity: str | None = None
@@ -293,8 +297,12 @@ class FederatedRounds:
         position), as this rank holds it at the meeting."""
         sync = self.sync
         state = sync.heal_state()  # theta, the momentum, the codec state, the counters, tau, timings, link
-        state["meta"].update(committed=self.committed, position={**self.position(), "boundaries": self.boundaries()},
+        boundaries = self.boundaries()
+        state["meta"].update(committed=self.committed, position={**self.position(), "boundaries": boundaries},
                              identity=self.identity,
+                             # the round tau counts steps of (its pending exchange lands in it): the receiver
+                             # takes tau as the same share of its own round (jobs may differ in H)
+                             round_steps=sync.schedule.round_steps(sync.schedule.steps_at_boundary(boundaries)),
                              # False at a job's start: no boundary follows this meeting on that job
                              in_boundary=not self._joining)
         # at a job's start, the exchange its checkpoint restored (its mean), applied tau steps in
@@ -310,6 +318,7 @@ class FederatedRounds:
         self.committed = int(meta["committed"])
         self._healed = {**meta["position"], "in_boundary": bool(meta.get("in_boundary", True))}
         self._healed_pending = state.get("pending")
+        self._healed_tau_share = tau_share(int(meta["tau"]), int(meta["round_steps"]))
         self.stats["heals"] += 1
 
     def check_heal(self, state: Any) -> None:
@@ -524,6 +533,10 @@ class FederatedRounds:
         sync.pending = None
         if not healed["in_boundary"]:  # the run's jobs are starting too (resumed): start with them
             if self._healed_pending is not None:  # the exchange their checkpoints hold lands tau steps in
+                # (the peer's tau as the same share of this job's round: the jobs land together when their
+                # rounds take the same time; as in every round's decision)
+                own_round = sync.schedule.round_steps(int(healed["steps"]))
+                sync.tau = tau_of_share(self._healed_tau_share, own_round, sync.schedule.tau_cap(own_round))
                 sync.exchange_buffer.copy_(self._healed_pending)
                 sync.pending = ExchangeHandle.completed(sync.exchange_buffer, sync.store)
                 if sync.launch_point is not None:
