@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 SCALE = RESULTS / "convergence_scale.json"
 sys.path.insert(0, str(HERE.parent))
-from benchmarks.convergence import METHODS, MODEL  # noqa: E402
+from benchmarks.convergence import METHODS, MODEL, paired_gap  # noqa: E402
 
 #: Published gaps of DiLoCo to data parallelism (final loss / DP's - 1), at about 20 tokens per parameter.
 #: Charles et al., "Scaling Laws for DiLoCo" (arXiv 2503.09799), Table 4: H 30, uncompressed, inner lr and
@@ -73,16 +73,6 @@ def _best(sweep: dict[str, dict]) -> str:
     return min(sweep, key=lambda lr: loss(sweep[lr]))
 
 
-def _paired(mine: dict, ref: dict) -> tuple[float, list[int]]:
-    """mine's mean loss over ref's, minus 1, over the seeds both ran (all seeds of each where none is shared)."""
-    a = dict(zip(mine["seeds"], mine["final_val_loss_per_seed"]))
-    b = dict(zip(ref["seeds"], ref["final_val_loss_per_seed"]))
-    common = sorted(set(a) & set(b))
-    if not common:
-        return statistics.mean(a.values()) / statistics.mean(b.values()) - 1, []
-    return statistics.mean(a[s] for s in common) / statistics.mean(b[s] for s in common) - 1, common
-
-
 def point(conv: dict, *, resolved_flags: dict | None, commit: str, card: str, note: str | None = None) -> dict:
     """One point from a merged convergence.json (``regime`` + ``methods``): each family at its best lr, the
     default's gap to AllReduce's best over their shared seeds, bytes per rank, and every lr that ran."""
@@ -99,7 +89,8 @@ def point(conv: dict, *, resolved_flags: dict | None, commit: str, card: str, no
                                     for k, v in sorted(sweep.items(), key=lambda kv: float(kv[0]))},
                        "best_lr_bracketed": min(sweep, key=float) != lr != max(sweep, key=float)}
     out["default"]["resolved_flags"] = resolved_flags
-    out["gap_best_lrs"], out["gap_seeds"] = _paired(out["default"], out["allreduce"])
+    mean = lambda r: {**r, "final_val_loss": statistics.mean(r["final_val_loss_per_seed"])}  # noqa: E731
+    out["gap_best_lrs"], out["gap_seeds"] = paired_gap(mean(out["default"]), mean(out["allreduce"]))
     out["fewer_bytes"] = out["allreduce"]["bytes_total"] / out["default"]["bytes_total"]
     if note:
         out["note"] = note
