@@ -15,7 +15,7 @@ Failure kinds:
 
 * ``kill``: kill -9 of every rank of the job at the point;
 * ``stop``: SIGSTOP at the point (heartbeats stop), SIGCONT once the outer bound has passed: the job then
-  finds the run ahead and leaves, or rejoins;
+  finds the run ahead and catches up in place, or rejoins;
 * ``stall_within``: the job's training thread sleeps 3 s at the point (heartbeats go on), well inside the
   bound: the others wait, nothing fails;
 * ``stall_past``: it sleeps past the bound while heartbeating (a job stuck in its work, or whose link to the
@@ -149,8 +149,8 @@ def cell(tmp: Path, kind: str, point: str) -> dict:
 def _outcome(job: Job, code: int | None) -> str:
     log = job.log()
     if code == 0:
-        return "finished"
-    if "behind the run" in log:
+        return "finished: caught up in place" if "caught up with run" in log else "finished"
+    if "behind the run" in log:  # (before the catch-up in place: such a job left)
         return "left: behind the run"
     return f"exit {code}"
 

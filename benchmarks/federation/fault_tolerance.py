@@ -18,8 +18,8 @@ Runs, one after the other (4 ranks at a time, as ``make demo``):
   undisturbed run's (same seed and data).
 * ``kill_restart_from_checkpoint``: the same, B restarted from its own last checkpoint (``--save-interval``
   16): its Adam state is its own, against the fresh one above.
-* ``frozen``: job B stopped (SIGSTOP) a third in for 20 s, then continued: it is behind and leaves;
-  ``recover_s`` as above.
+* ``frozen``: job B stopped (SIGSTOP) a third in for 20 s, then continued: it is behind and catches up in
+  place (``caught_up``: it ends with A, exit 0); ``recover_s`` as above.
 * ``exchange_in_flight``: job B dies right after a boundary's decision, before sending its payload:
   the survivor's exchange of that round fails (no job commits it).
 * ``goodput``: a failure every ``--fail-every-s`` seconds. Federated: job B killed and restarted from
@@ -171,7 +171,8 @@ def frozen(tmp: Path, iters: int) -> dict:
             codes = {n: j.wait(1800) for n, j in jobs.items()}
         finally:
             _close(jobs.values())
-    return {"codes": codes, "survived": codes["A"] == 0, "left_cleanly": codes["B"] != 0 and "behind the run" in b.log(),
+    return {"codes": codes, "survived": codes["A"] == 0,
+            "caught_up": codes["B"] == 0 and "caught up with run" in b.log(),
             "identical_after_rejoin": None, "recover_s": _recover_s(a, stopped), "heal_s": None, "heal_bytes": None}
 
 

@@ -45,9 +45,11 @@ Every boundary, on every rank of every job, in the same order:
    committed it, the residual is restored to the one before that launch and theta stays: the next
    pseudo-gradient ``theta - x`` covers both rounds, so nothing of the replica's progress is lost.
 
-A job whose position differs from the run's after a heal outside its start (it was stopped, or cut
-off, for more than a round) raises :class:`FellBehindError`: restarting it rejoins it at the next
-boundary (:meth:`FederatedRounds.join`).
+A job whose position differs from the run's after a heal outside its start (it was stopped, cut off or
+late past the lighthouse's join timeout) catches up in place where the integration can move it
+(``catch_up``: Megatron skips the iterations between): it drops its rounds since its last committed state and
+goes on from the run's boundary as a joiner does; without ``catch_up`` it raises :class:`FellBehindError`
+(restarting it rejoins it at the next boundary, :meth:`FederatedRounds.join`).
 
 Memory: one buffer of 4 B per shard element (the residual before the launch with a lossy codec under
 ``partial``; x before the pseudo-gradient with ``none``); nothing more with ``partial`` + ``none``
@@ -113,8 +115,9 @@ def token_weights(tokens: list[float]) -> tuple[float, ...] | None:
 
 
 class FellBehindError(SystemExit):
-    """This job is behind the run by more than one round while training (it was stopped or cut off
-    past the bound). It leaves the run cleanly; restarting it rejoins it from a live peer."""
+    """This job is behind the run while training (it was stopped or cut off past the bound) and cannot move
+    to the run's boundary in place (no ``catch_up``). It leaves the run cleanly; restarting it rejoins it from
+    a live peer."""
 
 
 class ForeignStateError(ValueError):
@@ -216,16 +219,20 @@ class FederatedRounds:
         membership: who is present at each boundary.
         position: this job's position in the run, for the heal (a small JSON-able dict with at least
             ``"steps"``, the inner steps done); ``set_position``: applies a healed one.
+        catch_up: moves this job, while it trains, to the inner steps of the run's boundary (an int) when a
+            heal found it behind (the integration skips the iterations between); None: such a job raises
+            :class:`FellBehindError`.
     """
 
     def __init__(self, sync, membership: Membership, position: Callable[[], dict],
-                 set_position: Callable[[dict], None]) -> None:
+                 set_position: Callable[[dict], None], catch_up: Callable[[int], None] | None = None) -> None:
         self.sync = sync
         self.membership = membership
         if membership is not None:
             membership.rounds = lambda: sync.rounds
         self.position = position
         self.set_position = set_position
+        self.catch_up = catch_up
         if (why := sync.config.separate_jobs_problem()) is not None:
             raise ValueError(why)
         #: rounds this job committed (with the rounds healed in): part of its progress
@@ -260,7 +267,7 @@ class FederatedRounds:
         self.identity: str | None = None
         #: the meetings, failed rounds and heals so far (summary and metrics)
         self.stats = {"meetings": 0, "failed_meetings": 0, "membership_changes": 0, "failed_rounds": 0, "heals": 0,
-                      "meeting_s": 0.0, "last_meeting_s": 0.0}
+                      "meeting_s": 0.0, "last_meeting_s": 0.0, "caught_up_rounds": 0}
 
     def count_step(self) -> None:
         """An inner step was taken (:attr:`tokens_per_step`: its global batch x sequence length). Local."""
@@ -328,7 +335,8 @@ class FederatedRounds:
     # ---------------- the boundary ----------------
     def meet(self) -> Meeting:
         """Step 1 of the module doc: meet, regroup when the members changed, resolve a failed round.
-        Raises :class:`FellBehindError` when a heal moved this job's position while it trained."""
+        When a heal moved this job's position while it trained: it catches up in place (:meth:`_caught_up`), or
+        raises :class:`FellBehindError` without :attr:`catch_up`."""
         sync = self.sync
         self._healed = None
         before = self.boundaries()
@@ -346,14 +354,41 @@ class FederatedRounds:
             sync.regroup(meeting.group, self._decision_groups(meeting.group))
         healed = self._healed
         if healed is not None and not self._joining and int(healed["boundaries"]) != before:
-            raise FellBehindError(
-                f"megatron-diloco: this job is {int(healed['boundaries']) - before} rounds behind "
-                "the run (it was stopped or cut off for more than a round); it leaves the run with its outer "
-                "state intact. Restart it (with --load to keep its inner optimizer state) to rejoin at the "
-                "next boundary.")
+            if self.catch_up is None:
+                raise FellBehindError(
+                    f"megatron-diloco: this job is {int(healed['boundaries']) - before} rounds behind "
+                    "the run (it was stopped or cut off for more than a round); it leaves the run with its outer "
+                    "state intact. Restart it (with --load to keep its inner optimizer state) to rejoin at the "
+                    "next boundary.")
+            self._caught_up(healed, before)
+            return meeting
         if self.failed:
             self._resolve_failed_round(healed is not None)
         return meeting
+
+    @torch.no_grad()
+    def _caught_up(self, healed: dict, before: int) -> None:
+        """This job, while training, was found behind the run at this meeting (it was stopped, cut off, or
+        late past the lighthouse's join timeout) and has taken the run's outer state: it moves to the run's
+        boundary in place, as a joiner does. Its rounds since its last committed state are dropped (x <- theta,
+        the error feedback zeroed, no tokens), its inner steps set to its own steps at the run's boundary
+        (:attr:`catch_up`: the iterations between are skipped), and the rest of this boundary runs with it
+        contributing nothing (weight 0). Local."""
+        sync = self.sync
+        target, steps = int(self.own_position(healed)["steps"]), int(self.position()["steps"])
+        self.catch_up(target)
+        sync.x_from(sync.theta)
+        if sync.residual is not None:  # its error feedback belonged to rounds the run has not taken
+            sync.residual.zero_()
+        sync.params_shared = True
+        sync.pending = None
+        self.failed = False
+        self.tokens = 0
+        behind = int(healed["boundaries"]) - before
+        self.stats["caught_up_rounds"] += behind
+        logger.warning("megatron-diloco: this job was %d rounds behind the run (stopped, cut off or late); it "
+                       "took the run's outer state and goes on from the run's boundary: %d inner steps from step %d "
+                       "are skipped (their data is not trained on)", behind, target - steps, steps)
 
     def _decision_groups(self, group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, ...]:
         return tuple(g for g in (self.membership.job_group, group) if g is not None)

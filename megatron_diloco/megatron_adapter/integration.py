@@ -166,10 +166,30 @@ class _Installation:
                 self.optimizer.mark_iteration_start()
             with replica_local_loss_reduction(model):
                 out = train_step(*a, **k)
+            if self.optimizer is not None and self.optimizer.skip_iterations:
+                self.skip_iterations(k.get("iteration"), a[4] if len(a) > 4 else k.get("opt_param_scheduler"))
             self.record_loss(out[0])
             return out
 
         return diloco_train_step
+
+    def skip_iterations(self, iteration: int | None, scheduler) -> None:
+        """Separate jobs: a heal in this iteration's boundary moved this job to the run's boundary
+        (:meth:`DiLoCoXOptimizer.catch_up`). Megatron's loop skips the iterations between, as it does for
+        ``--iterations-to-skip`` (it reads and drops their micro-batches and counts their samples as consumed);
+        the LR schedule is advanced by their samples, as a joiner's is set from its iteration. ``iteration``:
+        Megatron's count before this one."""
+        args, opt = self.args, self.optimizer
+        n, opt.skip_iterations = opt.skip_iterations, 0
+        first = (args.curr_iteration if iteration is None else iteration) + 2
+        if args.iterations_to_skip is None:
+            args.iterations_to_skip = []
+        args.iterations_to_skip.extend(range(first, first + n))
+        if scheduler is not None:
+            scheduler.step(increment=n * args.global_batch_size)
+        if dist.get_rank() == 0:
+            print(f"megatron-diloco: caught up with run {args.diloco_x_run!r}: iterations {first} to "
+                  f"{first + n - 1} are skipped (their data is not trained on)", flush=True)
 
     def wrap_train(self, train: Callable) -> Callable:
         from megatron.training import training
@@ -262,7 +282,8 @@ class _Installation:
         args = self.args
         key = RunKey.from_file(args.diloco_x_secret_file, args.diloco_x_run)
         description = {**description, handshake.RUN: args.diloco_x_run}
-        fed = opt.federation = opt.sync.round_rules = FederatedRounds(opt.sync, None, opt.position, opt.set_position)
+        fed = opt.federation = opt.sync.round_rules = FederatedRounds(opt.sync, None, opt.position, opt.set_position,
+                                                                      opt.catch_up)
         fed.identity = handshake.identity(description)
         name = args.diloco_x_replica_id or f"replica{args.diloco_x_replica_index}"
         timeout_s = 60.0 * (self.config.outer_timeout_minutes or self.config.distributed_timeout_minutes)
