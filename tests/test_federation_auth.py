@@ -384,3 +384,12 @@ def test_jobs_of_another_world_size_are_told_apart_before_any_group_is_built():
     assert not stays and "(1)" in why
     assert other_worlds(["A#w4:u1", "Z#w1:u2"], 1)[0] and not other_worlds(["A#w4:u1", "Z#w1:u2"], 4)[0]
     assert other_worlds(["A:u1", "B#w2:u2", "C#w2:u3"], 2)[0] is False  # an id without the tag: another size
+
+
+def test_a_heal_whose_tau_exceeds_its_round_is_taken():
+    """tau is H until an exchange completes, also in a warm-up round of H0 < H steps: a heal sent then is the
+    run's state, not a malformed one (refusing it broke every meeting with a healing member until its bound)."""
+    fed = _rounds(momentum=0.5)
+    state = fed.state_dict()
+    state["meta"] = {**state["meta"], "tau": 16, "round_steps": 2}
+    fed.check_heal(state)
