@@ -67,6 +67,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_diloco.algorithm import faults
+from megatron_diloco.algorithm.heal import (TAU_SHARE_SCALE, ForeignStateError, check_heal, landing_tau,  # noqa: F401
+                                            own_position, tau_of_share, tau_share)
 from megatron_diloco.algorithm.bounds import OuterGroupError
 from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle
 from megatron_diloco.algorithm.link import bounded_all_reduce
@@ -77,27 +79,6 @@ logger = logging.getLogger(__name__)
 #: progress = boundaries reached x PROGRESS_RADIX + rounds committed (one integer: the coordinator heals a
 #: member whose progress is below the most advanced member's)
 PROGRESS_RADIX = 1 << 32
-#: the scale of tau as a share of a round in the decision (an integer below 2^53: exact in its float64 slot)
-TAU_SHARE_SCALE = 1 << 20
-
-
-def tau_share(tau: int, round_steps: int) -> int:
-    """tau as a share of a round of ``round_steps`` inner steps, in units of 1 / :data:`TAU_SHARE_SCALE`
-    rounded up: what a member proposes in the decision, so that jobs of different H agree on a share of
-    the round (the same wall time when their rounds take the same time), not on a number of steps."""
-    return -(-tau * TAU_SHARE_SCALE // round_steps) if round_steps > 0 else 0
-
-
-def tau_of_share(share: int, round_steps: int, cap: int) -> int:
-    """This job's tau for the agreed ``share`` (:func:`tau_share`, the largest proposed) of its round of
-    ``round_steps``: rounded down, at least 1 when the share is not 0, at most ``cap``. A job of the
-    same ``round_steps`` as the proposer gets the proposed tau back exactly (``round_steps`` below
-    :data:`TAU_SHARE_SCALE`)."""
-    if share <= 0:
-        return 0
-    return min(cap, max(1, share * round_steps // TAU_SHARE_SCALE))
-
-
 def token_weights(tokens: list[float]) -> tuple[float, ...] | None:
     """The members' weights in a round's mean from the tokens each trained on (``tokens``, in the outer
     group's rank order): ``w_r = R t_r / sum t`` rounded to fp32 (mean 1, so the exchange's
@@ -118,10 +99,6 @@ class FellBehindError(SystemExit):
     """This job is behind the run while training (it was stopped or cut off past the bound) and cannot move
     to the run's boundary in place (no ``catch_up``). It leaves the run cleanly; restarting it rejoins it from
     a live peer."""
-
-
-class ForeignStateError(ValueError):
-    """A peer offered state of another run or configuration (its identity differs): not taken."""
 
 
 @dataclasses.dataclass
@@ -162,52 +139,6 @@ class Membership(Protocol):
         may still be queued there; the next meeting forms a new one). Local."""
 
 
-def check_heal(sync, identity: str | None, state: Any) -> None:
-    """Refuse (ValueError; :class:`ForeignStateError` for another run or configuration) a heal that is not
-    this rank's outer state (``sync``'s :class:`~megatron_diloco.algorithm.sync.OuterSync`; ``identity``: this
-    job's run and configuration): its identity, theta / momentum / pending as fp32 vectors of this shard's
-    length and finite (the momentum present exactly when this run keeps one), the counters and the position
-    as non-negative integers. Local."""
-    if not isinstance(state, dict) or not isinstance(state.get("meta"), dict):
-        raise ValueError("a peer job sent a heal without its metadata")
-    meta = state["meta"]
-    if meta.get("identity") != identity:
-        raise ForeignStateError("a member of another run, or with other flags, was ahead; its state was not "
-                                "taken (the handshake names the difference)")
-    n = sync.theta.numel()
-
-    def vector(name: str, value: Any, required: bool) -> None:
-        if value is None:
-            if required:
-                raise ValueError(f"a peer job sent a heal without {name}")
-            return
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.numel() != n:
-            what = (f"{value.dtype} x {value.numel()}" if isinstance(value, torch.Tensor)
-                    else type(value).__name__)
-            raise ValueError(f"a peer job sent {name} as {what} for this rank's float32 x {n}: every job must "
-                             "use the same TP/PP/DP layout and model")
-        if not bool(torch.isfinite(value).all()):
-            raise ValueError(f"a peer job sent a non-finite {name}; not taken")
-
-    vector("theta", state.get("theta"), True)
-    vector("the outer momentum", state.get("momentum_buffer"), sync.outer.momentum_buffer is not None)
-    if sync.outer.momentum_buffer is None and state.get("momentum_buffer") is not None:
-        raise ValueError("a peer job sent an outer momentum this run does not keep (--diloco-x-outer-momentum)")
-    vector("the pending exchange", state.get("pending"), False)
-    for name in ("rounds", "skipped_rounds", "tau", "committed", "round_steps"):
-        if not isinstance(meta.get(name), int) or isinstance(meta[name], bool) or meta[name] < 0:
-            raise ValueError(f"a peer job sent a heal whose {name} is {meta.get(name)!r}")
-    if meta["round_steps"] < 1:  # (tau may exceed it: before an exchange completes tau is H, also in a warm-up)
-        raise ValueError(f"a peer job sent a heal whose round is {meta['round_steps']} steps")
-    position = meta.get("position")
-    if (not isinstance(position, dict) or not isinstance(position.get("steps"), int) or
-            not isinstance(position.get("boundaries"), int) or
-            not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in position.values())):
-        raise ValueError(f"a peer job sent a heal whose position is {position!r}")
-    if not isinstance(meta.get("timings"), dict):
-        raise ValueError("a peer job sent a heal without its timings")
-
-
 class FederatedRounds:
     """The membership side of one rank's boundaries (module doc): the
     :class:`~megatron_diloco.algorithm.rounds.RoundRules` of separate jobs, installed as
@@ -218,9 +149,8 @@ class FederatedRounds:
         membership: who is present at each boundary.
         position: this job's position in the run, for the heal (a small JSON-able dict with at least
             ``"steps"``, the inner steps done); ``set_position``: applies a healed one.
-        catch_up: moves this job, while it trains, to the inner steps of the run's boundary (an int) when a
-            heal found it behind (the integration skips the iterations between); None: such a job raises
-            :class:`FellBehindError`.
+        catch_up: moves this job, while it trains, to its inner steps at the run's boundary when a heal found it
+            behind (the integration skips the iterations between); None: :class:`FellBehindError` instead.
     """
 
     def __init__(self, sync, membership: Membership, position: Callable[[], dict],
@@ -260,7 +190,6 @@ class FederatedRounds:
         self.outcome = RoundOutcome(x_before=self.x_before)
         self._healed: dict | None = None
         self._healed_pending: torch.Tensor | None = None
-        self._healed_tau_share = 0
         self._joining = False
         #: what this job's run and configuration are (a digest); a heal from a peer with another is refused
         self.identity: str | None = None
@@ -282,17 +211,6 @@ class FederatedRounds:
         """This job's progress: boundaries reached x :data:`PROGRESS_RADIX` + rounds committed."""
         return self.boundaries() * PROGRESS_RADIX + self.committed
 
-    def own_position(self, healed: dict) -> dict:
-        """This job's position at a peer's healed position (``healed``: the peer's :meth:`position` with its
-        ``"boundaries"``): the inner steps at that boundary on this job's own schedule, and Megatron's
-        iteration offset by as many (the peer's offset kept: with the same H, exactly the peer's position)."""
-        steps = self.sync.schedule.steps_at_boundary(int(healed["boundaries"]))
-        own = {k: v for k, v in healed.items() if k != "boundaries"}
-        own["steps"] = steps
-        if "iteration" in healed:
-            own["iteration"] = int(healed["iteration"]) - int(healed["steps"]) + steps
-        return own
-
     def heal_bytes(self) -> int:
         """The largest heal this rank accepts (bytes): theta, the momentum and a pending mean as fp32, plus
         1 MiB for the metadata and the codec state."""
@@ -306,8 +224,7 @@ class FederatedRounds:
         boundaries = self.boundaries()
         state["meta"].update(committed=self.committed, position={**self.position(), "boundaries": boundaries},
                              identity=self.identity,
-                             # the round tau counts steps of (its pending exchange lands in it): the receiver
-                             # takes tau as the same share of its own round (jobs may differ in H)
+                             # the round tau counts (a receiver of another H takes the same share of its own)
                              round_steps=sync.schedule.round_steps(sync.schedule.steps_at_boundary(boundaries)),
                              # False at a job's start: no boundary follows this meeting on that job
                              in_boundary=not self._joining)
@@ -322,9 +239,9 @@ class FederatedRounds:
         self.sync.load_heal_state(state)
         meta = state["meta"]
         self.committed = int(meta["committed"])
-        self._healed = {**meta["position"], "in_boundary": bool(meta.get("in_boundary", True))}
+        self._healed = {**meta["position"], "in_boundary": bool(meta.get("in_boundary", True)),
+                        "tau_share": tau_share(int(meta["tau"]), int(meta["round_steps"]))}
         self._healed_pending = state.get("pending")
-        self._healed_tau_share = tau_share(int(meta["tau"]), int(meta["round_steps"]))
         self.stats["heals"] += 1
 
     def check_heal(self, state: Any) -> None:
@@ -355,10 +272,9 @@ class FederatedRounds:
         if healed is not None and not self._joining and int(healed["boundaries"]) != before:
             if self.catch_up is None:
                 raise FellBehindError(
-                    f"megatron-diloco: this job is {int(healed['boundaries']) - before} rounds behind "
-                    "the run (it was stopped or cut off for more than a round); it leaves the run with its outer "
-                    "state intact. Restart it (with --load to keep its inner optimizer state) to rejoin at the "
-                    "next boundary.")
+                    f"megatron-diloco: this job is {int(healed['boundaries']) - before} rounds behind the run (it was "
+                    "stopped or cut off for more than a round); it leaves the run with its outer state intact. Restart "
+                    "it (with --load to keep its inner optimizer state) to rejoin at the next boundary.")
             self._caught_up(healed, before)
             return meeting
         if self.failed:
@@ -367,27 +283,28 @@ class FederatedRounds:
 
     @torch.no_grad()
     def _caught_up(self, healed: dict, before: int) -> None:
-        """This job, while training, was found behind the run at this meeting (it was stopped, cut off, or
-        late past the lighthouse's join timeout) and has taken the run's outer state: it moves to the run's
-        boundary in place, as a joiner does. Its rounds since its last committed state are dropped (x <- theta,
-        the error feedback zeroed, no tokens), its inner steps set to its own steps at the run's boundary
-        (:attr:`catch_up`: the iterations between are skipped), and the rest of this boundary runs with it
-        contributing nothing (weight 0). Local."""
-        sync = self.sync
-        target, steps = int(self.own_position(healed)["steps"]), int(self.position()["steps"])
+        """Found behind the run while training, with the run's outer state taken: move to the run's boundary in
+        place, as a joiner does (its rounds since its last committed state dropped, weight 0 in this one; the
+        iterations between skipped by :attr:`catch_up`). Local."""
+        target, steps = int(own_position(self.sync.schedule, healed)["steps"]), int(self.position()["steps"])
         self.catch_up(target)
-        sync.x_from(sync.theta)
-        if sync.residual is not None:  # its error feedback belonged to rounds the run has not taken
-            sync.residual.zero_()
-        sync.params_shared = True
-        sync.pending = None
+        self._enter_at_theta()
         self.failed = False
-        self.tokens = 0
         behind = int(healed["boundaries"]) - before
         self.stats["caught_up_rounds"] += behind
         logger.warning("megatron-diloco: this job was %d rounds behind the run (stopped, cut off or late); it "
                        "took the run's outer state and goes on from the run's boundary: %d inner steps from step %d "
                        "are skipped (their data is not trained on)", behind, target - steps, steps)
+
+    def _enter_at_theta(self) -> None:
+        """x <- theta (a joiner, a job caught up): no tokens, no error feedback (of another theta), nothing in flight."""
+        sync = self.sync
+        sync.x_from(sync.theta)
+        self.tokens = 0
+        if sync.residual is not None:
+            sync.residual.zero_()
+        sync.params_shared = True
+        sync.pending = None
 
     def _decision_groups(self, group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, ...]:
         return tuple(g for g in (self.membership.job_group, group) if g is not None)
@@ -557,20 +474,12 @@ class FederatedRounds:
         self.failed = False
         if healed is None:
             return None
-        self.set_position(healed := self.own_position(healed))
+        self.set_position(healed := own_position(self.sync.schedule, healed))
         sync = self.sync
-        sync.x_from(sync.theta)
-        self.tokens = 0  # x is the run's theta: nothing trained since
-        if sync.residual is not None:  # its error feedback belonged to another theta: the run's round sends 0
-            sync.residual.zero_()
-        sync.params_shared = True
-        sync.pending = None
+        self._enter_at_theta()
         if not healed["in_boundary"]:  # the run's jobs are starting too (resumed): start with them
             if self._healed_pending is not None:  # the exchange their checkpoints hold lands tau steps in
-                # (the peer's tau as the same share of this job's round: the jobs land together when their
-                # rounds take the same time; as in every round's decision)
-                own_round = sync.schedule.round_steps(int(healed["steps"]))
-                sync.tau = tau_of_share(self._healed_tau_share, own_round, sync.schedule.tau_cap(own_round))
+                sync.tau = landing_tau(healed["tau_share"], sync.schedule, int(healed["steps"]))  # (as decided)
                 sync.exchange_buffer.copy_(self._healed_pending)
                 sync.pending = ExchangeHandle.completed(sync.exchange_buffer, sync.store)
                 if sync.launch_point is not None:

@@ -135,6 +135,7 @@ class _Installation:
         self.rounds: list[dict] = []
         self.warned_warmup = False  # the warm-up's exposed exchanges are reported once
         self.membership = None  # separate jobs (--diloco-x-lighthouse): this rank's membership of the run
+        self.iterations_behind = 0  # separate jobs: iterations to skip after this one (catch_up)
 
     def patch(self) -> None:
         """Apply the entries of :data:`~megatron_diloco.megatron_adapter.patches.INSTALL` that this run
@@ -166,21 +167,29 @@ class _Installation:
                 self.optimizer.mark_iteration_start()
             with replica_local_loss_reduction(model):
                 out = train_step(*a, **k)
-            if self.optimizer is not None and self.optimizer.skip_iterations:
+            if self.iterations_behind:
                 self.skip_iterations(k.get("iteration"), a[4] if len(a) > 4 else k.get("opt_param_scheduler"))
             self.record_loss(out[0])
             return out
 
         return diloco_train_step
 
+    def catch_up(self, steps: int) -> None:
+        """Separate jobs, in a boundary's ``step()``: a heal found this job behind the run. The optimizer moves to
+        its own ``steps`` at the run's boundary; Megatron's loop skips the iterations between (:meth:`skip_iterations`)."""
+        opt = self.optimizer
+        self.iterations_behind += steps - opt.step_calls
+        opt.step_calls = steps
+        opt.sync.before_boundary(None, steps=steps)
+
     def skip_iterations(self, iteration: int | None, scheduler) -> None:
         """Separate jobs: a heal in this iteration's boundary moved this job to the run's boundary
-        (:meth:`DiLoCoXOptimizer.catch_up`). Megatron's loop skips the iterations between, as it does for
+        (:meth:`catch_up`). Megatron's loop skips the iterations between, as it does for
         ``--iterations-to-skip`` (it reads and drops their micro-batches and counts their samples as consumed);
-        the LR schedule is advanced by their samples, as a joiner's is set from its iteration. ``iteration``:
-        Megatron's count before this one."""
-        args, opt = self.args, self.optimizer
-        n, opt.skip_iterations = opt.skip_iterations, 0
+        the LR schedule is advanced by their samples, as a joiner's is set from its iteration: they stay those of
+        the job's own steps. ``iteration``: Megatron's count before this one."""
+        args = self.args
+        n, self.iterations_behind = self.iterations_behind, 0
         first = (args.curr_iteration if iteration is None else iteration) + 2
         if args.iterations_to_skip is None:
             args.iterations_to_skip = []
@@ -283,7 +292,7 @@ class _Installation:
         key = RunKey.from_file(args.diloco_x_secret_file, args.diloco_x_run)
         description = {**description, handshake.RUN: args.diloco_x_run}
         fed = opt.federation = opt.sync.round_rules = FederatedRounds(opt.sync, None, opt.position, opt.set_position,
-                                                                      opt.catch_up)
+                                                                      self.catch_up)
         fed.identity = handshake.identity(description)
         name = args.diloco_x_replica_id or f"replica{args.diloco_x_replica_index}"
         timeout_s = 60.0 * (self.config.outer_timeout_minutes or self.config.distributed_timeout_minutes)

@@ -143,9 +143,6 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         #: (a :class:`~megatron_diloco.algorithm.federated.FederatedRounds`, installed as
         #: ``sync.round_rules`` by the integration before training), else None
         self.federation = None
-        #: separate jobs: iterations Megatron's train loop is to skip after the current one (a heal inside a
-        #: boundary moved this job to the run's boundary: :meth:`catch_up`; the integration hands them over)
-        self.skip_iterations = 0
 
     # ------------------------------------------------------------------ interface
     def __getattr__(self, name: str) -> NoReturn:
@@ -278,15 +275,6 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self.step_calls = int(position["steps"])
         self.iteration_offset = int(position["iteration"]) - self.step_calls
         self.sync.before_boundary(None, steps=self.step_calls)
-
-    def catch_up(self, steps: int) -> None:
-        """Separate jobs, inside a boundary's ``step()``: a heal found this job behind the run while it trained.
-        It moves to ``steps`` inner steps (its own steps at the run's boundary) and the round that starts there;
-        the iterations between are left for Megatron's loop to skip (:attr:`skip_iterations`), so its
-        iteration, data position and LR schedule stay those of its own steps. Local."""
-        self.skip_iterations += steps - self.step_calls
-        self.step_calls = steps
-        self.sync.before_boundary(None, steps=steps)
 
     def join_federation(self) -> dict | None:
         """Separate jobs, before training (every rank): :meth:`FederatedRounds.join`; the position taken,
