@@ -27,7 +27,8 @@ import torch.distributed as dist
 from megatron_diloco.algorithm import faults
 from megatron_diloco.algorithm.config import DiLoCoXConfig
 from megatron_diloco.algorithm.compression import get_codec
-from megatron_diloco.algorithm.federated import FederatedRounds, Meeting, tau_of_share, tau_share, token_weights
+from megatron_diloco.algorithm.federated import FederatedRounds, Meeting, token_weights
+from megatron_diloco.algorithm.heal import tau_of_share, tau_share
 from megatron_diloco.algorithm.schedule import RoundSchedule
 from megatron_diloco.algorithm.shard_view import ShardView
 from megatron_diloco.algorithm.sync import OuterSync

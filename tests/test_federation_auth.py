@@ -273,7 +273,7 @@ def test_a_heal_that_is_not_this_ranks_outer_state_is_refused(change, words):
 
 
 def test_a_heal_from_another_run_is_refused():
-    from megatron_diloco.algorithm.federated import ForeignStateError
+    from megatron_diloco.algorithm.heal import ForeignStateError
 
     fed = _rounds(momentum=0.0)
     state = fed.state_dict()

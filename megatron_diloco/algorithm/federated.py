@@ -67,8 +67,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_diloco.algorithm import faults
-from megatron_diloco.algorithm.heal import (TAU_SHARE_SCALE, ForeignStateError, check_heal, landing_tau,  # noqa: F401
-                                            own_position, tau_of_share, tau_share)
+from megatron_diloco.algorithm.heal import check_heal, landing_tau, own_position, tau_of_share, tau_share
 from megatron_diloco.algorithm.bounds import OuterGroupError
 from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle
 from megatron_diloco.algorithm.link import bounded_all_reduce

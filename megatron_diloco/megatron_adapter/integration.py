@@ -179,8 +179,7 @@ class _Installation:
         its own ``steps`` at the run's boundary; Megatron's loop skips the iterations between (:meth:`skip_iterations`)."""
         opt = self.optimizer
         self.iterations_behind += steps - opt.step_calls
-        opt.step_calls = steps
-        opt.sync.before_boundary(None, steps=steps)
+        opt.set_position({"steps": steps, "iteration": steps + opt.iteration_offset})  # (its own offset kept)
 
     def skip_iterations(self, iteration: int | None, scheduler) -> None:
         """Separate jobs: a heal in this iteration's boundary moved this job to the run's boundary
