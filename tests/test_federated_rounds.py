@@ -397,3 +397,58 @@ def _pending_heal_worker(rank: int, world: int) -> None:
 
 def test_a_job_healed_at_its_start_lands_the_pending_exchange_at_its_own_share_of_the_round():
     run_world(_pending_heal_worker, 2)
+
+
+# ---------------- a job late by one round contributes it one round stale ----------------
+class _LateMembership(ScriptedMembership):
+    """Job 0 meets alone at its meetings in ``alone`` (job 1 is late: it has not reached its boundary);
+    otherwise both meet as :class:`ScriptedMembership` does."""
+
+    def __init__(self, alone: set[int]) -> None:
+        super().__init__(set())
+        self.alone, self.meetings = alone, 0
+
+    def meet(self, progress: int) -> Meeting:
+        self.meetings += 1
+        if dist.get_rank() == 0 and self.meetings in self.alone:
+            return Meeting(None, True, 1)
+        return super().meet(progress)
+
+
+def _late_worker(rank: int, world: int, overlap: str, late: int) -> None:
+    """Both jobs train 2 rounds together; job 0 then meets without job 1 at its next ``late`` boundaries (job 1
+    is stuck before its third): job 1's third meeting is job 0's (3 + late)-th, where job 1 is healed while it
+    trains and catches up in place (the integration's iteration skip stands in as moving its steps). Late by one
+    round, its last round goes into that boundary's mean one round stale: x1 <- theta_run + (x1 - theta_held),
+    its tokens kept; the mean is exactly the token-weighted mean of job 0's x and that. Late by two, it enters as
+    a joiner (x1 <- theta_run, weight 0). Both end with the same theta."""
+    sync, fed, x, steps = _job(overlap, "none")
+    fed.membership = membership = _LateMembership(set(range(3, 3 + late)))
+    membership.fed, membership.rounds = fed, lambda: sync.rounds
+    fed.catch_up = lambda target: steps.update(steps=target)
+    last = H * (3 + late) if rank == 0 else 3 * H
+    for step in _boundaries(sync, x, rank, steps, last):
+        if step < last:
+            sync.boundary()
+    before = [torch.empty(2, N), torch.empty(2, N)]  # per job: x, theta before the common boundary
+    dist.all_gather(before, torch.stack([x, sync.theta]))
+    sync.boundary()
+    assert steps["steps"] == H * (3 + late), steps  # job 1 moved to the run's boundary
+    sync.drain()
+    (x0, theta_run), (x1, theta_held) = before
+    stale = theta_run + (x1 - theta_held) if late == 1 else theta_run
+    w0, w1 = (1.0, 1.0) if late == 1 else (2.0, 0.0)
+    expected = theta_run - ((theta_run - x0) * w0 + (theta_run - stale) * w1) * 0.5
+    assert torch.equal(sync.theta, expected), (rank, (sync.theta - expected).abs().max())
+    if rank == 1:
+        assert fed.stats["stale_rounds"] == (late == 1) and fed.stats["caught_up_rounds"] == late, fed.stats
+        assert (fed.round_tokens, fed.round_weight) == ((H, 1.0) if late == 1 else (0, 0.0))
+    thetas = [torch.empty(N), torch.empty(N)]
+    dist.all_gather(thetas, sync.theta.clone())
+    assert torch.equal(thetas[0], thetas[1])
+
+
+@pytest.mark.parametrize("late", [1, 2])
+@pytest.mark.parametrize("overlap", ["partial", "none"])
+def test_a_job_late_by_one_round_contributes_it_one_round_stale(overlap, late):
+    run_world(_late_worker, 2, overlap, late)

@@ -47,9 +47,14 @@ Every boundary, on every rank of every job, in the same order:
 
 A job whose position differs from the run's after a heal outside its start (it was stopped, cut off or
 late past the lighthouse's join timeout) catches up in place where the integration can move it
-(``catch_up``: Megatron skips the iterations between): it drops its rounds since its last committed state and
-goes on from the run's boundary as a joiner does; without ``catch_up`` it raises :class:`FellBehindError`
-(restarting it rejoins it at the next boundary, :meth:`FederatedRounds.join`).
+(``catch_up``: Megatron skips the iterations between) and goes on from the run's boundary. One boundary
+behind (it reached its boundary after the others had met there, and met them at their next one), with its
+last round intact, it **contributes that round one round stale**, as the delayed overlap's rounds are:
+``x <- theta_run + (x - theta_held)`` (its progress since the theta it held moved onto the run's), its
+tokens and error feedback kept, so the round goes into this boundary's token-weighted mean. Further behind,
+or with its last round failed, it drops its rounds since its last committed state and enters as a joiner
+does (weight 0). Without ``catch_up`` it raises :class:`FellBehindError` (restarting it rejoins it at the
+next boundary, :meth:`FederatedRounds.join`).
 
 Memory: one buffer of 4 B per shard element (the residual before the launch with a lossy codec under
 ``partial``; x before the pseudo-gradient with ``none``); nothing more with ``partial`` + ``none``
@@ -67,7 +72,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_diloco.algorithm import faults
-from megatron_diloco.algorithm.heal import check_heal, landing_tau, own_position, tau_of_share, tau_share
+from megatron_diloco.algorithm.heal import (check_heal, enter_at_theta, landing_tau, own_position, rebase_x,
+                                            tau_of_share, tau_share)
 from megatron_diloco.algorithm.bounds import OuterGroupError
 from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle
 from megatron_diloco.algorithm.link import bounded_all_reduce
@@ -189,12 +195,14 @@ class FederatedRounds:
         self.outcome = RoundOutcome(x_before=self.x_before)
         self._healed: dict | None = None
         self._healed_pending: torch.Tensor | None = None
+        #: this meeting's heal found the job one boundary behind, its last round intact: x holds x - theta_held
+        self._late_round = False
         self._joining = False
         #: what this job's run and configuration are (a digest); a heal from a peer with another is refused
         self.identity: str | None = None
         #: the meetings, failed rounds and heals so far (summary and metrics)
         self.stats = {"meetings": 0, "failed_meetings": 0, "membership_changes": 0, "failed_rounds": 0, "heals": 0,
-                      "meeting_s": 0.0, "last_meeting_s": 0.0, "caught_up_rounds": 0}
+                      "meeting_s": 0.0, "last_meeting_s": 0.0, "caught_up_rounds": 0, "stale_rounds": 0}
 
     def count_step(self) -> None:
         """An inner step was taken (:attr:`tokens_per_step`: its global batch x sequence length). Local."""
@@ -235,8 +243,12 @@ class FederatedRounds:
         """Take a peer's :meth:`state_dict` (called during :meth:`meet` when this job is behind), once
         :meth:`check_heal` accepts it (nothing is taken otherwise)."""
         self.check_heal(state)
-        self.sync.load_heal_state(state)
         meta = state["meta"]
+        if (self.catch_up is not None and not self._joining and not self.failed and not self._late_round and
+                int(meta["position"]["boundaries"]) - self.boundaries() == 1):  # late by less than a round:
+            self._late_round = True  # its round is kept (x - theta_held, before theta is replaced; :meth:`_caught_up`)
+            rebase_x(self.sync, sub=self.sync.theta)
+        self.sync.load_heal_state(state)
         self.committed = int(meta["committed"])
         self._healed = {**meta["position"], "in_boundary": bool(meta.get("in_boundary", True)),
                         "tau_share": tau_share(int(meta["tau"]), int(meta["round_steps"]))}
@@ -253,7 +265,7 @@ class FederatedRounds:
         When a heal moved this job's position while it trained: it catches up in place (:meth:`_caught_up`), or
         raises :class:`FellBehindError` without :attr:`catch_up`."""
         sync = self.sync
-        self._healed = None
+        self._healed, self._late_round = None, False
         before = self.boundaries()
         faults.point("meeting", sync.rounds)
         meeting = self.membership.meet(self.progress())
@@ -282,28 +294,24 @@ class FederatedRounds:
 
     @torch.no_grad()
     def _caught_up(self, healed: dict, before: int) -> None:
-        """Found behind the run while training, with the run's outer state taken: move to the run's boundary in
-        place, as a joiner does (its rounds since its last committed state dropped, weight 0 in this one; the
-        iterations between skipped by :attr:`catch_up`). Local."""
+        """Found behind the run while training, its outer state taken: move to the run's boundary in place (the
+        iterations between skipped by :attr:`catch_up`), its last round kept one round stale when
+        :attr:`_late_round`, else entering as a joiner does (weight 0). Local."""
         target, steps = int(own_position(self.sync.schedule, healed)["steps"]), int(self.position()["steps"])
         self.catch_up(target)
-        self._enter_at_theta()
-        self.failed = False
         behind = int(healed["boundaries"]) - before
         self.stats["caught_up_rounds"] += behind
-        logger.warning("megatron-diloco: this job was %d rounds behind the run (stopped, cut off or late); it "
-                       "took the run's outer state and goes on from the run's boundary: %d inner steps from step %d "
-                       "are skipped (their data is not trained on)", behind, target - steps, steps)
-
-    def _enter_at_theta(self) -> None:
-        """x <- theta (a joiner, a job caught up): no tokens, no error feedback (of another theta), nothing in flight."""
-        sync = self.sync
-        sync.x_from(sync.theta)
-        self.tokens = 0
-        if sync.residual is not None:
-            sync.residual.zero_()
-        sync.params_shared = True
-        sync.pending = None
+        if self._late_round:  # x <- theta_run + (x - theta_held); tokens and error feedback kept
+            rebase_x(self.sync, add=self.sync.theta)
+            self.sync.pending, self.sync.params_shared, self._late_round = None, False, False
+            self.stats["stale_rounds"] += 1
+            kept = f"its last round ({self.tokens} tokens) goes into this round's mean one round stale"
+        else:
+            enter_at_theta(self.sync)  # (as a joiner: no tokens)
+            self.tokens, self.failed, kept = 0, False, "its rounds since its last committed state are dropped"
+        logger.warning("megatron-diloco: this job was %d round(s) behind the run (stopped, cut off or late); it took "
+                       "the run's outer state and goes on from the run's boundary, %s; %d inner steps from step %d "
+                       "are skipped (their data is not trained on)", behind, kept, target - steps, steps)
 
     def _decision_groups(self, group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, ...]:
         return tuple(g for g in (self.membership.job_group, group) if g is not None)
@@ -314,11 +322,7 @@ class FederatedRounds:
         sync = self.sync
         self.failed = False
         if healed:  # another job committed it, with this replica's payload: x <- theta + (x - x_L)
-            for lo, hi, (th, a) in sync.store.stream(sync.theta, self.outcome.x_before):
-                xs = sync.view.pieces(lo, hi)
-                if xs:
-                    torch._foreach_sub_(xs, sync.view.split_like(a, xs))
-                    torch._foreach_add_(xs, sync.view.split_like(th, xs))
+            rebase_x(sync, add=sync.theta, sub=self.outcome.x_before)
             logger.warning("DiLoCoX round %d: the last round failed on this job and another job committed it; "
                            "took its theta (this replica's payload is in it), kept the progress since", sync.rounds)
         else:
@@ -475,7 +479,8 @@ class FederatedRounds:
             return None
         self.set_position(healed := own_position(self.sync.schedule, healed))
         sync = self.sync
-        self._enter_at_theta()
+        enter_at_theta(sync)
+        self.tokens = 0
         if not healed["in_boundary"]:  # the run's jobs are starting too (resumed): start with them
             if self._healed_pending is not None:  # the exchange their checkpoints hold lands tau steps in
                 sync.tau = landing_tau(healed["tau_share"], sync.schedule, int(healed["steps"]))  # (as decided)

@@ -1,7 +1,7 @@
 """What a job accepts from a peer's heal, and where it stands after one: the checks before anything is taken
-(:func:`check_heal`), this job's own position at the peer's boundary (:func:`own_position`), and tau as a share
-of a round, so that jobs of different H land together (:func:`tau_share`, as the boundary's decision carries it).
-Local, no communication; used by :class:`~megatron_diloco.algorithm.federated.FederatedRounds`."""
+(:func:`check_heal`), this job's own position at the peer's boundary (:func:`own_position`), its progress moved
+onto the peer's theta (:func:`rebase_x`), and tau as a share of a round, so that jobs of different H land together
+(:func:`tau_share`, as the boundary's decision carries it). Local, no communication; used by :class:`~megatron_diloco.algorithm.federated.FederatedRounds`."""
 
 from __future__ import annotations
 
@@ -99,3 +99,28 @@ def own_position(schedule, healed: dict) -> dict:
     if "iteration" in healed:
         own["iteration"] = int(healed["iteration"]) - int(healed["steps"]) + steps
     return own
+
+
+@torch.no_grad()
+def rebase_x(sync, add: torch.Tensor | None = None, sub: torch.Tensor | None = None) -> None:
+    """x <- x - ``sub`` + ``add`` on ``sync``'s shards in place (flat fp32 vectors of its store, theta's length;
+    either may be None), chunk by chunk of the store: a job's progress since ``sub`` moved onto ``add`` (a
+    healed theta). Local."""
+    for lo, hi, (a, s) in sync.store.stream(add, sub):
+        xs = sync.view.pieces(lo, hi)
+        if not xs:
+            continue
+        if s is not None:
+            torch._foreach_sub_(xs, sync.view.split_like(s, xs))
+        if a is not None:
+            torch._foreach_add_(xs, sync.view.split_like(a, xs))
+
+
+def enter_at_theta(sync) -> None:
+    """x <- theta on ``sync``'s shards (a joiner, a job caught up): no error feedback (of another theta), nothing
+    in flight. Local."""
+    sync.x_from(sync.theta)
+    if sync.residual is not None:
+        sync.residual.zero_()
+    sync.params_shared = True
+    sync.pending = None
