@@ -10,6 +10,7 @@ By concern (each module's docstring says what its recorders write into the rank'
   ``plain_ddp``, ``profile`` (the benchmarks' step times, losses and memory);
 * ``network.py``: ``link`` (the in-process slow link), ``wan`` (the CPU WAN benchmark);
 * ``codec_capture.py``: ``codec_capture`` (real pseudo-gradients saved to files);
+* ``slots.py``: ``slots`` (each rank's exchange slots: their parameter pieces and values);
 * ``base.py``: :class:`~harness.recorders.base.Recorder`, ``wrap`` and the readings several share.
 
 A recorder kept elsewhere is named ``package.module:Name`` (:func:`harness.run.resolve`).
@@ -22,6 +23,7 @@ from .checkpoint import CheckpointRecorder
 from .codec_capture import CodecCaptureRecorder
 from .federation import FederationRecorder
 from .network import LinkRecorder, WanRecorder
+from .slots import SlotsRecorder
 from .steps import (BoundaryCheckRecorder, FixedEvalRecorder, LossesRecorder, MemoryRecorder, PlainDDPRecorder,
                     ProfileRecorder, RoundsRecorder, TimersRecorder)
 from .training import TrainingRecorder
@@ -30,4 +32,4 @@ from .training import TrainingRecorder
 RECORDERS: dict[str, type[Recorder]] = {r.name: r for r in (
     TrainingRecorder, CheckpointRecorder, FederationRecorder,
     TimersRecorder, LossesRecorder, MemoryRecorder, RoundsRecorder, BoundaryCheckRecorder, FixedEvalRecorder,
-    PlainDDPRecorder, ProfileRecorder, LinkRecorder, WanRecorder, CodecCaptureRecorder)}
+    PlainDDPRecorder, ProfileRecorder, LinkRecorder, WanRecorder, CodecCaptureRecorder, SlotsRecorder)}
