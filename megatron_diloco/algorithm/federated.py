@@ -298,7 +298,6 @@ class FederatedRounds:
         iterations between skipped by :attr:`catch_up`), its last round kept one round stale when
         :attr:`_late_round`, else entering as a joiner does (weight 0). Local."""
         target, steps = int(own_position(self.sync.schedule, healed)["steps"]), int(self.position()["steps"])
-        self.catch_up(target)
         behind = int(healed["boundaries"]) - before
         self.stats["caught_up_rounds"] += behind
         if self._late_round:  # x <- theta_run + (x - theta_held); tokens and error feedback kept
@@ -309,6 +308,7 @@ class FederatedRounds:
         else:
             enter_at_theta(self.sync)  # (as a joiner: no tokens)
             self.tokens, self.failed, kept = 0, False, "its rounds since its last committed state are dropped"
+        self.catch_up(target)  # (x is whole by now)
         logger.warning("megatron-diloco: this job was %d round(s) behind the run (stopped, cut off or late); it took "
                        "the run's outer state and goes on from the run's boundary, %s; %d inner steps from step %d "
                        "are skipped (their data is not trained on)", behind, kept, target - steps, steps)
