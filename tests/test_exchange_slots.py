@@ -1,8 +1,9 @@
 """Exchange slots on real Megatron buffers (``megatron_diloco.megatron_adapter.exchange_slots``): the same model
-built at data-parallel sizes 1, 2 and 4 (gloo ranks, the distributed optimizer, overlapped grad reduce with buckets of
-20,000 elements, so that a rank's shards fall in several), cut into 4 slots. Slot s must be the same vector at every DP: the same parameter
-elements in the same order, and the same values at the start (the same seed); together the slots cover every
-parameter element once; at DP 4 a rank's one slot is its whole main shard (what Megatron's optimizer owns)."""
+built at data-parallel sizes 1, 2 and 4 (gloo ranks, the distributed optimizer, overlapped grad reduce with
+buckets of 20,000 elements, so that a rank's shards fall in several), cut into 4 slots. Slot s must be the same
+vector at every DP: the same parameter elements in the same order, and the same values at the start (the same
+seed); together the slots cover every parameter element once; at DP 4 a rank's one slot is its whole main shard
+(what Megatron's optimizer owns)."""
 
 from __future__ import annotations
 

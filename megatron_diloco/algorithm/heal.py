@@ -1,7 +1,8 @@
 """What a job accepts from a peer's heal, and where it stands after one: the checks before anything is taken
 (:func:`check_heal`), this job's own position at the peer's boundary (:func:`own_position`), its progress moved
 onto the peer's theta (:func:`rebase_x`), and tau as a share of a round, so that jobs of different H land together
-(:func:`tau_share`, as the boundary's decision carries it). Local, no communication; used by :class:`~megatron_diloco.algorithm.federated.FederatedRounds`."""
+(:func:`tau_share`, as the boundary's decision carries it). Local, no communication; used by
+:class:`~megatron_diloco.algorithm.federated.FederatedRounds`."""
 
 from __future__ import annotations
 
