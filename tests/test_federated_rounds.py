@@ -415,17 +415,26 @@ class _LateMembership(ScriptedMembership):
         return super().meet(progress)
 
 
-def _late_worker(rank: int, world: int, overlap: str, late: int) -> None:
+def _late_worker(rank: int, world: int, overlap: str, late: int, codec: str) -> None:
     """Both jobs train 2 rounds together; job 0 then meets without job 1 at its next ``late`` boundaries (job 1
     is stuck before its third): job 1's third meeting is job 0's (3 + late)-th, where job 1 is healed while it
     trains and catches up in place (the integration's iteration skip stands in as moving its steps). Late by one
     round, its last round goes into that boundary's mean one round stale: x1 <- theta_run + (x1 - theta_held),
     its tokens kept; the mean is exactly the token-weighted mean of job 0's x and that. Late by two, it enters as
-    a joiner (x1 <- theta_run, weight 0). Both end with the same theta."""
-    sync, fed, x, steps = _job(overlap, "none")
+    a joiner (x1 <- theta_run, weight 0). Both end with the same theta. int8: the error feedback is kept late by one
+    round (the residual its last launch left, not zero) and zeroed late by two (that of another theta)."""
+    sync, fed, x, steps = _job(overlap, codec)
     fed.membership = membership = _LateMembership(set(range(3, 3 + late)))
     membership.fed, membership.rounds = fed, lambda: sync.rounds
     fed.catch_up = lambda target: steps.update(steps=target)
+    caught_up, residual = fed._caught_up, {}
+
+    def catching_up(healed, before):
+        residual["before"] = None if sync.residual is None else sync.residual.clone()
+        caught_up(healed, before)
+        residual["after"] = None if sync.residual is None else sync.residual.clone()
+
+    fed._caught_up = catching_up
     last = H * (3 + late) if rank == 0 else 3 * H
     for step in _boundaries(sync, x, rank, steps, last):
         if step < last:
@@ -439,7 +448,11 @@ def _late_worker(rank: int, world: int, overlap: str, late: int) -> None:
     stale = theta_run + (x1 - theta_held) if late == 1 else theta_run
     w0, w1 = (1.0, 1.0) if late == 1 else (2.0, 0.0)
     expected = theta_run - ((theta_run - x0) * w0 + (theta_run - stale) * w1) * 0.5
-    assert torch.equal(sync.theta, expected), (rank, (sync.theta - expected).abs().max())
+    if codec == "none":
+        assert torch.equal(sync.theta, expected), (rank, (sync.theta - expected).abs().max())
+    else:  # the residual as it enters the boundary's launch
+        assert rank == 0 or (torch.count_nonzero(residual["before"]) > 0 and torch.equal(
+            residual["after"], residual["before"] if late == 1 else torch.zeros(N))), residual
     if rank == 1:
         assert fed.stats["stale_rounds"] == (late == 1) and fed.stats["caught_up_rounds"] == late, fed.stats
         assert (fed.round_tokens, fed.round_weight) == ((H, 1.0) if late == 1 else (0, 0.0))
@@ -448,7 +461,8 @@ def _late_worker(rank: int, world: int, overlap: str, late: int) -> None:
     assert torch.equal(thetas[0], thetas[1])
 
 
+@pytest.mark.parametrize("codec", ["none", "int8"])
 @pytest.mark.parametrize("late", [1, 2])
 @pytest.mark.parametrize("overlap", ["partial", "none"])
-def test_a_job_late_by_one_round_contributes_it_one_round_stale(overlap, late):
-    run_world(_late_worker, 2, overlap, late)
+def test_a_job_late_by_one_round_contributes_it_one_round_stale(overlap, late, codec):
+    run_world(_late_worker, 2, overlap, late, codec)
