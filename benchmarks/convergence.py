@@ -57,12 +57,17 @@ from megatron_diloco.summary import parse_summaries  # noqa: E402
 
 H = 30
 REPLICAS = 2
-MODEL = """
-    --num-layers 12 --hidden-size 768 --ffn-hidden-size 3072 --num-attention-heads 12
+#: ``--model``: the GPTs' shapes (RESULTS §2.4, §9): 85.2M (the default) and 302.4M parameters
+SHAPES = {"85M": "--num-layers 12 --hidden-size 768 --ffn-hidden-size 3072 --num-attention-heads 12".split(),
+          "302M": "--num-layers 24 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 16".split()}
+#: every model's other flags (the lr: a sweep's methods set their own)
+COMMON = """
     --seq-length 512 --max-position-embeddings 512 --micro-batch-size 4
     --bf16 --transformer-impl local --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 100
     --log-interval 50 --eval-iters 8 --pipeline-model-parallel-size 1
 """.split()
+MODELS = {name: [*shape, *COMMON] for name, shape in SHAPES.items()}
+MODEL = MODELS["85M"]
 CPU_MODEL = """
     --num-layers 2 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 2
     --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2
@@ -244,7 +249,8 @@ def run_args(name: str, seed: int, a: argparse.Namespace, data: str) -> tuple[li
     ones (with ``--call-s`` the run's checkpoint), the world's global batch (all R replicas' samples, but
     for a replica in a world of its own) and the method's (last: its Megatron flags win)."""
     method = METHODS[name]
-    common = [*(CPU_MODEL if a.cpu_smoke else MODEL), *(FAST_PATH if getattr(a, "fast_path", False) else []),
+    common = [*(CPU_MODEL if a.cpu_smoke else MODELS[getattr(a, "model", "85M")]),
+              *(FAST_PATH if getattr(a, "fast_path", False) else []),
               "--micro-batch-size", str(a.micro_batch),
               *(["--eval-iters", str(a.eval_iters)] if a.eval_iters else []),
               "--train-iters", str(a.steps), "--eval-interval", str(a.eval_interval),
@@ -542,11 +548,15 @@ def main() -> None:
     p.add_argument("--call-s", type=float, default=None,
                    help="seconds this call may use, from its start: every run checkpoints, stops in time and is "
                         "continued by the next call of the same command (DIR/manifest.json; replaces --budget-s)")
+    p.add_argument("--model", choices=sorted(MODELS), default="85M",
+                   help="the GPT: 85M (12 x 768, the default) or 302M (24 x 1024); GPU runs only")
     p.add_argument("--fast-path", action="store_true",
                    help="train on the one-GPU fast path (RESULTS.md §9: SDPA, fused RoPE, loader workers); GPU only")
     p.add_argument("--exit-interval", type=int, default=None,
                    help="with --call-s: this call's runs also stop at a multiple of this iteration (a split by steps)")
     a = p.parse_args()
+    if a.model != "85M" and a.cpu_smoke:
+        p.error("--model: GPU runs only (--cpu-smoke trains its own small model)")
     if a.fast_path and a.cpu_smoke:
         p.error("--fast-path: GPU only (its fused RoPE needs a GPU); drop it with --cpu-smoke")
     if a.exit_interval is not None and a.call_s is None:

@@ -452,3 +452,17 @@ def test_the_earlier_sweep_as_points_gives_results_2_3s_gaps():
     pts = {p["H"]: p for p in scale_points.earlier_points(conv_h)}
     assert round(100 * pts[30]["gap_best_lrs"], 2) == 2.79 and round(100 * pts[100]["gap_best_lrs"], 2) == 2.63
     assert pts[30]["allreduce"]["lr"] == 5e-4 and pts[30]["default"]["lr"] == 1e-3
+
+
+def test_the_model_flag_picks_the_shape_and_keeps_the_rest(tmp_path):
+    """``--model 302M``: 24 layers of 1024 (16 heads, ffn 4096), every other flag as the 85M run's."""
+    a = _a(tmp_path)
+    small = convergence.run_args("allreduce", 1, a, "/data/corpus")[1]
+    a.model = "302M"
+    big = convergence.run_args("allreduce", 1, a, "/data/corpus")[1]
+    shape = {f: _flag(big, f) for f in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads")}
+    assert shape == {"--num-layers": "24", "--hidden-size": "1024", "--ffn-hidden-size": "4096",
+                     "--num-attention-heads": "16"}
+    assert _flag(small, "--num-layers") == "12" and _flag(small, "--hidden-size") == "768"
+    rest = lambda argv: [x for i, x in enumerate(argv) if x not in shape and (i == 0 or argv[i - 1] not in shape)]  # noqa: E731
+    assert rest(big) == rest(small)
