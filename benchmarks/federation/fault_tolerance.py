@@ -293,7 +293,9 @@ def main() -> None:
 
         machine = (f"{a.gpus} x {torch.cuda.get_device_name(0)}, "
                    f"{'one job per GPU' if a.gpus > 1 else 'both jobs on one GPU'}, gloo over loopback")
-    result.update({"machine": machine, "commit": commit, "iters": a.iters,
+    for earlier in result.get("scenarios", {}).values():  # (--only: what ran before keeps its commit)
+        earlier.setdefault("commit", result.get("commit"))
+    result.update({"machine": machine, "commit": result.get("commit", commit) if only else commit, "iters": a.iters,
                    "model": "the demo (examples/pretrain_gpt_diloco.py defaults), each job one replica, "
                             + ("one rank (PP 1) on a GPU" if a.gpus else "PP 2")})
     scenarios = result.setdefault("scenarios", {})
@@ -312,7 +314,7 @@ def main() -> None:
                     ("kill_restart_from_checkpoint", lambda tmp, iters: kill_restart(tmp, iters, True)))
     for name, fn in scenario_fns:
         if want(name):
-            scenarios[name] = fn(a.work / name, a.iters)
+            scenarios[name] = {**fn(a.work / name, a.iters), "commit": commit}  # (--only: others keep theirs)
             print(name, {k: v for k, v in scenarios[name].items() if k != "losses"}, flush=True)
             a.out.write_text(json.dumps(result, indent=1) + "\n")  # (a later failure keeps what ran)
     if "kill_restart" in scenarios:
