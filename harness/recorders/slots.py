@@ -29,17 +29,17 @@ class SlotsRecorder(Recorder):
                 model, opt = (a[2], a[3]) if len(a) > 3 else (k["model"], k["optimizer"])
                 dist_opts = distributed_optimizers(getattr(opt, "inner", opt))
                 group = dist_opts[0].buffers[0].data_parallel_group
-                slots = int(os.environ.get("DILOCO_TEST_SLOTS", group.size()))
+                count = int(os.environ.get("DILOCO_TEST_SLOTS", group.size()))
                 names = {p: n for chunk in model for n, p in chunk.named_parameters()}
                 ranges = main_ranges(dist_opts)
                 shards = _main_params(dist_opts)
+                slots = slot_pieces(ranges, group.rank(), group.size(), count)
                 record["slots"] = {
                     "dp": [group.rank(), group.size()], "numel": {n: p.numel() for p, n in names.items()},
                     "main_numel": sum(t.numel() for t in shards),
                     "buckets": len({(r.buffer, r.bucket) for r in ranges}),
                     "pieces": [[[names[ranges[q.main].param], ranges[q.main].param_start + q.lo,
                                  ranges[q.main].param_start + q.hi] for q in pieces]
-                               for pieces in slot_pieces(ranges, group.rank(), group.size(), slots)],
-                    "fingerprints": [fingerprint_ints(slot_views(shards, pieces))
-                                     for pieces in slot_pieces(ranges, group.rank(), group.size(), slots)]}
+                               for pieces in slots],
+                    "fingerprints": [fingerprint_ints(slot_views(shards, pieces)) for pieces in slots]}
             return orig(*a, **k)
