@@ -54,19 +54,24 @@ class OuterBounds:
         self.group = group
         self.exchange_group = exchange_group
         self.decision_groups = decision_groups
+        #: the outer groups of this rank's other exchange slots (:mod:`~megatron_diloco.algorithm.slot_exchange`)
+        self.slot_groups: tuple[dist.ProcessGroup | None, ...] = ()
         self.worker = worker
         self._backstop_s: float | None = None  # the groups' own timeout as last set
 
     def regroup(self, group: dist.ProcessGroup | None, exchange_group: dist.ProcessGroup | None,
-                decision_groups: tuple[dist.ProcessGroup, ...]) -> None:
-        """The groups changed (separate jobs: new members): the next :meth:`arm` sets theirs."""
+                decision_groups: tuple[dist.ProcessGroup, ...],
+                slot_groups: tuple[dist.ProcessGroup | None, ...] = ()) -> None:
+        """The groups changed (separate jobs: new members; ``slot_groups``: each exchange slot's outer
+        group): the next :meth:`arm` sets theirs."""
         self.group, self.exchange_group, self.decision_groups = group, exchange_group, decision_groups
+        self.slot_groups = tuple(slot_groups)
         self._backstop_s = None
 
     def groups(self) -> list[dist.ProcessGroup]:
         """The distinct multi-rank groups this rank waits on (outer, its gloo mirror, decision)."""
         out: list[dist.ProcessGroup] = []
-        for g in (self.group, self.exchange_group, *self.decision_groups):
+        for g in (self.group, self.exchange_group, *self.decision_groups, *self.slot_groups):
             if g is not None and dist.get_world_size(g) > 1 and not any(g is h for h in out):
                 out.append(g)
         return out

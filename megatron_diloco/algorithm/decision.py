@@ -86,25 +86,43 @@ class BoundaryDecision:
                  device: torch.device, bounds: OuterBounds) -> None:
         self.group = group
         self.decision_groups = decision_groups
+        self.slot_groups: tuple[dist.ProcessGroup | None, ...] = (group,)
         self.device = device
         self.bounds = bounds
-        #: (this rank's slot, slots W, its outer group's id) among the decision groups' ranks; None:
-        #: nothing to compare
+        #: ([(this rank's slot, its outer group's id) per exchange slot], slots W) among the decision groups'
+        #: ranks; None: nothing to compare
         self._agreement = self._agreement_slot()
 
-    def regroup(self, group: dist.ProcessGroup | None, decision_groups: tuple[dist.ProcessGroup, ...]) -> None:
-        """The groups changed (separate jobs: new members). Local."""
+    def regroup(self, group: dist.ProcessGroup | None, decision_groups: tuple[dist.ProcessGroup, ...],
+                slot_groups: tuple[dist.ProcessGroup | None, ...] | None = None) -> None:
+        """The groups changed (separate jobs: new members; ``slot_groups``: each exchange slot's outer group
+        where this rank holds several, :mod:`~megatron_diloco.algorithm.slot_exchange`). Local."""
         self.group, self.decision_groups = group, decision_groups
+        self.slot_groups = tuple(slot_groups) if slot_groups is not None else (group,)
         self._agreement = self._agreement_slot()
 
-    def _agreement_slot(self) -> tuple[int, int, int] | None:
-        """This rank's place in the theta agreement: (its slot among the decision groups' ranks, their
-        number W, the id of its outer group), or None where there is nothing to compare (one replica,
-        no decision group). The slot numbers ranks as the outer group lists them
-        (:func:`dist.get_process_group_ranks`): the global rank in one world; with replicas in separate
-        worlds, ``replica x world + rank``. The outer group's id is its lowest member. Local."""
+    def _agreement_slot(self) -> tuple[list[tuple[int, int]], int] | None:
+        """This rank's places in the theta agreement: ([(its slot among the decision groups' ranks, the id of
+        its outer group)] per exchange slot it holds, their number W), or None where there is nothing to
+        compare (one replica, no decision group).
+
+        Separate jobs (the outer groups are decision groups): the rank's exchange slot j is virtual rank
+        ``v = job rank x k + j`` of ``V = job size x k`` (the same V in every job: sites of different
+        data-parallel size hold k slots each where a site of the largest holds one), its slot ``v + V x
+        member`` and its outer group's id v. One world: the slot numbers ranks as the outer group lists them
+        (:func:`dist.get_process_group_ranks`, the global rank) and the group's id is its lowest member.
+        Local."""
         if self.group is None or dist.get_world_size(self.group) <= 1 or not self.decision_groups:
             return None
+        if any(g is self.group for g in self.decision_groups):  # separate jobs
+            k = len(self.slot_groups)
+            job_rank, job_size = 0, 1
+            for g in self.decision_groups:  # the job's world (mixed radix, the first varying fastest)
+                if not any(g is s for s in self.slot_groups):
+                    job_rank += g.rank() * job_size
+                    job_size *= g.size()
+            v0, V = job_rank * k, job_size * k
+            return [(v0 + j + V * g.rank(), v0 + j) for j, g in enumerate(self.slot_groups)], V * self.group.size()
         slot, slots = 0, 1
         for g in self.decision_groups:  # mixed radix: the first group varies fastest
             slot += g.rank() * slots
@@ -112,12 +130,16 @@ class BoundaryDecision:
         members = dist.get_process_group_ranks(self.group)
         if slot not in members or max(members) >= slots:
             return None  # groups numbered otherwise than topology.py's (not compared)
-        return slot, slots, min(members)
+        return [(slot, min(members))], slots
 
     def theta_accumulator(self) -> torch.Tensor | None:
-        """A zero fingerprint accumulator (int64 ``[2]``, on ``device``) when theta is compared at the
-        boundaries, else None (the caller fingerprints theta into it in a pass that reads theta)."""
-        return torch.zeros(2, dtype=torch.int64, device=self.device) if self._agreement is not None else None
+        """A zero fingerprint accumulator (int64 ``[2]``; ``[k, 2]`` for k exchange slots; on ``device``) when
+        theta is compared at the boundaries, else None (the caller fingerprints theta into it in a pass that
+        reads theta)."""
+        if self._agreement is None:
+            return None
+        k = len(self.slot_groups)
+        return torch.zeros((2,) if k == 1 else (k, 2), dtype=torch.int64, device=self.device)
 
     def decide(self, round_: int, pseudo_grad_sq: float, tau: int, theta_fp: torch.Tensor | None,
                timeout_s: Callable[[], float], local_steps: int = 0) -> Decision:
@@ -132,14 +154,16 @@ class BoundaryDecision:
         this boundary, then not compared). Raises :class:`ReplicasDivergedError` on every rank when
         replicas' theta differ."""
         groups = [g for g in self.decision_groups if dist.get_world_size(g) > 1]
+        groups += [g for g in self.slot_groups[1:] if g is not None and dist.get_world_size(g) > 1]
         on_host = all(dist.get_backend(g) == "gloo" for g in groups)
         slots = self._agreement[1] if self._agreement is not None else 0
         vec = torch.full((3 + 2 * slots,), -1.0, dtype=torch.float64)  # [skip, tau, H, fp[W], gid[W]]
         vec[0], vec[1], vec[2] = 0.0 if math.isfinite(pseudo_grad_sq) else 1.0, float(tau), float(local_steps)
         if self._agreement is not None:
-            slot, _, gid = self._agreement
-            vec[3 + slot] = _fingerprint_value(theta_fp) if theta_fp is not None else -1.0
-            vec[3 + slots + slot] = float(gid)
+            fps = theta_fp.view(-1, 2) if theta_fp is not None else None
+            for j, (slot, gid) in enumerate(self._agreement[0]):
+                vec[3 + slot] = _fingerprint_value(fps[j]) if fps is not None else -1.0
+                vec[3 + slots + slot] = float(gid)
         if not on_host:
             vec = vec.to(self.device)
         for group in groups:

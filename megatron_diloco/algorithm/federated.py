@@ -78,6 +78,7 @@ from megatron_diloco.algorithm.bounds import OuterGroupError
 from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle
 from megatron_diloco.algorithm.link import bounded_all_reduce
 from megatron_diloco.algorithm.rounds import RoundOutcome
+from megatron_diloco.algorithm.slot_exchange import all_reduce_over_slots
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,8 @@ class Meeting:
     met: bool = True
     """False: the meeting failed within its bound (the coordinator unreachable, a member stuck): this job
     trains the round alone and its round fails (nothing is committed without a meeting)."""
+    slot_groups: tuple[dist.ProcessGroup, ...] | None = None
+    """A rank holding k > 1 exchange slots: each slot's outer group (``group`` is the first); else None."""
 
 
 class Membership(Protocol):
@@ -278,7 +281,7 @@ class FederatedRounds:
         if meeting.changed:
             self.stats["membership_changes"] += 1
         if meeting.changed or sync.group is not meeting.group:
-            sync.regroup(meeting.group, self._decision_groups(meeting.group))
+            sync.regroup(meeting.group, self._decision_groups(meeting.group), meeting.slot_groups)
         healed = self._healed
         if healed is not None and not self._joining and int(healed["boundaries"]) != before:
             if self.catch_up is None:
@@ -382,7 +385,7 @@ class FederatedRounds:
             slots = torch.zeros(dist.get_world_size(sync.group), dtype=torch.float64)
             slots[sync.group.rank()] = mine
             try:  # (a slot that is no count fails the round on every member alike: they all see the same)
-                bounded_all_reduce(slots, dist.ReduceOp.SUM, sync.group, sync.timeout_s())
+                all_reduce_over_slots(slots, dist.ReduceOp.SUM, sync.slot_groups, sync.timeout_s())
                 self._weights = token_weights(slots.tolist())
             except (RuntimeError, TimeoutError, ValueError) as err:
                 logger.warning("DiLoCoX round %d: the decision failed (%s)", sync.rounds, err)

@@ -76,14 +76,18 @@ class OuterStore:
         chunk: elements per chunk when ``on_host`` (:func:`chunk_elements`).
     """
 
-    def __init__(self, numel: int, device: torch.device, on_host: bool = False, chunk: int = 1 << 22) -> None:
+    def __init__(self, numel: int, device: torch.device, on_host: bool = False, chunk: int = 1 << 22,
+                 segments: Sequence[int] | None = None) -> None:
         if chunk <= 0 or chunk % CHUNK_ALIGN:
             raise ValueError(f"chunk must be a positive multiple of {CHUNK_ALIGN} elements, got {chunk}")
         self.numel = numel
         self.device = torch.device(device)
         self.on_host = on_host
         self.chunk = chunk
-        self._held: set[int] = set()  # data_ptr of the host-held vectors
+        #: the bounds of the shard's exchange slots (``[k + 1]``; None: one): host chunks restart at each, so
+        #: that a chunk never splits a block of a segment's codec
+        self.segments = tuple(segments) if segments is not None else (0, numel)
+        self._held: set[int] = set()  # storage data_ptr of the host-held vectors (their slices are held too)
         self._staging: dict[tuple[int, int], torch.Tensor] = {}  # (slot, position) -> (chunk,) fp32
         self._cuda = self.device.type == "cuda"
         self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if (
@@ -95,7 +99,7 @@ class OuterStore:
         (pinned where CUDA is available), else on the device."""
         if self.on_host and held:
             t = pinned_empty(self.numel)
-            self._held.add(t.data_ptr())
+            self._held.add(t.untyped_storage().data_ptr())
             return t
         return torch.empty(self.numel, dtype=torch.float32, device=self.device)
 
@@ -104,7 +108,7 @@ class OuterStore:
 
     def held(self, t: torch.Tensor | None) -> bool:
         """Whether ``t`` is one of this store's host-held vectors (staged by :meth:`stream`)."""
-        return t is not None and self.on_host and t.data_ptr() in self._held
+        return t is not None and self.on_host and t.untyped_storage().data_ptr() in self._held
 
     def host_bytes(self) -> int:
         """Bytes of the host-held vectors."""
@@ -117,7 +121,7 @@ class OuterStore:
     # ---------------- streaming ----------------
     def _buffer(self, slot: int, position: int, n: int) -> torch.Tensor:
         buf = self._staging.get((slot, position))
-        if buf is None:
+        if buf is None or buf.numel() < n:
             buf = self._staging[(slot, position)] = torch.empty(
                 min(self.chunk, self.numel), dtype=torch.float32, device=self.device)
         return buf[:n]
@@ -126,7 +130,19 @@ class OuterStore:
         """The chunks ``[lo, hi)`` :meth:`stream` visits, in order."""
         if not self.on_host or self.numel == 0:
             return [(0, self.numel)]
-        return [(lo, min(lo + self.chunk, self.numel)) for lo in range(0, self.numel, self.chunk)]
+        return [(lo, min(lo + self.chunk, b)) for a, b in zip(self.segments, self.segments[1:])
+                for lo in range(a, b, self.chunk)]
+
+    def part(self, lo: int, hi: int) -> "OuterStore":
+        """The store of the elements ``[lo, hi)`` (an exchange slot's segment): the same layout, its slices
+        of this store's host-held vectors held, its staging buffers shared with this store (one pass at a
+        time). Local."""
+        if (lo, hi) == (0, self.numel):
+            return self
+        part = OuterStore.__new__(OuterStore)
+        part.__dict__.update(self.__dict__)
+        part.numel, part.segments = hi - lo, (0, hi - lo)
+        return part
 
     def stream(self, *tensors: torch.Tensor | None, write: Sequence[torch.Tensor | None] = (),
                scratch: Sequence[torch.Tensor | None] = ()) -> Iterator[tuple[int, int, list]]:

@@ -76,7 +76,6 @@ from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle, Exchan
 from megatron_diloco.algorithm.link import wire_bytes
 from megatron_diloco.algorithm.outer import OuterNesterov
 from megatron_diloco.algorithm.schedule import auto_local_steps
-from megatron_diloco.algorithm.shard_view import fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +200,7 @@ class BoundaryProtocols:
         norms: list[torch.Tensor] = []
         for lo, hi, (a,) in self.store.stream(self.anchor):
             if theta_fp is not None:
-                fingerprint([a], start=lo, acc=theta_fp)
+                self.segments.fingerprint_into(a, lo, theta_fp)
             xs = self.view.pieces(lo, hi)
             if xs:
                 torch._foreach_neg_(xs)
@@ -209,12 +208,11 @@ class BoundaryProtocols:
                 norms += torch._foreach_norm(xs, 2)
         return _sum_of_squares(norms)
 
-    @staticmethod
-    def _fingerprinting(theta_fp: torch.Tensor | None) -> AfterStep | None:
+    def _fingerprinting(self, theta_fp: torch.Tensor | None) -> AfterStep | None:
         """Fingerprint the new theta into ``theta_fp`` inside the outer step's pass (None: nothing)."""
         if theta_fp is None:
             return None
-        return AfterStep([], lambda lo, hi, th, extra: fingerprint([th], start=lo, acc=theta_fp))
+        return AfterStep([], lambda lo, hi, th, extra: self.segments.fingerprint_into(th, lo, theta_fp))
 
     def _launch_pass(self, *, outbox: Outbox | None, theta: torch.Tensor | None, from_x: bool,
                      theta_fp: torch.Tensor | None = None, launch_point: torch.Tensor | None = None,
@@ -245,7 +243,7 @@ class BoundaryProtocols:
         for lo, hi, (th, d, lp, r, a) in self.store.stream(read_theta, buf, launch_point, e, ea, write=written,
                                                            scratch=[buf, launch_point, ea]):
             if theta_fp is not None:
-                fingerprint([th], start=lo, acc=theta_fp)
+                self.segments.fingerprint_into(th, lo, theta_fp)
             xs = self.view.pieces(lo, hi)
             if xs:  # the pseudo-gradient chunk, contiguous
                 torch.cat(xs, out=d)
@@ -286,9 +284,8 @@ class BoundaryProtocols:
             if w is None:
                 w = 1.0 / (dist.get_world_size(self.group) if self.group is not None else 1)
             eager_scale = -c * w
-        outbox = None if self._executor is not None else Outbox(
-            self._round_codec(), self.view.numel, self.view.device,
-            send=self.exchange_buffer if resident or host_send else None)
+        outbox = None if self._executor is not None else self.outbox(
+            self._round_codec(), send=self.exchange_buffer if resident or host_send else None)
         done = self._launch_pass(outbox=None if host_send else outbox, theta=None, from_x=True,
                                  eager_scale=eager_scale, reset_x=self.theta if reset else None,
                                  write_buffer=host_send)
@@ -369,7 +366,7 @@ class BoundaryProtocols:
         theta_fp = self.decision.theta_accumulator()  # theta as the decision sees it: fingerprinted in this pass
         with record_function("megatron_diloco::prepare"):
             encode = self.residual is not None and self._executor is None  # blockwise codecs encode here
-            outbox = Outbox(self._round_codec(), self.view.numel, self.view.device) if encode else None
+            outbox = self.outbox(self._round_codec()) if encode else None
             done = self._launch_pass(outbox=outbox, theta=self.theta, from_x=False, theta_fp=theta_fp,
                                      launch_point=self.launch_point, residual_out=True,
                                      write_buffer=encode or self._host_all_reduce)
@@ -384,7 +381,7 @@ class BoundaryProtocols:
                 return self._skip(sq, completed)  # e untouched; the payload and e_new are dropped
             self.round_rules.launch(rotate=encode)  # encode: e <- e_new (the rules keep e_old, or not)
             if not encode and self._executor is None:  # none: the buffer holds delta_r, the all-reduce buffer
-                outbox = Outbox(self.codec, self.view.numel, self.view.device, send=self.exchange_buffer)
+                outbox = self.outbox(self.codec, send=self.exchange_buffer)
             self.pending = self._start(outbox, input_sq, residual_sq, decision.weights)
             self.params_shared = False
         if self.tau == 0:

@@ -29,7 +29,8 @@ from megatron_diloco.algorithm.outer_store import OuterStore, chunk_elements
 from megatron_diloco.algorithm.protocols import BoundaryProtocols
 from megatron_diloco.algorithm.rounds import OneWorldRounds, RoundRules
 from megatron_diloco.algorithm.schedule import RoundSchedule
-from megatron_diloco.algorithm.shard_view import ShardView, fingerprint
+from megatron_diloco.algorithm.shard_view import ShardView
+from megatron_diloco.algorithm.slot_exchange import Segments, SlotOutbox, check_slot_codec
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,9 @@ class OuterSync(BoundaryProtocols):
             world, then the outer group), the first varying fastest in the ranks' numbering.
             None: the default (world) group when ``torch.distributed`` is initialized, else local.
             :func:`megatron_diloco.megatron_adapter.topology.decision_group_of_world` makes a gloo one.
+        segments: the bounds of the exchange slots this rank holds in ``view``'s order (``[k + 1]``, separate
+            jobs of different data-parallel size, :mod:`~megatron_diloco.algorithm.slot_exchange`); None: one.
+            With k > 1 slot j is exchanged over its own outer group (:meth:`regroup`'s ``slot_groups``).
 
     Every wait on these groups is bounded by :meth:`timeout_s` (``--diloco-x-outer-timeout-minutes``,
     or derived): past it :class:`~megatron_diloco.algorithm.bounds.OuterGroupError` names the round and the group. The groups' own
@@ -95,8 +99,15 @@ class OuterSync(BoundaryProtocols):
                  shapes: list[tuple[int, ...]] | None = None,
                  gloo_group: dist.ProcessGroup | None = None,
                  decision_group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None,
-                 link_sharers: int = 1) -> None:
+                 link_sharers: int = 1, segments: tuple[int, ...] | None = None) -> None:
         self.view = view
+        #: the exchange slots of this rank's shard (one: the shard whole)
+        self.segments = Segments(tuple(segments)) if segments is not None else Segments.whole(view.numel)
+        if self.segments.numel != view.numel:
+            raise ValueError(f"exchange slots cover {self.segments.numel} elements, the shard {view.numel}")
+        check_slot_codec(config.compression, self.segments.k)
+        #: each slot's outer group, in slot order (one slot: ``group``)
+        self.slot_groups: tuple[dist.ProcessGroup | None, ...] = (group,)
         #: S: the ranks of this replica whose exchanges cross the site's slow link at once (those
         #: holding a shard); a rank's share of ``--diloco-x-bandwidth-mbps`` is 1 / S of it
         self.link_sharers = max(1, int(link_sharers))
@@ -128,7 +139,7 @@ class OuterSync(BoundaryProtocols):
         #: where the outer state lives (--diloco-x-outer-state): on the device, or in host memory
         #: streamed through the device chunk by chunk at each boundary (megatron_diloco.algorithm.outer_store)
         self.store = OuterStore(view.numel, view.device, on_host=config.outer_state == "host",
-                                chunk=chunk_elements(config.outer_chunk_mb))
+                                chunk=chunk_elements(config.outer_chunk_mb), segments=self.segments.bounds)
         store = self.store
         theta = store.empty()  # (N,) fp32, device or host
         self.x_into(theta)
@@ -192,13 +203,26 @@ class OuterSync(BoundaryProtocols):
         #: replicas of one world, or separate jobs (a FederatedRounds, installed here by the caller)
         self.round_rules: RoundRules = OneWorldRounds(self)
 
-    def regroup(self, group: dist.ProcessGroup | None, decision_groups: tuple[dist.ProcessGroup, ...]) -> None:
-        """Separate jobs, new members: exchanges, decision and bounds use these groups from now on."""
+    def regroup(self, group: dist.ProcessGroup | None, decision_groups: tuple[dist.ProcessGroup, ...],
+                slot_groups: tuple[dist.ProcessGroup | None, ...] | None = None) -> None:
+        """Separate jobs, new members: exchanges, decision and bounds use these groups from now on.
+        ``slot_groups``: each exchange slot's outer group (k > 1 slots; ``group`` is the first), else None."""
+        slot_groups = tuple(slot_groups) if slot_groups is not None else (group,) * self.segments.k
+        if len(slot_groups) != self.segments.k:
+            raise ValueError(f"{len(slot_groups)} outer groups for {self.segments.k} exchange slots")
         self.group = self.exchange_group = group
+        self.slot_groups = slot_groups
         self.decision_groups = decision_groups
-        self.bounds.regroup(group, group, decision_groups)
+        self.bounds.regroup(group, group, decision_groups, slot_groups)
         self.bounds.arm(self.timeout_s())
-        self.decision.regroup(group, decision_groups)
+        self.decision.regroup(group, decision_groups, slot_groups)
+
+    def outbox(self, codec, send: torch.Tensor | None = None) -> Outbox | SlotOutbox:
+        """The round's :class:`Outbox` for ``codec`` (``send``: ``none``'s all-reduce buffer, see there); a
+        :class:`SlotOutbox` when this rank holds several exchange slots."""
+        if self.segments.k > 1:
+            return SlotOutbox(codec, self.segments, self.view.device, send=send)
+        return Outbox(codec, self.view.numel, self.view.device, send=send)
 
     @property
     def link_mbps(self) -> float | None:
@@ -232,14 +256,9 @@ class OuterSync(BoundaryProtocols):
     def fingerprint(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """:func:`megatron_diloco.algorithm.shard_view.fingerprint` of flat vectors of the store (theta, m),
         computed on the device chunk by chunk (host-held ones are streamed through it): the same
-        value, int64 ``[2]`` on the device. Local."""
-        acc = torch.zeros(2, dtype=torch.int64, device=self.view.device)
-        offset = 0
-        for t in tensors:
-            for lo, _, (c,) in self.store.stream(t):
-                fingerprint([c], start=offset + lo, acc=acc)
-            offset += t.numel()
-        return acc
+        value, int64 ``[2]`` on the device; ``[k, 2]`` with k exchange slots (:meth:`Segments.fingerprint`).
+        Local."""
+        return self.segments.fingerprint(self.store, tensors, self.view.device)
 
     def timeout_s(self) -> float:
         """The bound (s) on the next outer operation: ``--diloco-x-outer-timeout-minutes``, or derived
@@ -252,8 +271,13 @@ class OuterSync(BoundaryProtocols):
         worker encodes), bounded by :meth:`timeout_s` from now; the squared norms of the codec's input
         and of the residual it left, as chunk parts; ``weights``: the members' (the decision's; None: equal)."""
         codec = outbox.codec if outbox is not None else self.codec
-        handle = start_exchange(self.exchange_buffer, self.residual, codec, self.exchange_group, worker=self._executor,
-                                timeout_s=self.timeout_s(), outbox=outbox, store=self.store, weights=weights)
+        if isinstance(outbox, SlotOutbox):
+            handle = outbox.launch(self.exchange_buffer, self.slot_groups, store=self.store,
+                                   timeout_s=self.timeout_s(), weights=weights)
+        else:
+            handle = start_exchange(self.exchange_buffer, self.residual, codec, self.exchange_group,
+                                    worker=self._executor, timeout_s=self.timeout_s(), outbox=outbox, store=self.store,
+                                    weights=weights)
         handle.stats.input_sq = _sum(input_sq)
         if outbox is not None:  # (the matrix codecs' worker measures the residual it leaves itself)
             handle.stats.residual_sq = _sum(residual_sq)

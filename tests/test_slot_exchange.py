@@ -1,0 +1,163 @@
+"""A rank holding two exchange slots computes exactly what the two ranks of a twin of its site compute
+(``megatron_diloco.algorithm.slot_exchange``), on gloo ranks with a scripted membership in place of torchft.
+
+Two separate jobs, A and B, run the same rounds (``FederatedRounds``, token-weighted: A trains on twice B's
+tokens per step). Two layouts of the same run:
+
+* **twins**: both jobs at DP 2 (4 ranks): each rank holds one slot, slot j's outer group is rank j of both;
+* **mixed**: A at DP 2, B at DP 1 (3 ranks): B's one rank holds both slots, one after the other, slot j
+  exchanged over its own group with A's rank j.
+
+Every value is a function of the element's place in the slot-major vector only, so the mixed B must equal
+the twins' two B ranks side by side, bit for bit: theta and x at every boundary and at the end, for the fp32
+exchange and for int4 with error feedback (whose blocks must restart at each slot: the slot of 320 elements
+is not a multiple of the codec's 256-element block), under the default overlap (``partial``) and ``none``.
+The jobs' theta agree across the run's outer groups (the decision compares them, slot by slot).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_diloco.algorithm.config import DiLoCoXConfig
+from megatron_diloco.algorithm.decision import ReplicasDivergedError
+from megatron_diloco.algorithm.federated import FederatedRounds, Meeting
+from megatron_diloco.algorithm.schedule import RoundSchedule
+from megatron_diloco.algorithm.shard_view import ShardView
+from megatron_diloco.algorithm.sync import OuterSync
+from megatron_diloco.federation.auth import RunKey
+from megatron_diloco.federation.handshake import means_agree
+from tests.dist_utils import run_world
+
+SLOT, H, STEPS = 320, 4, 17  # the last round is shorter (17 = 4 x 4 + 1)
+KEY = RunKey(b"a test secret of the run", "test-run")
+#: per layout: each rank's (job, slots held), in rank order
+LAYOUTS = {"twins": [("B", (0,)), ("B", (1,)), ("A", (0,)), ("A", (1,))],
+           "mixed": [("B", (0, 1)), ("A", (0,)), ("A", (1,))]}
+TOKENS = {"A": 2, "B": 1}  # per inner step
+
+
+class SlotMembership:
+    """Both jobs present at every boundary (no heal: they start together); each slot's outer group as the
+    layout gives it; the mean checked slot by slot over each slot's group."""
+
+    def __init__(self, job_group, slot_groups: tuple) -> None:
+        self.job_group = job_group
+        self.slot_groups = slot_groups
+        self.first = True
+
+    def meet(self, progress: int) -> Meeting:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, progress)
+        assert len(set(everyone)) == 1, everyone  # (this test has no heal)
+        changed, self.first = self.first, False
+        slots = self.slot_groups if len(self.slot_groups) > 1 else None
+        return Meeting(self.slot_groups[0], changed, 2, slot_groups=slots)
+
+    def abandon(self) -> None:
+        pass
+
+    def commit(self, ok: bool, mean: bytes | None = None) -> bool:
+        if ok and mean is not None:  # one 16-byte fingerprint per slot, each checked over its slot's group
+            for j, group in enumerate(self.slot_groups):
+                agree, why = means_agree(group, KEY, 0, self.rounds(), mean[16 * j:16 * j + 16], 30.0)
+                assert agree, why
+        return ok
+
+
+def _values(slots: tuple, salt: float) -> torch.Tensor:
+    """A dyadic value per element, from its place in the slot-major vector of the run (slot x SLOT + i)."""
+    idx = torch.cat([torch.arange(s * SLOT, (s + 1) * SLOT, dtype=torch.float32) for s in slots])
+    return (idx % 97).mul_(2.0 ** -9).add_(salt)
+
+
+def _site(rank: int, world: int, layout: str, overlap: str, compression: str, diverge: bool, out: dict,
+          outer_state: str = "device") -> None:
+    ranks = LAYOUTS[layout]
+    job, slots = ranks[rank]
+    # every rank builds every group, in the same order: each slot's outer group, then each job's world
+    slot_of = {}
+    for s in (0, 1):
+        members = [r for r, (_, held) in enumerate(ranks) if s in held]
+        slot_of[s] = dist.new_group(members)
+    jobs = {}
+    for name in ("A", "B"):
+        members = [r for r, (j, _) in enumerate(ranks) if j == name]
+        jobs[name] = dist.new_group(members) if len(members) > 1 else None
+    cfg = DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=1.0, outer_momentum=0.0, overlap=overlap,
+                        compression=compression, outer_state=outer_state, outer_chunk_mb=2.0 ** -12,  # 256 elements
+                        **({"overlap_steps": 1} if overlap == "partial" else {}))
+    x = _values(slots, 1.0)
+    bounds = tuple(SLOT * j for j in range(len(slots) + 1))
+    sync = OuterSync(ShardView([x]), cfg, slot_of[slots[0]], segments=bounds)
+    steps = {"steps": 0}
+    membership = SlotMembership(jobs[job], tuple(slot_of[s] for s in slots))
+    sync.round_rules = fed = FederatedRounds(sync, membership, lambda: dict(steps), lambda p: steps.update(p))
+    membership.rounds = lambda: sync.rounds
+    fed.tokens_per_step = lambda: TOKENS[job]
+    schedule = RoundSchedule(cfg)
+    seen, weights = {}, {}
+    salt = {"A": 2.0 ** -6, "B": 3 * 2.0 ** -7}[job]
+    for step in range(1, STEPS + 1):  # a local step that does not depend on x, per job
+        x.sub_(_values(slots, salt * step).mul_(2.0 ** -3))
+        steps["steps"] = step
+        fed.count_step()
+        since = schedule.steps_since_boundary(step)
+        if since:
+            if sync.merge_due(since):
+                sync.merge()
+            continue
+        sync.before_boundary(0.01)
+        if diverge and step == 2 * H and job == "B":  # one element of slot 1's theta, on B alone
+            where = bounds[-1] - 7
+            sync.theta[where] += 2.0 ** -12
+        sync.boundary()
+        seen[step] = (sync.theta.clone(), x.clone())
+        weights[step] = fed.round_weight
+    sync.drain()
+    seen["end"] = (sync.theta.clone(), x.clone())
+    out_path = out["dir"] / f"{layout}_{rank}.pt"
+    torch.save({"job": job, "slots": slots, "seen": seen, "weights": weights,
+                "summary": fed.summary()}, out_path)
+
+
+def _diverging(rank: int, world: int, out: dict) -> None:
+    with pytest.raises(ReplicasDivergedError) as err:  # on every rank of both jobs
+        _site(rank, world, "mixed", "partial", "int4", True, out)
+    assert "differ" in str(err.value)
+
+
+@pytest.mark.parametrize("overlap,compression,outer_state", [
+    ("partial", "int4", "device"), ("none", "none", "device"),
+    ("partial", "int4", "host"),  # host chunks of 256 elements, restarting at each slot of 320
+])
+def test_a_rank_holding_two_slots_equals_its_twin_site(tmp_path, overlap, compression, outer_state):
+    out = {"dir": tmp_path}
+    run_world(_site, 4, "twins", overlap, compression, False, out, outer_state)
+    run_world(_site, 3, "mixed", overlap, compression, False, out, outer_state)
+    twins = [torch.load(tmp_path / f"twins_{r}.pt") for r in range(4)]
+    mixed = [torch.load(tmp_path / f"mixed_{r}.pt") for r in range(3)]
+    b = mixed[0]
+    assert b["slots"] == (0, 1) and b["summary"]["failed_rounds"] == 0
+    for when in twins[0]["seen"]:
+        for what in (0, 1):  # theta, x
+            whole = b["seen"][when][what]
+            assert torch.equal(whole, torch.cat([twins[0]["seen"][when][what], twins[1]["seen"][when][what]])), \
+                (when, what)
+            for j in (0, 1):  # A's ranks: the same in both layouts
+                assert torch.equal(mixed[1 + j]["seen"][when][what], twins[2 + j]["seen"][when][what]), (when, j)
+        for j in (0, 1):  # B's slot j and A's rank j hold the same theta (the run's, per slot)
+            assert torch.equal(b["seen"][when][0][j * SLOT:(j + 1) * SLOT], mixed[1 + j]["seen"][when][0]), when
+    # token weights: A 2 tokens per step to B's 1, every member counted at every boundary
+    assert set(b["weights"].values()) == {float(torch.tensor(2 / 3, dtype=torch.float32))}, b["weights"]
+    assert set(mixed[1]["weights"].values()) == {float(torch.tensor(4 / 3, dtype=torch.float32))}
+    # the run moved: theta is not its start
+    assert not torch.equal(b["seen"]["end"][0], _values((0, 1), 1.0))
+
+
+def test_slots_whose_theta_differ_are_found_at_the_decision(tmp_path):
+    """B's theta changed in one element of its second slot: the decision, comparing theta slot by slot across
+    the run's outer groups, raises on every rank of both jobs before anything of the round is launched."""
+    run_world(_diverging, 3, {"dir": tmp_path})
