@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import dataclasses
 
 import pytest
@@ -338,6 +339,28 @@ def test_separate_jobs_flags_are_checked_before_training(kw, cfg, flag):
     args = megatron_args(diloco_x_lighthouse="127.0.0.1:29510", **kw)
     with pytest.raises(ValueError, match=flag):
         validate_megatron_args(args, DiLoCoXConfig(replicas=2, **cfg))
+
+
+@pytest.mark.parametrize("slots, extra, cfg, phrase", [
+    (3, {}, {}, "a power of two up to 128"),
+    (256, {}, {}, "a power of two up to 128"),
+    (2, {}, {}, "not a multiple of this job's data-parallel size 4"),  # (DP 4)
+    (64, {}, {}, "--ddp-bucket-size"),
+    (8, dict(context_parallel_size=2), {}, "--context-parallel-size"),
+    (8, {}, None, "applies with --diloco-x-lighthouse only"),
+])
+def test_exchange_slots_are_checked_before_training(tmp_path, slots, extra, cfg, phrase):
+    """``--diloco-x-exchange-slots`` (sites of different data-parallel size) that cannot cut every site's buckets
+    alike is refused naming the fix; G = 8 at DP 4 with the package's defaults is accepted."""
+    secret = tmp_path / "run.secret"
+    secret.write_text("a test secret of the run, 32 bytes or more")
+    secret.chmod(0o600)
+    jobs = dict(diloco_x_lighthouse="127.0.0.1:29510", diloco_x_run="r", diloco_x_replica_index=0,
+                diloco_x_secret_file=str(secret))
+    args = megatron_args(**({} if cfg is None else jobs), diloco_x_exchange_slots=slots, **extra)
+    with pytest.raises(ValueError, match=re.escape(phrase)):
+        validate_megatron_args(args, DiLoCoXConfig(replicas=2, **(cfg or {})))
+    validate_megatron_args(megatron_args(**jobs, diloco_x_exchange_slots=8), DiLoCoXConfig(replicas=2))
 
 
 def test_separate_jobs_flags_apply_with_the_lighthouse_only():

@@ -293,3 +293,62 @@ def test_jobs_resume_from_their_own_checkpoints(tmp_path):
     together = [s for s in wb if s in wa]  # the boundaries both recorded
     assert together and all(wa[s][1] == two_thirds and wb[s][1] == 2 * two_thirds and
                             wb[s][0] == 2 * wa[s][0] > 0 for s in together), (wa, wb)
+
+
+def test_sites_of_different_data_parallel_size(tmp_path):
+    """Job A on 2 ranks (DP 2, global batch 4), job B on 1 rank (DP 1, global batch 2), PP 1, both with
+    ``--diloco-x-exchange-slots 2``, the package's defaults otherwise (partial overlap, int4, the auto
+    warm-up). B's one rank holds both slots and meets the run as two ranks of it (two torchft Managers, two
+    outer groups): at every boundary B's slot j holds theta bit for bit as A's rank j does; every mean weighs A
+    by 4/3 and B by 2/3 (their tokens); both end at iteration 36."""
+    base = [*BASE, "--train-iters", "36", "--diloco-x-exchange-slots", "2", "--pipeline-model-parallel-size", "1"]
+    with Lighthouse(tmp_path / "lighthouse.txt") as lh:
+        jobs = [Job(tmp_path / "A", "A", 0, lh.address, base),
+                Job(tmp_path / "B", "B", 1, lh.address, [*base, "--global-batch-size", "2"], nproc=1)]
+        _end(jobs)
+    a, b = [j.records() for j in jobs]
+    assert len(a) == 2 and len(b) == 1
+    at = [{r[0]: r for r in rec["fed_rounds"]} for rec in (*a, *b)]
+    steps = sorted(set(at[0]) & set(at[1]) & set(at[2]))
+    assert steps and max(steps) == 36, steps
+    for step in steps:
+        slots_b = at[2][step][1]  # B's theta, slot by slot: [slot 0's 2 ints, slot 1's 2 ints]
+        assert [*at[0][step][1], *at[1][step][1]] == slots_b, (step, at[0][step][1], at[1][step][1], slots_b)
+    two_thirds = 0.6666666865348816  # fp32(2/3): 2 x 2 / (4 + 2)
+    for step in steps[:-1]:
+        assert (at[0][step][9], at[2][step][9]) == (2 * two_thirds, two_thirds), (step, at[0][step], at[2][step])
+    assert b[0]["final_fp"]["steps"] == a[0]["final_fp"]["steps"] == 36
+    _losses_fall(jobs[1])
+
+
+def test_sites_of_different_data_parallel_size_resume_and_join(tmp_path):
+    """The jobs of the test above (A at DP 2, B at DP 1, ``--diloco-x-exchange-slots 2``) save their own
+    checkpoints, the outer state slot by slot; the run stops at iteration 24. A resumes from its latest; B from an
+    older one of its own (iteration 12), once A trains: B is behind and takes each slot's outer state from the
+    rank of A that holds it (its one rank fetches from both), then the two train on identical, slot by slot, to
+    the end."""
+    base = [*BASE, "--train-iters", "48", "--no-load-rng", "--diloco-x-exchange-slots", "2",
+            "--pipeline-model-parallel-size", "1"]
+    own = {"A": ([], 2), "B": (["--global-batch-size", "2"], 1)}
+    ckpt = {n: tmp_path / f"ckpt{n}" for n in "AB"}
+    with Lighthouse(tmp_path / "lighthouse.txt") as lh:
+        jobs = [Job(tmp_path / f"{n}1", n, i, lh.address, [*base, *own[n][0], "--save", str(ckpt[n]),
+                                                           "--save-interval", "12", "--exit-interval", "24"],
+                    nproc=own[n][1]) for i, n in enumerate("AB")]
+        _end(jobs)
+        (ckpt["B"] / "latest_checkpointed_iteration.txt").write_text("12")
+        a = Job(tmp_path / "A2", "A", 0, lh.address, [*base, *own["A"][0], "--load", str(ckpt["A"])], env=ENV)
+        jobs = [a]
+        with _closing(jobs):
+            wait_until(lambda: "joined run 'test-run' at iteration 24" in a.log(), 240, "A's start", jobs)
+            b = Job(tmp_path / "B2", "B", 1, lh.address, [*base, *own["B"][0], "--load", str(ckpt["B"])], env=ENV,
+                    nproc=1)
+            jobs.append(b)
+        _end(jobs)
+    assert ("joined run 'test-run' under way at iteration" in b.log()
+            and "inner optimizer state from this job's checkpoint at iteration 12" in b.log()), b.log()[-3000:]
+    assert b.summary()["federation"]["heals"] == 1 and len(b.records()[0]["heals"]) == 2  # one fetch per slot
+    at = [{r[0]: r[1] for r in rec["fed_rounds"]} for rec in (*a.records(), *b.records())]
+    steps = sorted(set(at[0]) & set(at[2]))
+    assert steps and min(steps) > 24 and max(steps) == 48, steps
+    assert all([*at[0][s], *at[1][s]] == at[2][s] for s in steps), [(s, at[0][s], at[1][s], at[2][s]) for s in steps]

@@ -161,3 +161,131 @@ def test_slots_whose_theta_differ_are_found_at_the_decision(tmp_path):
     """B's theta changed in one element of its second slot: the decision, comparing theta slot by slot across
     the run's outer groups, raises on every rank of both jobs before anything of the round is launched."""
     run_world(_diverging, 3, {"dir": tmp_path})
+
+
+# ---------------- the same run over torchft: k virtual ranks per rank ----------------
+def _torchft_site(rank: int, world: int, job: str, lighthouse: str, delay_s: float, out: dict,
+                  step_s: float = 0.0) -> None:
+    """One job of the mixed layout (A: 2 ranks, one slot each; B: 1 rank, both slots) meeting through a real
+    lighthouse (``TorchftMembership`` with ``segments``), the rounds and values of :func:`_site`. ``delay_s``:
+    the job starts that much later (it joins the run under way: a heal, slot by slot); ``step_s``: each inner
+    step takes that long."""
+    import time
+
+    from megatron_diloco.federation import handshake
+    from megatron_diloco.federation.membership import TorchftMembership
+
+    time.sleep(delay_s)
+    slots = (0, 1) if job == "B" else (rank,)
+    cfg = DiLoCoXConfig(replicas=2, local_steps=H, outer_lr=1.0, outer_momentum=0.0, overlap="partial",
+                        compression="int4", overlap_steps=1)
+    x = _values(slots, 1.0)
+    bounds = tuple(SLOT * j for j in range(len(slots) + 1))
+    sync = OuterSync(ShardView([x]), cfg, None, segments=bounds)
+    steps = {"steps": 0}
+    fed = sync.round_rules = FederatedRounds(sync, None, lambda: dict(steps), lambda p: steps.update(p),
+                                             catch_up=None)
+    description = {"test": "slots", handshake.RUN: "test-run"}
+    fed.identity = handshake.identity(description)
+    fed.membership = membership = TorchftMembership(
+        lighthouse, f"job{job}", "127.0.0.1", 0, key=KEY, timeout_s=30.0, meeting_timeout_s=30.0,
+        alone_timeout_s=120.0, min_replicas=1, job_group=dist.group.WORLD if world > 1 else None,
+        state_dict=fed.state_dict, load_state_dict=fed.load_state_dict, heal_bytes=fed.heal_bytes,
+        segments=bounds)
+    membership.handshake = lambda group, progress, quorum, heal_url, first: handshake.agree(
+        group, KEY, quorum, progress, description, 0 if job == "A" else 1, f"job{job}", heal_url, first, 30.0)
+    membership.rounds = lambda: sync.rounds
+    fed.tokens_per_step = lambda: TOKENS[job]
+    joined = fed.join()
+    first = int(joined["steps"]) + 1 if joined else 1
+    schedule = RoundSchedule(cfg)
+    salt = {"A": 2.0 ** -6, "B": 3 * 2.0 ** -7}[job]
+    weights = {}
+    for step in range(first, STEPS + 1):
+        time.sleep(step_s)
+        x.sub_(_values(slots, salt * step).mul_(2.0 ** -3))
+        steps["steps"] = step
+        fed.count_step()
+        since = schedule.steps_since_boundary(step)
+        if since:
+            if sync.merge_due(since):
+                sync.merge()
+            continue
+        sync.before_boundary(0.01)
+        sync.boundary()
+        weights[step] = fed.round_weight
+    sync.drain()
+    fed.finish()
+    membership.shutdown()
+    torch.save({"slots": slots, "theta": sync.theta.clone(), "x": x.clone(), "weights": weights,
+                "joined": joined, "summary": fed.summary()}, out["dir"] / f"torchft_{job}_{rank}.pt")
+
+
+def test_a_rank_holding_two_slots_meets_the_run_through_torchft(tmp_path):
+    """The mixed layout through a real lighthouse: B's one rank is two virtual ranks of the run (two torchft
+    Managers, two outer groups, two heal servers); both jobs start together and end with the theta of the
+    scripted run (bit for bit), each slot's theta the same on B and on A's rank."""
+    import threading
+
+    from harness.federation import Lighthouse
+
+    out = {"dir": tmp_path}
+    run_world(_site, 3, "mixed", "partial", "int4", False, out)
+    reference = torch.load(tmp_path / "mixed_0.pt")["seen"]["end"][0]
+    with Lighthouse(tmp_path / "lighthouse.log", min_replicas=2, join_timeout_ms=10000) as lh:
+        errors = []
+
+        def job(name: str, nproc: int) -> None:
+            try:
+                run_world(_torchft_site, nproc, name, lh.address, 0.0, out)
+            except BaseException as err:  # noqa: BLE001 - reported below
+                errors.append((name, err))
+
+        threads = [threading.Thread(target=job, args=(name, n)) for name, n in (("A", 2), ("B", 1))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+    b = torch.load(tmp_path / "torchft_B_0.pt")
+    a = [torch.load(tmp_path / f"torchft_A_{r}.pt") for r in (0, 1)]
+    assert b["summary"]["failed_rounds"] == 0 and b["summary"]["members"] == 2, b["summary"]
+    assert torch.equal(b["theta"], reference)
+    for j in (0, 1):
+        assert torch.equal(a[j]["theta"], b["theta"][j * SLOT:(j + 1) * SLOT]), j
+
+
+@pytest.mark.parametrize("late", ["B", "A"])
+def test_a_job_of_another_data_parallel_size_joins_the_run_under_way(tmp_path, late):
+    """One job starts 3 s after the other (rounds of about 1 s): it joins the run under way. B late: its one rank
+    takes slot 0's outer state from A's rank 0 and slot 1's from A's rank 1; A late: each of A's ranks takes its
+    slot's from B's one rank. Both then train to the end together: each slot's theta the same on B and on A."""
+    import threading
+
+    from harness.federation import Lighthouse
+
+    out = {"dir": tmp_path}
+    with Lighthouse(tmp_path / "lighthouse.log", min_replicas=1, join_timeout_ms=3000) as lh:
+        errors = []
+
+        def job(name: str, nproc: int) -> None:
+            try:
+                run_world(_torchft_site, nproc, name, lh.address, 3.0 if name == late else 0.0, out, 0.25)
+            except BaseException as err:  # noqa: BLE001 - reported below
+                errors.append((name, err))
+
+        threads = [threading.Thread(target=job, args=(name, n)) for name, n in (("A", 2), ("B", 1))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+    b = torch.load(tmp_path / "torchft_B_0.pt")
+    a = [torch.load(tmp_path / f"torchft_A_{r}.pt") for r in (0, 1)]
+    joiner = b if late == "B" else a[0]
+    assert joiner["joined"] is not None and joiner["summary"]["heals"] == 1, joiner["summary"]
+    assert int(joiner["joined"]["steps"]) >= H, joiner["joined"]  # it entered the run under way
+    assert b["summary"]["members"] == 2 and a[0]["summary"]["members"] == 2
+    for j in (0, 1):
+        assert torch.equal(a[j]["theta"], b["theta"][j * SLOT:(j + 1) * SLOT]), j
+        assert torch.equal(a[j]["x"], b["x"][j * SLOT:(j + 1) * SLOT]), j  # (the run's end: x = theta)

@@ -41,7 +41,7 @@ class FederationRecorder(Recorder):
             fed = opt.federation
             if fed is None:  # one world (the benchmark's comparison runs)
                 return out
-            record["fed_rounds"].append([opt.step_calls, [int(x) for x in opt.sync.fingerprint([opt.sync.theta])],
+            record["fed_rounds"].append([opt.step_calls, [int(x) for x in opt.sync.fingerprint([opt.sync.theta]).view(-1)],
                                          fed.members, fed.failed, fed.committed, time.time(),
                                          fed.stats["last_meeting_s"], out.get("replica_exchange_s"),
                                          out.get("tokens"), out.get("weight")])

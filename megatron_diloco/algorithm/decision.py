@@ -87,6 +87,9 @@ class BoundaryDecision:
         self.group = group
         self.decision_groups = decision_groups
         self.slot_groups: tuple[dist.ProcessGroup | None, ...] = (group,)
+        #: separate jobs: (each exchange slot's virtual rank v, their number V in every job) where the caller
+        #: numbers them (sites of different layouts); None: ``job rank x k + j`` of ``job size x k``
+        self.virtual: tuple[tuple[int, ...], int] | None = None
         self.device = device
         self.bounds = bounds
         #: ([(this rank's slot, its outer group's id) per exchange slot], slots W) among the decision groups'
@@ -116,13 +119,16 @@ class BoundaryDecision:
             return None
         if any(g is self.group for g in self.decision_groups):  # separate jobs
             k = len(self.slot_groups)
-            job_rank, job_size = 0, 1
-            for g in self.decision_groups:  # the job's world (mixed radix, the first varying fastest)
-                if not any(g is s for s in self.slot_groups):
-                    job_rank += g.rank() * job_size
-                    job_size *= g.size()
-            v0, V = job_rank * k, job_size * k
-            return [(v0 + j + V * g.rank(), v0 + j) for j, g in enumerate(self.slot_groups)], V * self.group.size()
+            if self.virtual is not None:
+                vs, V = self.virtual
+            else:
+                job_rank, job_size = 0, 1
+                for g in self.decision_groups:  # the job's world (mixed radix, the first varying fastest)
+                    if not any(g is s for s in self.slot_groups):
+                        job_rank += g.rank() * job_size
+                        job_size *= g.size()
+                vs, V = tuple(job_rank * k + j for j in range(k)), job_size * k
+            return [(vs[j] + V * g.rank(), vs[j]) for j, g in enumerate(self.slot_groups)], V * self.group.size()
         slot, slots = 0, 1
         for g in self.decision_groups:  # mixed radix: the first group varies fastest
             slot += g.rank() * slots

@@ -197,3 +197,28 @@ def all_reduce_over_slots(t: torch.Tensor, op, groups: Sequence[dist.ProcessGrou
         if not torch.equal(other, t):
             raise ValueError(f"the outer groups of this rank's exchange slots disagree: {t.tolist()} and "
                              f"{other.tolist()}")
+
+
+#: the entries of a heal's state (:meth:`~megatron_diloco.algorithm.federated.FederatedRounds.state_dict`) that
+#: are vectors over the rank's shard: a rank holding k slots sends and receives them slot by slot
+SHARD_ENTRIES = ("theta", "momentum_buffer", "pending")
+
+
+def slot_state(state: dict, lo: int, hi: int) -> dict:
+    """The part of a heal's ``state`` for the slot ``[lo, hi)``: its shard vectors sliced, the rest as is."""
+    return {name: (value[lo:hi] if name in SHARD_ENTRIES and value is not None else value)
+            for name, value in state.items()}
+
+
+def joined_state(parts: list[dict]) -> dict:
+    """A heal's state from its slots' parts (in slot order): the shard vectors concatenated, the rest slot 0's.
+    ValueError when a vector is present in some parts only."""
+    out = dict(parts[0])
+    for name in SHARD_ENTRIES:
+        values = [p.get(name) for p in parts]
+        if all(v is None for v in values):
+            continue
+        if any(v is None for v in values):
+            raise ValueError(f"the heal's {name!r} came for some exchange slots only")
+        out[name] = torch.cat(values)
+    return out

@@ -17,6 +17,12 @@ this job the meeting, and it trains the round alone (a failed round, as in a par
 at the next boundary. After ``alone_timeout_s`` without a meeting the job stops with an error naming the
 lighthouse.
 
+A rank that holds k exchange slots (sites of different data-parallel size, ``slots``) sits in the run as k
+*virtual ranks* ``v = rank x k + j`` of a job of ``world x k``: one Manager, one outer group and one heal server
+per slot (:class:`_Seat`), so that the members of slot j's group are the ranks of every job that hold slot j.
+Their quorums are asynchronous and their commits vote on a thread each (one process casts k of its job's votes,
+which torchft waits for together); everything else runs slot by slot, in slot order, on every rank.
+
 Ports: the lighthouse's; on rank 0 of each job the federation store (``--diloco-x-federation-port``,
 0: any free one) and the manager server (``TORCHFT_MANAGER_PORT``, default any), both bound on every
 interface by torch / torchft; on every rank a gloo port per outer group and the heal server (bound to
@@ -25,11 +31,13 @@ the rank's advertised address). ``docs/federation.md`` has the threat model.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import http.client
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Callable
 
@@ -40,6 +48,7 @@ from megatron_diloco.algorithm import faults
 from megatron_diloco.algorithm.federated import Meeting
 from megatron_diloco.algorithm.link import bounded_all_reduce
 from megatron_diloco.algorithm.groups import register_group, retire_group
+from megatron_diloco.algorithm.slot_exchange import joined_state, slot_state
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +71,23 @@ def reconfigurable_gloo(timeout: datetime.timedelta):
     return RetiringGloo(timeout=timeout)
 
 
+@dataclasses.dataclass
+class _Seat:
+    """One virtual rank of this job in the run's torchft replica group (module doc): a rank holding one exchange
+    slot has one, a rank holding k has k."""
+
+    v: int
+    """The virtual rank: ``rank x k + j`` of ``world x k``."""
+    lo: int
+    hi: int
+    """Its slot's elements of the rank's flat shard."""
+    pg: object
+    transport: object
+    manager: object = None
+    group: dist.ProcessGroup | None = None
+    """This meeting's outer group of the slot (rank v of every member job)."""
+
+
 class TorchftMembership:
     """A :class:`megatron_diloco.algorithm.federated.Membership` on torchft (module doc). Construct on
     every rank of the job, at the same point (collective over the job's world: rank 0 starts the
@@ -82,12 +108,18 @@ class TorchftMembership:
         job_group: this job's world (gloo; None with one rank).
         state_dict / load_state_dict: what a behind job receives, and how it takes it.
         heal_bytes: the largest heal body this rank accepts.
+        segments: the bounds of the exchange slots this rank holds (``[k + 1]``, sites of different data-parallel
+            size); None: one. ``virtual_ranks``: slot j's rank in the run's jobs (``[k]``, the same number for
+            the same slot of the same model shard in every job; default ``rank x k + j``) of ``virtual_world``
+            (default ``world x k``): k virtual ranks (module doc).
     """
 
     def __init__(self, lighthouse: str, replica_id: str, advertise_host: str | None, store_port: int,
                  key, timeout_s: float, meeting_timeout_s: float, alone_timeout_s: float, min_replicas: int,
                  job_group: dist.ProcessGroup | None, state_dict: Callable[[], dict],
-                 load_state_dict: Callable[[dict], None], heal_bytes: Callable[[], int]) -> None:
+                 load_state_dict: Callable[[dict], None], heal_bytes: Callable[[], int],
+                 segments: tuple[int, ...] | None = None, virtual_ranks: tuple[int, ...] | None = None,
+                 virtual_world: int | None = None) -> None:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's manager server logs every quorum at info
         for name in ("torchft", "torchft_commits", "torchft_quorums", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.CRITICAL)  # its failures are reported here, once
@@ -114,22 +146,30 @@ class TorchftMembership:
             dist.broadcast_object_list(where, src=0, group=job_group)  # inside the job: not between jobs
         advertise_host, port = where
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.pg = reconfigurable_gloo(timeout)
         own_host = advertise_host if self.rank == 0 else os.environ.get("DILOCO_X_RANK_HOST", advertise_host)
         self.key = key
-        self.transport = SealedTransport(key, own_host, self.rank, timeout=timeout)
+        bounds = tuple(segments) if segments is not None else (0, 0)
+        k = len(bounds) - 1
+        #: the job's world in the run: its ranks x the slots each holds (the same in every job)
+        self.virtual_world = virtual_world or self.world * k
+        ranks = virtual_ranks or tuple(self.rank * k + j for j in range(k))
+        if len(ranks) != k:
+            raise ValueError(f"{len(ranks)} virtual ranks for {k} exchange slots")
+        self.seats = [_Seat(ranks[j], bounds[j], bounds[j + 1], reconfigurable_gloo(timeout),
+                            SealedTransport(key, own_host, ranks[j], timeout=timeout)) for j in range(k)]
         self.state_dict, self.load_state_dict, self.heal_bytes = state_dict, load_state_dict, heal_bytes
         connect_s = max(60.0, meeting_timeout_s)
         try:
-            self.manager = Manager(  # torchft heals nothing itself (allow_heal=False): the heal follows the handshake
-                pg=self.pg, load_state_dict=lambda _: None, state_dict=lambda: {},
-                min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout,
-                quorum_timeout=datetime.timedelta(seconds=meeting_timeout_s),
-                connect_timeout=datetime.timedelta(seconds=connect_s),
-                rank=self.rank, world_size=self.world, store_addr=advertise_host, store_port=int(port),
-                lighthouse_addr=_lighthouse_url(lighthouse), replica_id=f"{replica_id}{WORLD_TAG}{self.world}",
-                hostname=advertise_host,
-                init_sync=False, checkpoint_transport=self.transport)
+            for seat in self.seats:  # torchft heals nothing itself (allow_heal=False): the heal follows the handshake
+                seat.manager = Manager(
+                    pg=seat.pg, load_state_dict=lambda _: None, state_dict=lambda: {},
+                    min_replica_size=min_replicas, use_async_quorum=k > 1, timeout=timeout,
+                    quorum_timeout=datetime.timedelta(seconds=meeting_timeout_s),
+                    connect_timeout=datetime.timedelta(seconds=connect_s),
+                    rank=seat.v, world_size=self.virtual_world, store_addr=advertise_host, store_port=int(port),
+                    lighthouse_addr=_lighthouse_url(lighthouse),
+                    replica_id=f"{replica_id}{WORLD_TAG}{self.virtual_world}", hostname=advertise_host,
+                    init_sync=False, checkpoint_transport=seat.transport)
         except RuntimeError as err:  # rank 0's manager server connects to the lighthouse once, at its start
             if "failed to connect" not in str(err):
                 raise
@@ -138,23 +178,37 @@ class TorchftMembership:
                              "torchft_lighthouse there (or fix --diloco-x-lighthouse), then restart the job") from None
         #: set by the quorum check when the quorum holds jobs of another world size: (this job leaves, why)
         self._other_worlds: tuple[bool, str] | None = None
-        self.manager._client = _CheckedClient(self.manager._client, self._check_quorum)
+        for seat in self.seats:
+            seat.manager._client = _CheckedClient(seat.manager._client, self._check_quorum)
         self._quorum_id: int | None = None
         self._broken_quorum: int | None = None
         self._met_at = time.monotonic()
         self.meetings = 0
         #: the outer round this job is in (set by the rounds it serves: the fault drills' clock)
         self.rounds: Callable[[], int] = lambda: 0
-        self.group: dist.ProcessGroup | None = None
         #: ``handshake(group, progress, quorum, heal_url, first) -> Agreement``: whether every member is verified
         #: and agrees, and who heals from whom; raises SystemExit on the member that leaves, HandshakeBroken
         #: when the group breaks (:func:`megatron_diloco.federation.handshake.agree`)
         self.handshake: Callable[..., object] | None = None
 
+    @property
+    def manager(self):
+        """The torchft Manager of this rank's first slot."""
+        return self.seats[0].manager
+
+    @property
+    def transport(self):
+        return self.seats[0].transport
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """This meeting's outer group (the first slot's; None: none)."""
+        return self.seats[0].group
+
     def _check_quorum(self, quorum) -> None:
         """(torchft's quorum thread, each rank) The quorum torchft fetched, before it builds a group over it: one
         with a job of another world size is refused here (:func:`other_worlds`)."""
-        self._other_worlds = other_worlds(quorum.replica_ids, self.world)
+        self._other_worlds = other_worlds(quorum.replica_ids, self.virtual_world)
         if self._other_worlds is not None:
             raise RuntimeError(self._other_worlds[1])
 
@@ -174,19 +228,14 @@ class TorchftMembership:
             left = deadline - time.perf_counter()
             if left <= 0:
                 return self._alone(started, why)
-            self.manager.load_state_dict({"step": int(progress), "batches_committed": 0})
             self._other_worlds = None
-            err = None
-            try:
-                self.manager.start_quorum(allow_heal=False, timeout=datetime.timedelta(seconds=left))
-            except Exception as e:  # the lighthouse unreachable, the quorum timed out
-                err = e
-            err = err or self.manager.errored()
+            err = self._quorum(progress, left)
             # every rank saw the same quorum. Only a job that has not met the run yet leaves: the ids are not
             # authenticated, and a job already in the run must not be sent away by strangers (it fails the meeting)
             if self._other_worlds is not None and self._other_worlds[0] and self.meetings == 0:
                 raise SystemExit(f"megatron-diloco: error: {self._other_worlds[1]}. This job leaves the run; the "
-                                 "others go on. Give it as many ranks as theirs.")
+                                 "others go on. Give it as many ranks as theirs (with --diloco-x-exchange-slots: "
+                                 "the same TP x PP x --diloco-x-exchange-slots).")
             if self._job_any(err is not None):  # (a configure may fail on one rank only)
                 why = _reason(err) if err is not None else "another rank of this job could not join the quorum"
                 self._reset_after_failure()
@@ -194,7 +243,7 @@ class TorchftMembership:
                                "trying again" if deadline - time.perf_counter() > 1.0 else "training this round alone")
                 time.sleep(min(1.0, max(0.0, deadline - time.perf_counter())))
                 continue
-            quorum = self.manager._quorum_id  # torchft 0.2.0 has no public getter
+            quorum = self.manager._quorum_id  # torchft 0.2.0 has no public getter (the same on every seat)
             if quorum == self._quorum_id:
                 break
             if quorum == self._broken_quorum:  # never again a collective on a group that broke: wait for a new quorum
@@ -203,9 +252,10 @@ class TorchftMembership:
                 continue
             changed = True
             self._retire()
-            parent = self.pg.parent
-            labels = [i * self.world + self.rank for i in range(parent.size())]
-            self.group = register_group(parent, GROUP_NAME.format(quorum=quorum, rank=self.rank), labels)
+            for seat in self.seats:
+                parent = seat.pg.parent
+                labels = [i * self.virtual_world + seat.v for i in range(parent.size())]
+                seat.group = register_group(parent, GROUP_NAME.format(quorum=quorum, rank=seat.v), labels)
             self._quorum_id = quorum
             try:
                 ok = self._agree_and_heal(progress, quorum)
@@ -218,52 +268,82 @@ class TorchftMembership:
                 self._broken_quorum = quorum
             if ok:
                 logger.warning("DiLoCoX: %d job%s present (quorum %d); this job is member %d",
-                               parent.size(), "s" if parent.size() > 1 else "", quorum, parent.rank())
+                               self.group.size(), "s" if self.group.size() > 1 else "", quorum, self.group.rank())
                 break
             self.commit(False)  # a member was refused, differs or broke the group: meet again without it
             self._quorum_id = None
         self.meetings += 1
         self._met_at = time.monotonic()
-        return Meeting(self.group, changed, self.group.size(), time.perf_counter() - started)
+        slots = tuple(seat.group for seat in self.seats) if len(self.seats) > 1 else None
+        return Meeting(self.group, changed, self.group.size(), time.perf_counter() - started, slot_groups=slots)
+
+    def _quorum(self, progress: int, left: float) -> BaseException | None:
+        """Every seat's quorum at this boundary (k seats: started together, then waited for); the first error."""
+        err = None
+        try:
+            for seat in self.seats:
+                seat.manager.load_state_dict({"step": int(progress), "batches_committed": 0})
+                seat.manager.start_quorum(allow_heal=False, timeout=datetime.timedelta(seconds=left))
+            if len(self.seats) > 1:
+                for seat in self.seats:
+                    seat.manager.wait_quorum()
+                if len({seat.manager._quorum_id for seat in self.seats}) > 1:
+                    raise RuntimeError("the slots of this rank were given different quorums")
+        except Exception as e:  # the lighthouse unreachable, the quorum timed out
+            err = e
+        return err or next((e for e in (seat.manager.errored() for seat in self.seats) if e is not None), None)
 
     def _agree_and_heal(self, progress: int, quorum: int) -> bool:
         """The members' handshake, then the heal of the members behind the most advanced one: its rank k offers
         a snapshot, rank k of each member behind fetches it (sealed, checked, :meth:`load_state_dict`); a
-        bounded all-reduce over the group tells the source when every fetch is done. Raises
-        :class:`HandshakeBroken` when the group breaks or a heal fails."""
+        bounded all-reduce over the group tells the source when every fetch is done. A rank holding several
+        slots does each step slot by slot (each over its slot's group and heal server) and takes the slots'
+        parts as one state. Raises :class:`HandshakeBroken` when a group breaks or a heal fails."""
         from megatron_diloco.federation.handshake import HandshakeBroken
 
         if self.handshake is None or self.group.size() <= 1:
             return True
         faults.point("handshake", self.rounds())
-        agreement = self.handshake(self.group, progress, quorum, self.transport.url, self.meetings == 0)
-        if not agreement.ok or not agreement.behind:
-            return agreement.ok
+        agreements = [self.handshake(seat.group, progress, quorum, seat.transport.url, self.meetings == 0)
+                      for seat in self.seats]
+        agreement = agreements[0]
+        if not all(a.ok for a in agreements) or not agreement.behind:
+            return all(a.ok for a in agreements)
+        if any((a.source, a.behind, a.source_progress) != (agreement.source, agreement.behind,
+                                                           agreement.source_progress) for a in agreements):
+            raise HandshakeBroken("the slots of this rank agreed on different heals")
         me = self.group.rank()
         ok = True
         try:
             if me == agreement.source:
-                self.transport.offer(quorum, agreement.source_progress, self.state_dict())
+                state = self.state_dict()
+                for seat in self.seats:
+                    seat.transport.offer(quorum, agreement.source_progress,
+                                         state if len(self.seats) == 1 else slot_state(state, seat.lo, seat.hi))
                 faults.point("heal-source", self.rounds())
-            barrier = torch.zeros(1, dtype=torch.float64)  # the offer is up before anyone fetches it
-            bounded_all_reduce(barrier, dist.ReduceOp.SUM, self.group, self.timeout_s)
+            for seat in self.seats:  # the offers are up before anyone fetches them
+                bounded_all_reduce(torch.zeros(1, dtype=torch.float64), dist.ReduceOp.SUM, seat.group, self.timeout_s)
             if me in agreement.behind:
                 faults.point("heal-target", self.rounds())
                 try:
-                    state = self.transport.fetch(agreement.source_url, quorum, agreement.source_progress,
-                                                 self.heal_bytes())
-                    self.load_state_dict(state)
+                    parts = [seat.transport.fetch(a.source_url, quorum, a.source_progress, self.heal_bytes())
+                             for seat, a in zip(self.seats, agreements)]
+                    self.load_state_dict(parts[0] if len(parts) == 1 else joined_state(parts))
                 except (OSError, ValueError, http.client.HTTPException) as err:  # the source went, or sent what
                     # this rank refuses (another identity, length, dtype, a non-finite value)
                     logger.warning("DiLoCoX: the heal from member %d failed: %s", agreement.source, err)
                     ok = False
-            flag = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
-            bounded_all_reduce(flag, dist.ReduceOp.MIN, self.group, self.timeout_s)
+            flags = []
+            for seat in self.seats:
+                flag = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
+                bounded_all_reduce(flag, dist.ReduceOp.MIN, seat.group, self.timeout_s)
+                flags.append(bool(flag.item()))
         except (RuntimeError, TimeoutError) as err:
             raise HandshakeBroken(f"the heal's group broke ({err})") from err
         finally:
-            self.transport.withdraw()
-        if not bool(flag.item()):
+            for seat in self.seats:
+                seat.transport.withdraw()
+        if not all(flags):
             raise HandshakeBroken("a member's heal failed")
         return True
 
@@ -290,18 +370,21 @@ class TorchftMembership:
         self._retire()
         self._quorum_id = None
         self._broken_quorum = None  # a restarted lighthouse numbers its quorums from 1 again
-        self.manager.report_error(RuntimeError(f"the meeting failed: {why}"))
+        for seat in self.seats:
+            seat.manager.report_error(RuntimeError(f"the meeting failed: {why}"))
         self.meetings += 1
         return Meeting(None, changed, 1, time.perf_counter() - started, met=False)
 
     def _reset_after_failure(self) -> None:
         """After a failed quorum torchft keeps the failed future and re-raises it at the next quorum: drop it."""
-        self.manager._quorum_future = None
+        for seat in self.seats:
+            seat.manager._quorum_future = None
 
     def _retire(self) -> None:
-        """Retire the current group (:func:`retire_group`; torchft has already configured the next one)."""
-        group, self.group = self.group, None
-        retire_group(group)
+        """Retire the current groups (:func:`retire_group`; torchft has already configured the next ones)."""
+        for seat in self.seats:
+            group, seat.group = seat.group, None
+            retire_group(group)
 
     def abandon(self) -> None:
         """A round failed on this job: the current group is retired at once (torchft's wrapper lets it go to the
@@ -309,10 +392,12 @@ class TorchftMembership:
         repeats the quorum's number."""
         if self.group is None:
             return
-        self.pg.abort()
+        for seat in self.seats:
+            seat.pg.abort()
         self._retire()
         self._quorum_id = None
-        self.manager._quorum_id = -1  # torchft 0.2.0 reconfigures only when the number changes
+        for seat in self.seats:
+            seat.manager._quorum_id = -1  # torchft 0.2.0 reconfigures only when the number changes
 
     def commit(self, ok: bool, mean: bytes | None = None) -> bool:
         """Job-wide AND (torchft's ``should_commit``) of ``ok`` and, ``mean`` given (the digest of the mean
@@ -322,26 +407,49 @@ class TorchftMembership:
 
         why = "the exchange failed on this rank"
         if ok and mean is not None and self.group is not None and self.group.size() > 1:
-            try:
-                ok, why = means_agree(self.group, self.key, self._quorum_id or 0, self.rounds(), mean,
-                                      self.timeout_s)
-            except HandshakeBroken as err:
-                ok, why = False, str(err)
+            size = len(mean) // len(self.seats)  # one fingerprint per slot, each checked over its slot's group
+            for j, seat in enumerate(self.seats):
+                try:
+                    agree, why_j = means_agree(seat.group, self.key, self._quorum_id or 0, self.rounds(),
+                                               mean[j * size:(j + 1) * size], self.timeout_s)
+                except HandshakeBroken as err:
+                    agree, why_j = False, str(err)
+                if ok and not agree:
+                    ok, why = False, why_j
             if not ok:
                 logger.warning("DiLoCoX round %d: not committed: %s", self.rounds(), why)
         if not ok:
-            self.manager.report_error(RuntimeError(why))
+            for seat in self.seats:
+                seat.manager.report_error(RuntimeError(why))
         # every rank of the job votes; a rank may still be in its exchange's wait and then the means' check, each
         # bounded by timeout_s: wait for it past both (with torchft's default, its own timeout_s, a rank that
         # finished first raised TimeoutError while another waited out a failing exchange)
-        return bool(self.manager.should_commit(timeout=datetime.timedelta(seconds=3 * self.timeout_s + 60)))
+        timeout = datetime.timedelta(seconds=3 * self.timeout_s + 60)
+        if len(self.seats) == 1:
+            return bool(self.manager.should_commit(timeout=timeout))
+        votes: list = [None] * len(self.seats)  # k votes of this job at once: torchft waits for all of them
+
+        def vote(j: int) -> None:
+            try:
+                votes[j] = bool(self.seats[j].manager.should_commit(timeout=timeout))
+            except Exception as err:  # noqa: BLE001 - a vote that failed is a no
+                logger.warning("DiLoCoX round %d: slot %d's commit failed: %s", self.rounds(), j, err)
+                votes[j] = False
+
+        threads = [threading.Thread(target=vote, args=(j,), name=f"diloco_x_commit{j}") for j in range(len(votes))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return all(votes)
 
     def shutdown(self) -> None:
         """Leave the run (end of training): stop heartbeating."""
-        try:
-            self.manager.shutdown(wait=False)
-        except Exception as err:  # leaving must not fail the run that just ended
-            logger.warning("DiLoCoX: leaving the run: %s", err)
+        for seat in self.seats:
+            try:
+                seat.manager.shutdown(wait=False)
+            except Exception as err:  # leaving must not fail the run that just ended
+                logger.warning("DiLoCoX: leaving the run: %s", err)
         self._retire()
 
 

@@ -160,6 +160,12 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--diloco-x-federation-port", type=int, default=0,
                        help="With --diloco-x-lighthouse: the port of this job's federation store on its "
                             "rank 0, which the other jobs connect to (default 0: any free port).")
+    group.add_argument("--diloco-x-exchange-slots", type=int, default=None, metavar="G",
+                       help="With --diloco-x-lighthouse, for sites of different data-parallel size: the largest "
+                            "site's data-parallel size, the same on every job of the run. A rank of a site of DP d "
+                            "exchanges its shard as G / d slots, each with the ranks of the other sites that hold "
+                            "the same slot. A power of two up to 128 and a multiple of this job's DP; above 40 "
+                            "every job needs the same --ddp-bucket-size. Default: every job has the same DP.")
     group.add_argument("--diloco-x-outer-timeout-minutes", type=float, default=None,
                        help="T: an exchange over the outer groups (and the boundary's skip decision, the "
                             "link measurement) must complete within T minutes of its launch, else the run "
@@ -377,6 +383,7 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
         for flag in ("meeting", "alone"):
             if getattr(args, f"diloco_x_{flag}_timeout_minutes", 1.0) <= 0:
                 raise ValueError(f"--diloco-x-{flag}-timeout-minutes must be > 0")
+    _validate_exchange_slots(args, config, dp, federated)
     if store and (args.save or args.load):
         raise ValueError("--save / --load cannot be used with --diloco-x-outer-store yet (the DiLoCoX "
                          "checkpoint layout spans the replicas of one world); run the replicas in one "
@@ -441,3 +448,31 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
     args.use_distributed_optimizer = True
     args.num_distributed_optimizer_instances = R
     args.use_tp_pp_dp_mapping = True
+
+
+def _validate_exchange_slots(args: argparse.Namespace, config: DiLoCoXConfig, dp: int, federated: bool) -> None:
+    """``--diloco-x-exchange-slots`` G (sites of different data-parallel size): ValueError naming the fix."""
+    from megatron_diloco.algorithm.slot_exchange import check_slot_codec
+
+    slots = getattr(args, "diloco_x_exchange_slots", None)
+    if slots is None:
+        return
+    flag = f"--diloco-x-exchange-slots {slots}"
+    if not federated:
+        raise ValueError(f"{flag} applies with --diloco-x-lighthouse only (replicas of one world share their size)")
+    if slots < 1 or slots > 128 or slots & (slots - 1):
+        raise ValueError(f"{flag}: give a power of two up to 128 (Megatron pads every bucket to a multiple of 128 "
+                         "elements, so that such a count of slots cuts the buckets of every site alike)")
+    if slots % dp:
+        raise ValueError(f"{flag} is not a multiple of this job's data-parallel size {dp}: give every job the "
+                         "largest site's data-parallel size")
+    if getattr(args, "context_parallel_size", 1) != 1:
+        raise ValueError(f"{flag} cannot be used with --context-parallel-size > 1 yet (the distributed optimizer "
+                         "then shards over data x context parallel ranks)")
+    if slots > 40 and getattr(args, "ddp_bucket_size", None) is None:
+        raise ValueError(f"{flag}: above 40 data-parallel ranks Megatron sizes its buckets by the DP size "
+                         "(max(40M, 1M x DP) elements), which differs between sites; give every job the same "
+                         "--ddp-bucket-size")
+    for codec in (config.compression, config.warmup_compression):
+        if codec is not None:
+            check_slot_codec(codec, slots // dp)

@@ -177,7 +177,8 @@ class OuterCheckpoint:
         clones of this replica's own state}`` (completes an exchange in flight: collective over the outer
         group)."""
         outer = {"sync": self.sync.state_dict(), "step_calls": counters.step_calls,
-                 "totals": vars(counters.totals).copy(), "schedule": self.sync.schedule.state_dict()}
+                 "totals": vars(counters.totals).copy(), "schedule": self.sync.schedule.state_dict(),
+                 "exchange_slots": list(self.sync.segments.bounds)}
         per_replica = {"tensors": {name: t.detach().clone() for name, t in self._inner_state_tensors()},
                        "meta": self.replica_meta(counters)}
         return {"inner": inner_sd, "diloco_x": outer, "diloco_x_replica": per_replica}
@@ -231,6 +232,7 @@ class OuterCheckpoint:
             outer_tensors = {k: v for k, v in state.items() if _is_flat_shard(v, n)}
             outer_meta = {k: v for k, v in state.items() if k not in outer_tensors}
             outer_meta.update(format=CHECKPOINT_FORMAT, numel=n, tensors=sorted(outer_tensors),
+                              exchange_slots=list(self.sync.segments.bounds),
                               step_calls=counters.step_calls, totals=vars(counters.totals).copy(),
                               schedule=self.sync.schedule.state_dict())
             kinds = self._replica_tensors()
@@ -338,9 +340,10 @@ class OuterCheckpoint:
         if int(outer_meta["numel"]) != n:
             raise ValueError(f"DiLoCoX checkpoint holds an outer shard of {outer_meta['numel']} elements, this "
                              f"rank owns {n}: resume with the same TP/PP/DP layout and --diloco-x-replicas")
+        self._check_slots(outer_meta.get("exchange_slots"))
         loaded_outer = ours.get("outer", {})
-        sync_state = {k: v for k, v in outer_meta.items()
-                      if k not in ("format", "numel", "tensors", "step_calls", "totals", "schedule")}
+        sync_state = {k: v for k, v in outer_meta.items() if k not in (
+            "format", "numel", "tensors", "step_calls", "totals", "schedule", "exchange_slots")}
         for name in outer_meta["tensors"]:
             sync_state[name] = (loaded_outer[name] if n > 0 else
                                 torch.empty(0, dtype=torch.float32, device=self.view.device))
@@ -369,6 +372,7 @@ class OuterCheckpoint:
             raise RuntimeError("checkpoint has no DiLoCoX state for this replica: it was not written with "
                                "--diloco-x and the same --diloco-x-replicas; load it with --no-load-optim to "
                                "start a new outer loop from its weights")
+        self._check_slots(outer.get("exchange_slots"))
         self.sync.load_state_dict(outer["sync"])
         tensors = per_replica["tensors"]
         names = [name for name, _ in self._inner_state_tensors()]
@@ -384,6 +388,15 @@ class OuterCheckpoint:
         lr_steps = self._load_replica_meta(per_replica["meta"])
         return Restored(Counters(int(outer["step_calls"]), ExchangeStats(**outer["totals"]), lr_steps),
                         outer.get("schedule"))
+
+    def _check_slots(self, saved: list | None) -> None:
+        """Refuse a checkpoint whose outer state is cut into other exchange slots (``--diloco-x-exchange-slots``:
+        the outer vectors keep a rank's slots one after another, so another cut is another order)."""
+        saved = tuple(saved) if saved is not None else (0, self.view.numel)  # (older checkpoints: one slot)
+        if saved != self.sync.segments.bounds:
+            raise ValueError(f"DiLoCoX checkpoint holds this rank's outer state as {len(saved) - 1} exchange slot(s), "
+                             f"this job cuts it into {self.sync.segments.k}: resume with the "
+                             "--diloco-x-exchange-slots and data-parallel size it was written with")
 
     def _load_replica_meta(self, meta: dict) -> int | None:
         """Restore :meth:`replica_meta` (after the inner optimizer's own load, which set replica 0's

@@ -100,3 +100,46 @@ def slot_pieces(ranges: list[MainRange], dp_rank: int, dp_size: int, slots: int)
 def slot_views(shards: list[torch.Tensor], pieces: list[Piece]) -> list[torch.Tensor]:
     """Views (1-D, same storage) of the fp32 main shards ``shards`` (ShardView order) for one slot's ``pieces``."""
     return [shards[p.main].detach().view(-1)[p.lo:p.hi] for p in pieces]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangePlan:
+    """How one rank takes part in a run of sites of different data-parallel size (``--diloco-x-exchange-slots``
+    G): its slots, in the order the outer state keeps them."""
+
+    views: list[torch.Tensor]
+    """The fp32 main shards' pieces, slot by slot (the :class:`~megatron_diloco.algorithm.shard_view.ShardView`
+    of the outer state: slot-major)."""
+    bounds: tuple[int, ...]
+    """Where each slot starts and ends in that order (``[k + 1]``)."""
+    virtual_ranks: tuple[int, ...]
+    """Each slot's rank in every job of the run: ``tp + TP x (pp + PP x slot)`` (Megatron's tp-pp-dp order at
+    DP G: a rank of a site of DP G keeps its own rank)."""
+    virtual_world: int
+    """TP x PP x G: the world of every job of the run, counted in slots."""
+    layouts: list[list[tuple[tuple[int, ...], int, int]]]
+    """Per slot: (its parameter's shape, the piece's start in the flattened parameter, its length), per piece:
+    what the handshake compares with the other sites' ranks of the same virtual rank."""
+
+
+def exchange_plan(dist_opts: list, shards: list[torch.Tensor], slots: int) -> ExchangePlan:
+    """This rank's :class:`ExchangePlan` for ``slots`` = G (``shards``: its fp32 main shards in ShardView
+    order). Reads its tensor- and pipeline-parallel ranks from Megatron's ``parallel_state`` and its
+    data-parallel rank from the distributed optimizer's group (context parallelism must be 1). Local."""
+    from megatron.core import parallel_state as ps
+
+    group = dist_opts[0].buffers[0].data_parallel_group
+    dp_rank, dp_size = group.rank(), group.size()
+    ranges = main_ranges(dist_opts)
+    pieces = slot_pieces(ranges, dp_rank, dp_size, slots)
+    views = [v for slot in pieces for v in slot_views(shards, slot)]
+    bounds = [0]
+    for slot in pieces:
+        bounds.append(bounds[-1] + sum(p.hi - p.lo for p in slot))
+    tp, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    pp, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    k = slots // dp_size
+    virtual = tuple(tp + tp_size * (pp + pp_size * (dp_rank * k + j)) for j in range(k))
+    layouts = [[(tuple(ranges[p.main].param.shape), ranges[p.main].param_start + p.lo, p.hi - p.lo) for p in slot]
+               for slot in pieces]
+    return ExchangePlan(views, tuple(bounds), virtual, tp_size * pp_size * slots, layouts)

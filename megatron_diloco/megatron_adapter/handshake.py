@@ -113,6 +113,9 @@ MUST_AGREE_MEGATRON: tuple[tuple[str, str], ...] = (
     ("padded vocabulary size (tokenizer, --make-vocab-size-divisible-by)", "padded_vocab_size"),
 )
 
+#: what ``--diloco-x-exchange-slots`` lets jobs differ in (their shards are then compared slot by slot)
+SLOTS_REPLACE = ("world_size", "data_parallel_size")
+
 #: Megatron arguments separate jobs may set apiece (the mean weighs each job by its tokens, each reads its
 #: data slot at its own rate, each counts its own inner steps and LR schedule); launches of one run, and
 #: jobs of a run given in samples (--train-samples: its iterations would differ), must agree on them.
@@ -188,9 +191,14 @@ def describe_launch(args: argparse.Namespace, config: DiLoCoXConfig, shards: lis
             out[flag] = read(config)
     if per_job:
         out.update(describe_rounds(args, config))
+    slots = getattr(args, "diloco_x_exchange_slots", None) if separate_jobs else None
     for flag, attr in MUST_AGREE_MEGATRON + (() if per_job else PER_JOB_MEGATRON):
+        if slots and attr in SLOTS_REPLACE:  # sites of different size: they agree on the slots instead
+            continue
         value = getattr(args, attr, None)
         out[flag] = list(value) if isinstance(value, tuple) else value
+    if slots:
+        out["--diloco-x-exchange-slots"] = slots
     out[SHARDS] = shards
     return json.loads(json.dumps(out))  # the form the other launches read back
 

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_diloco.megatron_adapter import patches
+from megatron_diloco.megatron_adapter import data_split, patches
 from megatron_diloco.megatron_adapter.arguments import config_from_args, validate_megatron_args
 from megatron_diloco.algorithm.config import CODECS, DiLoCoXConfig
 from megatron_diloco.summary import format_round_line, format_summary, params_digest, warmup_exposure_warning
@@ -256,7 +256,8 @@ class _Installation:
         if self.args.diloco_x_lighthouse is not None:  # this job is one replica of a run of separate jobs
             from megatron_diloco.megatron_adapter.topology import from_federation
 
-            self.optimizer = opt = DiLoCoXOptimizer(inner, self.config, from_federation(), on_round=self.log_round)
+            topology = from_federation(getattr(self.args, "diloco_x_exchange_slots", None))
+            self.optimizer = opt = DiLoCoXOptimizer(inner, self.config, topology, on_round=self.log_round)
             self.membership = self.join_federation(opt, self.describe_launch(inner, separate_jobs=True))
             opt.federation.tokens_per_step = self.tokens_per_step
             install_replica_local_collectives(
@@ -300,7 +301,11 @@ class _Installation:
             args.diloco_x_lighthouse, name, args.diloco_x_advertise_host, args.diloco_x_federation_port,
             key=key, timeout_s=timeout_s, meeting_timeout_s=60.0 * args.diloco_x_meeting_timeout_minutes,
             alone_timeout_s=60.0 * args.diloco_x_alone_timeout_minutes, min_replicas=1, job_group=job,
-            state_dict=fed.state_dict, load_state_dict=fed.load_state_dict, heal_bytes=fed.heal_bytes)
+            state_dict=fed.state_dict, load_state_dict=fed.load_state_dict, heal_bytes=fed.heal_bytes,
+            **({} if opt.slots is None else dict(segments=opt.slots.bounds, virtual_ranks=opt.slots.virtual_ranks,
+                                                 virtual_world=opt.slots.virtual_world)))
+        if opt.slots is not None:  # the theta agreement counts slots as the run's jobs do
+            opt.sync.decision.virtual = (opt.slots.virtual_ranks, opt.slots.virtual_world)
         membership.handshake = lambda group, progress, quorum, heal_url, first: handshake.agree(
             group, key, quorum, progress, description, args.diloco_x_replica_index, name, heal_url, first, timeout_s)
         membership.rounds = lambda: opt.sync.rounds  # (the fault drills' clock)
@@ -349,9 +354,13 @@ class _Installation:
         from megatron_diloco.megatron_adapter.handshake import describe_launch, shard_digest
         from megatron_diloco.megatron_adapter.optimizer import distributed_optimizers
 
-        mine = shard_digest(_shard_layout(distributed_optimizers(inner)))
+        plan = self.optimizer.slots if separate_jobs and self.optimizer is not None else None
+        mine = (shard_digest(_shard_layout(distributed_optimizers(inner))) if plan is None else
+                [[v, shard_digest(layout)] for v, layout in zip(plan.virtual_ranks, plan.layouts)])
         shards: list = [None] * dist.get_world_size()
         dist.all_gather_object(shards, mine)
+        if plan is not None:  # per exchange slot, in the order of the run's virtual ranks (every job's alike)
+            shards = [digest for _, digest in sorted(slot for rank in shards for slot in rank)]
         return describe_launch(self.args, self.config, shards, megatron_version(package_info), separate_jobs)
 
     def run_length_known(self) -> None:
@@ -371,44 +380,17 @@ class _Installation:
                   f"H0 {self.config.warmup_local_steps} for {self.config.warmup_iters} steps", flush=True)
 
     def wrap_build_pretraining_data_loader(self, build: Callable) -> Callable:
-        """Replicas in separate worlds (``--diloco-x-outer-store``): each world's data loaders take the
-        samples that its ranks would take as data-parallel ranks ``replica x dp + dp_rank`` of ``R x
-        dp`` in one world, so the R launches read disjoint data, sample for sample as one world of R
-        replicas does (evaluation too: a replica's validation loss covers its share; average the R).
-        Megatron's sampler reads the two through ``parallel_state``, swapped while it builds them
-        (:data:`~megatron_diloco.megatron_adapter.patches.DATA_PARALLEL_RANK` and ``_SIZE``).
-
-        ``consumed_samples`` (Megatron's ``args.consumed_train_samples``: this launch's own samples) is
-        handed to the sampler as R times that, its position in the R launches' stream: a launch resumed
-        from iteration i goes on with the samples of iteration i + 1, not those of iteration i / R
-        again. A separate job with its own global batch reads its slot at its own rate the same way."""
-        from megatron.core import parallel_state as ps
-
-        R, r = self.config.replicas, self.args.diloco_x_replica_index
-
-        @functools.wraps(build)
-        def build_pretraining_data_loader(dataset, consumed_samples):
-            size = ps.get_data_parallel_world_size
-            with patches.swapped(
-                    (patches.DATA_PARALLEL_RANK, lambda rank: lambda *a, **k: r * size(*a, **k) + rank(*a, **k)),
-                    (patches.DATA_PARALLEL_SIZE, lambda size_: lambda *a, **k: R * size_(*a, **k))):
-                return build(dataset, R * consumed_samples)
-
-        return build_pretraining_data_loader
+        """Replicas in separate worlds or jobs: each reads its share of the run's samples
+        (:func:`~megatron_diloco.megatron_adapter.data_split.build_loader`)."""
+        return data_split.build_loader(build, self.config.replicas, self.args.diloco_x_replica_index,
+                                       getattr(self.args, "diloco_x_exchange_slots", None))
 
     def wrap_get_train_valid_test_num_samples(self, get_num_samples: Callable) -> Callable:
-        """Replicas in separate worlds: the datasets are sized for the R replicas' samples, as one
-        world of R replicas sizes them (its global batch is R launches' ``--global-batch-size``).
-        Each launch's loaders take every R-th share of them (:meth:`wrap_build_pretraining_data_loader`),
-        so datasets sized for one launch would run out at 1/R of the run (seen: the validation
-        iterator ended at iteration 2100 of 3000)."""
-        R = self.config.replicas
-
-        @functools.wraps(get_num_samples)
-        def get_train_valid_test_num_samples():
-            return tuple(None if n is None else R * n for n in get_num_samples())
-
-        return get_train_valid_test_num_samples
+        """Replicas in separate worlds or jobs: the datasets sized for the run's samples
+        (:func:`~megatron_diloco.megatron_adapter.data_split.num_samples`)."""
+        return data_split.num_samples(get_num_samples, self.config.replicas,
+                                      getattr(self.args, "diloco_x_exchange_slots", None),
+                                      getattr(self.args, "data_parallel_size", 1))
 
     def after_load(self) -> None:
         """Megatron's ``load_checkpoint`` returned: the optimizer restarts the outer loop if weights

@@ -36,6 +36,7 @@ from megatron_diloco.algorithm.config import DiLoCoXConfig
 from megatron_diloco.algorithm.exchange import ExchangeStats
 from megatron_diloco.algorithm.link import host_copy
 from megatron_diloco.algorithm.shard_view import ShardView, fingerprint
+from megatron_diloco.megatron_adapter.exchange_slots import exchange_plan
 from megatron_diloco.algorithm.protocols import RoundReport
 from megatron_diloco.algorithm.sync import OuterSync
 from megatron_diloco.megatron_adapter.checkpoint import Counters, OuterCheckpoint
@@ -117,9 +118,13 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         # the world's shard table: one all-gather over the world here (link sharers), kept for checkpoints
         self.layout = ShardLayout(topology.replica_index, topology.rank_in_replica, self.view.numel,
                                   self.view.device)
-        self.sync = OuterSync(self.view, config, topology.outer_group, _shard_shapes(self.dist_opts),
+        #: sites of different data-parallel size: the outer state slot by slot (None: the shards as they are)
+        self.slots = exchange_plan(self.dist_opts, self.view.shards, topology.exchange_slots) if (
+            topology.exchange_slots) else None
+        self.sync = OuterSync(ShardView(self.slots.views) if self.slots else self.view, config, topology.outer_group,
+                              None if self.slots else _shard_shapes(self.dist_opts),
                               gloo_group=topology.outer_gloo_group, decision_group=topology.decision_group,
-                              link_sharers=self.layout.link_sharers())
+                              link_sharers=self.layout.link_sharers(), segments=self.slots and self.slots.bounds)
         self.checkpoint = OuterCheckpoint(self.sync, self.view, self.dist_opts, topology, self.layout)
         self.restarts = RestartPolicy(self.sync, config)
         self.lr_position = LRSchedulePosition()
@@ -457,26 +462,34 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         the shared outer state (theta, momentum) is compared instead. After :meth:`finish` the params are compared. With
         ``--overlap-param-gather`` the model params are gathered by the next forward, not at the
         boundary: until then only the fp32 main shards are compared (the model's own shard is their
-        copy; the rest is the previous round's local params by design)."""
+        copy; the rest is the previous round's local params by design). Exchange slots: slot by slot."""
         if not self.sync.params_shared:  # theta and m, on the device (streamed when host-held)
             fp = self.sync.fingerprint(self.sync.outer.tensors())
         else:
-            tensors = list(self.view.shards)
-            for d in self.dist_opts:
-                if self._params_gathered or not d.ddp_config.overlap_param_gather:
-                    tensors += [p for chunk in d.model_chunks for p in chunk.parameters()]
-            fp = fingerprint(tensors)
+            params = [p for d in self.dist_opts if self._params_gathered or not d.ddp_config.overlap_param_gather
+                      for chunk in d.model_chunks for p in chunk.parameters()]
+            fp = torch.stack([fingerprint([*self.sync.view.pieces(a, b), *params])
+                              for a, b in self.sync.segments.ranges()]) if self.slots else fingerprint(
+                [*self.view.shards, *params])
         same = torch.tensor([int(self._same_across_outer_group(fp))], device=self.view.device)
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
         return bool(same.item())
 
     def _same_across_outer_group(self, fp: torch.Tensor) -> bool:
-        """Whether the fingerprint ``fp`` (int64 ``[2]``) is the same on every rank of this rank's outer
-        group (an all-gather over it; True with one replica). Collective over the outer group."""
-        group = self.sync.group  # (separate jobs: the members of the last boundary)
+        """Whether the fingerprint ``fp`` (int64 ``[2]``; ``[k, 2]``: one per exchange slot, each over its slot's
+        group) is the same on every rank of this rank's outer group (True with one replica). Collective over it."""
+        return same_across_groups(fp.view(-1, 2), self.sync.slot_groups)  # (separate jobs: the last boundary's)
+
+
+def same_across_groups(fps: torch.Tensor, groups: tuple) -> bool:
+    """Whether ``fps[j]`` (int64 ``[2]``) is the same on every rank of ``groups[j]`` (an all-gather over each, in
+    order; a group of one or None: True). Collective over the groups."""
+    same = True
+    for fp, group in zip(fps, groups):
         if group is None or dist.get_world_size(group) <= 1:
-            return True
-        fp = host_copy(fp, group)
+            continue
+        fp = host_copy(fp.contiguous(), group)
         gathered = [torch.empty_like(fp) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, fp, group=group)
-        return all(torch.equal(gathered[0], g) for g in gathered)
+        same = same and all(torch.equal(gathered[0], g) for g in gathered)
+    return same

@@ -46,6 +46,9 @@ class Topology:
     separate_worlds: bool = False
     """True when each replica is its own torch.distributed world (its own launcher), joined only by
     the outer groups (:func:`from_outer_store`)."""
+    exchange_slots: int | None = None
+    """Separate jobs of different data-parallel size (``--diloco-x-exchange-slots`` G): each rank exchanges its
+    shard as G / DP slots (:mod:`~megatron_diloco.megatron_adapter.exchange_slots`); None: as one."""
 
 
 def host_mirror_of_outer_groups(replicas: int) -> dist.ProcessGroup | None:
@@ -188,7 +191,7 @@ def from_outer_store(replicas: int, replica_index: int, address: str, timeout_mi
                     separate_worlds=True)
 
 
-def from_federation() -> Topology:
+def from_federation(exchange_slots: int | None = None) -> Topology:
     """The topology of a job that is one replica of a run of separate jobs (``--diloco-x-lighthouse``):
     to Megatron and the checkpoint, a world of one replica; its outer group is the members present
     at each boundary, set by the meeting (:mod:`megatron_diloco.federation.membership`). The skip
@@ -197,4 +200,4 @@ def from_federation() -> Topology:
     world, rank = dist.get_world_size(), dist.get_rank()
     job = decision_group_of_world() if world > 1 else None
     return Topology(1, 0, world, rank, None, _replica_groups(), None, tuple(g for g in (job,) if g is not None),
-                    separate_worlds=True)
+                    separate_worlds=True, exchange_slots=exchange_slots)
