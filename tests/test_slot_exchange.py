@@ -221,45 +221,13 @@ def _torchft_site(rank: int, world: int, job: str, lighthouse: str, delay_s: flo
                 "joined": joined, "summary": fed.summary()}, out["dir"] / f"torchft_{job}_{rank}.pt")
 
 
-def test_a_rank_holding_two_slots_meets_the_run_through_torchft(tmp_path):
-    """The mixed layout through a real lighthouse: B's one rank is two virtual ranks of the run (two torchft
-    Managers, two outer groups, two heal servers); both jobs start together and end with the theta of the
-    scripted run (bit for bit), each slot's theta the same on B and on A's rank."""
-    import threading
-
-    from harness.federation import Lighthouse
-
-    out = {"dir": tmp_path}
-    run_world(_site, 3, "mixed", "partial", "int4", False, out)
-    reference = torch.load(tmp_path / "mixed_0.pt")["seen"]["end"][0]
-    with Lighthouse(tmp_path / "lighthouse.log", min_replicas=2, join_timeout_ms=10000) as lh:
-        errors = []
-
-        def job(name: str, nproc: int) -> None:
-            try:
-                run_world(_torchft_site, nproc, name, lh.address, 0.0, out)
-            except BaseException as err:  # noqa: BLE001 - reported below
-                errors.append((name, err))
-
-        threads = [threading.Thread(target=job, args=(name, n)) for name, n in (("A", 2), ("B", 1))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
-    b = torch.load(tmp_path / "torchft_B_0.pt")
-    a = [torch.load(tmp_path / f"torchft_A_{r}.pt") for r in (0, 1)]
-    assert b["summary"]["failed_rounds"] == 0 and b["summary"]["members"] == 2, b["summary"]
-    assert torch.equal(b["theta"], reference)
-    for j in (0, 1):
-        assert torch.equal(a[j]["theta"], b["theta"][j * SLOT:(j + 1) * SLOT]), j
-
-
-@pytest.mark.parametrize("late", ["B", "A"])
-def test_a_job_of_another_data_parallel_size_joins_the_run_under_way(tmp_path, late):
-    """One job starts 3 s after the other (rounds of about 1 s): it joins the run under way. B late: its one rank
-    takes slot 0's outer state from A's rank 0 and slot 1's from A's rank 1; A late: each of A's ranks takes its
-    slot's from B's one rank. Both then train to the end together: each slot's theta the same on B and on A."""
+def test_a_job_of_another_data_parallel_size_joins_the_run_under_way(tmp_path):
+    """Through a real lighthouse (``TorchftMembership`` with ``segments``: B's one rank is two virtual ranks of the
+    run, two Managers, outer groups and heal servers). A starts 3 s after B (rounds of about 1 s) and joins the run
+    under way: each of A's ranks takes its slot's outer state from B's one rank, which offers each slot's part from
+    its own heal server. Both then train to the end together: each slot's theta and x the same on B and on A.
+    (B joining A's run: tests/test_federation.py, with Megatron.)"""
+    late = "A"
     import threading
 
     from harness.federation import Lighthouse
