@@ -331,12 +331,14 @@ def test_sites_of_different_data_parallel_size_resume_and_join(tmp_path):
             "--pipeline-model-parallel-size", "1"]
     own = {"A": ([], 2), "B": (["--global-batch-size", "2"], 1)}
     ckpt = {n: tmp_path / f"ckpt{n}" for n in "AB"}
-    with Lighthouse(tmp_path / "lighthouse.txt") as lh:
+    with Lighthouse(tmp_path / "lighthouse1.txt", min_replicas=2) as lh:  # (both from iteration 0: B saves at 12)
         jobs = [Job(tmp_path / f"{n}1", n, i, lh.address, [*base, *own[n][0], "--save", str(ckpt[n]),
                                                            "--save-interval", "12", "--exit-interval", "24"],
                     nproc=own[n][1]) for i, n in enumerate("AB")]
         _end(jobs)
-        (ckpt["B"] / "latest_checkpointed_iteration.txt").write_text("12")
+    assert (ckpt["B"] / "iter_0000012").is_dir(), sorted(p.name for p in ckpt["B"].iterdir())
+    (ckpt["B"] / "latest_checkpointed_iteration.txt").write_text("12")
+    with Lighthouse(tmp_path / "lighthouse2.txt") as lh:
         a = Job(tmp_path / "A2", "A", 0, lh.address, [*base, *own["A"][0], "--load", str(ckpt["A"])], env=ENV)
         jobs = [a]
         with _closing(jobs):

@@ -257,6 +257,8 @@ def test_cli_prints_json_and_table():
     (dict(sites="1,0"), "--sites"),
     (dict(sites="1,fast"), "--sites"),
     (dict(sites="1:0,1"), "--sites"),
+    (dict(sites="1:1000:0,1"), "--sites"),
+    (dict(sites="1:1000:8:2,1"), "--sites"),
 ])
 def test_bad_input_names_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
@@ -384,6 +386,20 @@ def test_sites_that_differ_hand_computed():
     assert per.weights == pytest.approx([3 * k / sum(tokens) for k in tokens])
     assert per.tokens_per_s == pytest.approx(sum(tokens) / round_s)
     assert plan(cfg()).sites is None
+
+
+def test_sites_of_different_gpu_counts():
+    """SPEED:TOKENS:GPUS: the planned replica on 8 GPUs (DP 8) steps 1 s at 1000 tokens; a site of 4 GPUs at the
+    same tokens per GPU (500) steps as long, and is balanced as given; at the planned 1000 tokens it takes 2 s, and
+    an H per site gives the site of 8 GPUs twice its H."""
+    same = plan(cfg(dp=8, sites="1:1000:8,1:500:4", boundary_s=0.5, local_steps=10)).sites
+    assert same.step_s == [1.0, 1.0] and same.equal_h.fast_site_idle_fraction == pytest.approx(
+        max(same.equal_h.idle_fraction)) and same.equal_h.idle_fraction[0] == pytest.approx(
+        same.equal_h.idle_fraction[1])
+    assert same.equal_h.weights == pytest.approx([4 / 3, 2 / 3])
+    full = plan(cfg(dp=8, sites="1:1000:8,1:1000:4", boundary_s=0.5, local_steps=10)).sites
+    assert full.step_s == [1.0, 2.0] and full.per_site_h.local_steps == [20, 10]
+    assert plan(cfg(dp=8, sites="1,1:1000:8")).sites.step_s == [1.0, 1.0]  # GPUS defaults to TP x PP x DP
 
 
 def test_cli_prints_the_sites(capsys):

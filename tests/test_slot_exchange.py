@@ -17,6 +17,8 @@ The jobs' theta agree across the run's outer groups (the decision compares them,
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -73,6 +75,26 @@ def _values(slots: tuple, salt: float) -> torch.Tensor:
     return (idx % 97).mul_(2.0 ** -9).add_(salt)
 
 
+def _boundaries(sync: OuterSync, fed: FederatedRounds, x: torch.Tensor, slots: tuple, job: str, steps: dict,
+                first: int, step_s: float = 0.0):
+    """The inner steps ``first``..STEPS of ``job`` (``partial``'s merges included), each ``step_s`` long; yields each
+    boundary's step before the caller runs it. A local step that does not depend on x, dyadic, per job."""
+    schedule = RoundSchedule(sync.config)
+    salt = {"A": 2.0 ** -6, "B": 3 * 2.0 ** -7}[job]
+    for step in range(first, STEPS + 1):
+        time.sleep(step_s)
+        x.sub_(_values(slots, salt * step).mul_(2.0 ** -3))
+        steps["steps"] = step
+        fed.count_step()
+        since = schedule.steps_since_boundary(step)
+        if since:
+            if sync.merge_due(since):
+                sync.merge()
+            continue
+        sync.before_boundary(0.01)
+        yield step
+
+
 def _site(rank: int, world: int, layout: str, overlap: str, compression: str, diverge: bool, out: dict,
           outer_state: str = "device") -> None:
     ranks = LAYOUTS[layout]
@@ -97,19 +119,8 @@ def _site(rank: int, world: int, layout: str, overlap: str, compression: str, di
     sync.round_rules = fed = FederatedRounds(sync, membership, lambda: dict(steps), lambda p: steps.update(p))
     membership.rounds = lambda: sync.rounds
     fed.tokens_per_step = lambda: TOKENS[job]
-    schedule = RoundSchedule(cfg)
     seen, weights = {}, {}
-    salt = {"A": 2.0 ** -6, "B": 3 * 2.0 ** -7}[job]
-    for step in range(1, STEPS + 1):  # a local step that does not depend on x, per job
-        x.sub_(_values(slots, salt * step).mul_(2.0 ** -3))
-        steps["steps"] = step
-        fed.count_step()
-        since = schedule.steps_since_boundary(step)
-        if since:
-            if sync.merge_due(since):
-                sync.merge()
-            continue
-        sync.before_boundary(0.01)
+    for step in _boundaries(sync, fed, x, slots, job, steps, 1):
         if diverge and step == 2 * H and job == "B":  # one element of slot 1's theta, on B alone
             where = bounds[-1] - 7
             sync.theta[where] += 2.0 ** -12
@@ -170,8 +181,6 @@ def _torchft_site(rank: int, world: int, job: str, lighthouse: str, delay_s: flo
     lighthouse (``TorchftMembership`` with ``segments``), the rounds and values of :func:`_site`. ``delay_s``:
     the job starts that much later (it joins the run under way: a heal, slot by slot); ``step_s``: each inner
     step takes that long."""
-    import time
-
     from megatron_diloco.federation import handshake
     from megatron_diloco.federation.membership import TorchftMembership
 
@@ -197,21 +206,8 @@ def _torchft_site(rank: int, world: int, job: str, lighthouse: str, delay_s: flo
     membership.rounds = lambda: sync.rounds
     fed.tokens_per_step = lambda: TOKENS[job]
     joined = fed.join()
-    first = int(joined["steps"]) + 1 if joined else 1
-    schedule = RoundSchedule(cfg)
-    salt = {"A": 2.0 ** -6, "B": 3 * 2.0 ** -7}[job]
     weights = {}
-    for step in range(first, STEPS + 1):
-        time.sleep(step_s)
-        x.sub_(_values(slots, salt * step).mul_(2.0 ** -3))
-        steps["steps"] = step
-        fed.count_step()
-        since = schedule.steps_since_boundary(step)
-        if since:
-            if sync.merge_due(since):
-                sync.merge()
-            continue
-        sync.before_boundary(0.01)
+    for step in _boundaries(sync, fed, x, slots, job, steps, int(joined["steps"]) + 1 if joined else 1, step_s):
         sync.boundary()
         weights[step] = fed.round_weight
     sync.drain()

@@ -62,10 +62,11 @@ class PlanConfig:
     gpus_per_node: int = 8
     """GPUs per node (``--link-scope node``)."""
     sites: str | None = None
-    """Replicas that differ (separate jobs): one entry per replica, comma-separated, SPEED or SPEED:TOKENS:
-    its inner-step rate relative to the modelled step at the same tokens (0.5: half as fast) and its tokens per
-    inner step (default --tokens-per-step). Adds each site's step, idle share and weight (plan/sites.py).
-    None: identical replicas."""
+    """Replicas that differ (separate jobs): one entry per replica, comma-separated, SPEED, SPEED:TOKENS or
+    SPEED:TOKENS:GPUS: its GPUs' inner-step rate relative to the modelled ones at the same tokens per GPU (0.5:
+    half as fast), its tokens per inner step (default --tokens-per-step) and its GPUs (default TP x PP x DP; sites
+    of different DP run with --diloco-x-exchange-slots). Adds each site's step, idle share and weight
+    (plan/sites.py). None: identical replicas."""
 
     # ---------------- compute ----------------
     gpu_tflops: float | None = None

@@ -273,7 +273,7 @@ def plan(cfg: PlanConfig) -> Plan:
 
     sites_plan = None if cfg.sites is None else plan_sites(
         parse_sites(cfg.sites, R, cfg.tokens_per_step), t_step, cfg.tokens_per_step, H, t_boundary, exchange,
-        cfg.overlap != "none")
+        cfg.overlap != "none", cfg.gpus_per_replica)
     tokens_round = H * R * cfg.tokens_per_step
     dx_tps = tokens_round / round_s
     ar_tps = R * cfg.tokens_per_step / ar_step

@@ -1,11 +1,14 @@
 """Sites that differ: what a round costs each site of a run of separate jobs whose speed or global batch
 differ (``--sites``): with equal H, with a global batch in proportion to speed, and with an H per site.
 
-Inputs: the run's plan (its inner step t at ``--tokens-per-step`` k, modelled or measured, the boundary b,
-the exchange e) and per site m a speed s_m (its inner-step rate relative to that step at the same tokens:
-another GPU generation, or a cluster that is shared and slows down) and its tokens per step k_m (its own
-``--global-batch-size`` x ``--seq-length``). Site m's inner step is ``t_m = t (k_m / k) / s_m``; alone it
-would train ``k_m / t_m`` tokens/s (its *solo* rate; their sum is the run's ceiling).
+Inputs: the run's plan (its inner step t at ``--tokens-per-step`` k on the replica's g = TP x PP x DP GPUs,
+modelled or measured, the boundary b, the exchange e) and per site m a speed s_m (its GPUs' inner-step rate
+relative to the planned ones at the same tokens per GPU: another GPU generation, or a cluster that is shared
+and slows down), its tokens per step k_m (its own ``--global-batch-size`` x ``--seq-length``) and its GPUs g_m
+(sites of different data-parallel size: ``--diloco-x-exchange-slots``). Site m's inner step is
+``t_m = t (k_m / k) (g / g_m) / s_m``; alone it would train ``k_m / t_m`` tokens/s (its *solo* rate; their sum
+is the run's ceiling). The exchange is the planned one on every site: a site sends the whole model's
+pseudo-gradient over its link whatever its GPUs (a site of fewer GPUs, more bytes per rank).
 
 **Equal H (the same flags everywhere).** Every job runs H inner steps per round and the boundary's
 meeting waits for the slowest, so the slowest sets the pace::
@@ -43,22 +46,29 @@ class Site:
     """Inner-step rate relative to the modelled (or measured) step at the same tokens per step."""
     tokens_per_step: int
     """Tokens of one inner step of this site (its global batch x sequence length)."""
+    gpus: int | None = None
+    """GPUs of this site (None: the planned replica's)."""
 
 
 def parse_sites(text: str, replicas: int, tokens_per_step: int) -> list[Site]:
-    """``--sites`` as a list: comma-separated ``SPEED`` or ``SPEED:TOKENS`` per replica (TOKENS defaults to
-    ``tokens_per_step``). ``ValueError`` naming ``--sites`` for a malformed entry, a speed that is not a
-    finite number > 0, tokens below 1, or a count other than ``replicas``."""
+    """``--sites`` as a list: comma-separated ``SPEED``, ``SPEED:TOKENS`` or ``SPEED:TOKENS:GPUS`` per replica
+    (TOKENS defaults to ``tokens_per_step``, GPUS to the planned replica's). ``ValueError`` naming ``--sites`` for
+    a malformed entry, a speed that is not a finite number > 0, tokens or GPUs below 1, or a count other than
+    ``replicas``."""
     sites = []
     for entry in text.split(","):
-        speed, _, tokens = entry.strip().partition(":")
+        parts = entry.strip().split(":")
+        speed, tokens, gpus = (parts + ["", ""])[:3]
         try:
-            site = Site(float(speed), int(tokens) if tokens else tokens_per_step)
+            if len(parts) > 3:
+                raise ValueError
+            site = Site(float(speed), int(tokens) if tokens else tokens_per_step, int(gpus) if gpus else None)
         except ValueError:
-            raise ValueError(f"--sites: {entry.strip()!r} is not SPEED or SPEED:TOKENS (e.g. 1,0.5 or "
-                             "1:65536,0.5:32768)") from None
-        if not (site.speed > 0 and math.isfinite(site.speed)) or site.tokens_per_step < 1:
-            raise ValueError(f"--sites: {entry.strip()!r} needs a speed > 0 and tokens >= 1")
+            raise ValueError(f"--sites: {entry.strip()!r} is not SPEED, SPEED:TOKENS or SPEED:TOKENS:GPUS (e.g. 1,0.5 "
+                             "or 1:65536,0.5:32768 or 1:65536:16,1:32768:8)") from None
+        if (not (site.speed > 0 and math.isfinite(site.speed)) or site.tokens_per_step < 1
+                or (site.gpus is not None and site.gpus < 1)):
+            raise ValueError(f"--sites: {entry.strip()!r} needs a speed > 0, tokens >= 1 and GPUs >= 1")
         sites.append(site)
     if len(sites) != replicas:
         raise ValueError(f"--sites lists {len(sites)} sites for --replicas {replicas}: give one entry per replica")
@@ -104,11 +114,11 @@ class SitesPlan:
 
 
 def plan_sites(sites: list[Site], step_s: float, tokens_per_step: int, local_steps: int, boundary_s: float,
-               exchange_s: float, overlapped: bool) -> SitesPlan:
-    """The module doc's figures. ``step_s``: the inner step at ``tokens_per_step`` tokens; ``local_steps``: H;
-    ``boundary_s``, ``exchange_s``: the plan's; ``overlapped``: the exchange may hide under the next round
-    (every overlap rule but ``none``)."""
-    steps = [step_s * (s.tokens_per_step / tokens_per_step) / s.speed for s in sites]
+               exchange_s: float, overlapped: bool, gpus: int = 1) -> SitesPlan:
+    """The module doc's figures. ``step_s``: the inner step at ``tokens_per_step`` tokens on ``gpus`` GPUs (the
+    planned replica's); ``local_steps``: H; ``boundary_s``, ``exchange_s``: the plan's; ``overlapped``: the
+    exchange may hide under the next round (every overlap rule but ``none``)."""
+    steps = [step_s * (s.tokens_per_step / tokens_per_step) * (gpus / (s.gpus or gpus)) / s.speed for s in sites]
     solo = [s.tokens_per_step / t for s, t in zip(sites, steps)]
     slowest = max(steps)
     exposed = max(0.0, exchange_s - local_steps * slowest) if overlapped else exchange_s
