@@ -29,12 +29,12 @@ from megatron_diloco.algorithm.config import DiLoCoXConfig
 from megatron_diloco.algorithm.compression import get_codec
 from megatron_diloco.algorithm.federated import FederatedRounds, Meeting, token_weights
 from megatron_diloco.algorithm.heal import tau_of_share, tau_share
-from megatron_diloco.algorithm.schedule import RoundSchedule
 from megatron_diloco.algorithm.shard_view import ShardView
 from megatron_diloco.algorithm.sync import OuterSync
 from megatron_diloco.federation.auth import RunKey
 from megatron_diloco.federation.handshake import means_agree
 from tests.dist_utils import run_world
+from tests.inner_steps import boundaries
 
 N, H, STEPS = 64, 4, 24
 KEY = RunKey(b"a test secret of the run", "test-run")
@@ -105,19 +105,9 @@ def _boundaries(sync: OuterSync, x: torch.Tensor, rank: int, steps: dict, last: 
     """The inner steps ``first``..``last`` (``partial``'s landings included), each on ``tokens`` tokens; yields
     each boundary's step before the caller runs it. A local step that does not depend on x, dyadic (exact in
     fp32), different per job."""
-    schedule = RoundSchedule(sync.config)
     sync.round_rules.tokens_per_step = lambda: tokens
-    for step in range(first, last + 1):
-        x.sub_(torch.arange(N, dtype=torch.float32).mul_(2.0 ** -8 * (rank + 1)).add_(2.0 ** -6 * step))
-        steps["steps"] = step
-        sync.round_rules.count_step()
-        since = schedule.steps_since_boundary(step)
-        if since:
-            if sync.merge_due(since):
-                sync.merge()
-            continue
-        sync.before_boundary(0.01)
-        yield step
+    return boundaries(sync, steps, first, last, lambda step: x.sub_(
+        torch.arange(N, dtype=torch.float32).mul_(2.0 ** -8 * (rank + 1)).add_(2.0 ** -6 * step)))
 
 
 def _run(rank: int, refuse: set, overlap: str) -> list[tuple[int, list[float], list[float]]]:

@@ -26,12 +26,12 @@ import torch.distributed as dist
 from megatron_diloco.algorithm.config import DiLoCoXConfig
 from megatron_diloco.algorithm.decision import ReplicasDivergedError
 from megatron_diloco.algorithm.federated import FederatedRounds, Meeting
-from megatron_diloco.algorithm.schedule import RoundSchedule
 from megatron_diloco.algorithm.shard_view import ShardView
 from megatron_diloco.algorithm.sync import OuterSync
 from megatron_diloco.federation.auth import RunKey
 from megatron_diloco.federation.handshake import means_agree
 from tests.dist_utils import run_world
+from tests.inner_steps import boundaries
 
 SLOT, H, STEPS = 320, 4, 17  # the last round is shorter (17 = 4 x 4 + 1)
 KEY = RunKey(b"a test secret of the run", "test-run")
@@ -75,24 +75,17 @@ def _values(slots: tuple, salt: float) -> torch.Tensor:
     return (idx % 97).mul_(2.0 ** -9).add_(salt)
 
 
-def _boundaries(sync: OuterSync, fed: FederatedRounds, x: torch.Tensor, slots: tuple, job: str, steps: dict,
-                first: int, step_s: float = 0.0):
-    """The inner steps ``first``..STEPS of ``job`` (``partial``'s merges included), each ``step_s`` long; yields each
-    boundary's step before the caller runs it. A local step that does not depend on x, dyadic, per job."""
-    schedule = RoundSchedule(sync.config)
+def _boundaries(sync: OuterSync, x: torch.Tensor, slots: tuple, job: str, steps: dict, first: int,
+                step_s: float = 0.0):
+    """The inner steps ``first``..STEPS of ``job``, each ``step_s`` long (:func:`tests.inner_steps.boundaries`). A
+    local step that does not depend on x, dyadic, per job, a function of the slot-major place of each element."""
     salt = {"A": 2.0 ** -6, "B": 3 * 2.0 ** -7}[job]
-    for step in range(first, STEPS + 1):
+
+    def local_step(step: int) -> None:
         time.sleep(step_s)
         x.sub_(_values(slots, salt * step).mul_(2.0 ** -3))
-        steps["steps"] = step
-        fed.count_step()
-        since = schedule.steps_since_boundary(step)
-        if since:
-            if sync.merge_due(since):
-                sync.merge()
-            continue
-        sync.before_boundary(0.01)
-        yield step
+
+    return boundaries(sync, steps, first, STEPS, local_step)
 
 
 def _site(rank: int, world: int, layout: str, overlap: str, compression: str, diverge: bool, out: dict,
@@ -120,7 +113,7 @@ def _site(rank: int, world: int, layout: str, overlap: str, compression: str, di
     membership.rounds = lambda: sync.rounds
     fed.tokens_per_step = lambda: TOKENS[job]
     seen, weights = {}, {}
-    for step in _boundaries(sync, fed, x, slots, job, steps, 1):
+    for step in _boundaries(sync, x, slots, job, steps, 1):
         if diverge and step == 2 * H and job == "B":  # one element of slot 1's theta, on B alone
             where = bounds[-1] - 7
             sync.theta[where] += 2.0 ** -12
@@ -207,7 +200,7 @@ def _torchft_site(rank: int, world: int, job: str, lighthouse: str, delay_s: flo
     fed.tokens_per_step = lambda: TOKENS[job]
     joined = fed.join()
     weights = {}
-    for step in _boundaries(sync, fed, x, slots, job, steps, int(joined["steps"]) + 1 if joined else 1, step_s):
+    for step in _boundaries(sync, x, slots, job, steps, int(joined["steps"]) + 1 if joined else 1, step_s):
         sync.boundary()
         weights[step] = fed.round_weight
     sync.drain()
