@@ -12,6 +12,8 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
+
+from megatron_diloco.plan.report import _site_rows
 import torch
 
 from megatron_diloco.algorithm.link import ring_allreduce_bytes
@@ -397,6 +399,11 @@ def test_sites_of_different_gpu_counts():
         max(same.equal_h.idle_fraction)) and same.equal_h.idle_fraction[0] == pytest.approx(
         same.equal_h.idle_fraction[1])
     assert same.equal_h.weights == pytest.approx([4 / 3, 2 / 3])
+    assert same.shard_ratio == [1.0, 2.0]  # the site of 4 GPUs: two exchange slots per rank
+    p = plan(cfg(dp=8, sites="1:1000:8,1:500:4", boundary_s=0.5, local_steps=10))
+    sharded = p.memory_gib["inner_optimizer"] + p.memory_gib["outer"]
+    rows = dict(_site_rows(p))
+    assert "shard" not in rows["site 0"] and f"{p.memory_gib['total'] + sharded:.1f} GiB per GPU" in rows["site 1"]
     full = plan(cfg(dp=8, sites="1:1000:8,1:1000:4", boundary_s=0.5, local_steps=10)).sites
     assert full.step_s == [1.0, 2.0] and full.per_site_h.local_steps == [20, 10]
     assert plan(cfg(dp=8, sites="1,1:1000:8")).sites.step_s == [1.0, 1.0]  # GPUS defaults to TP x PP x DP

@@ -84,11 +84,21 @@ def _site_rows(p: Plan) -> list[tuple[str, str]]:
     s = p.sites
     if s is None:
         return []
+    sharded = p.memory_gib["inner_optimizer"] + p.memory_gib["outer"]  # (per GPU: scales with the site's shard)
+
+    def memory(m: int) -> str:
+        ratio = s.shard_ratio[m] if s.shard_ratio else 1.0
+        if ratio == 1.0:
+            return ""
+        host = f", host {p.host_memory_gib * ratio:.1f} GiB" if p.host_memory_gib else ""
+        return (f"; its GPUs: {ratio:g}x the shard per rank (--diloco-x-exchange-slots), "
+                f"{p.memory_gib['total'] + sharded * (ratio - 1):.1f} GiB per GPU{host}")
+
     rows = [(f"site {m}", f"step {_fmt_s(t)}, alone {solo:,.0f} tokens/s; as given: idle "
                           f"{100 * s.equal_h.idle_fraction[m]:.1f}%, weight {s.equal_h.weights[m]:.3f}; balanced: "
                           f"{s.balanced_tokens_per_step[m]:,.0f} tokens per step, weight "
                           f"{s.balanced_batch.weights[m]:.3f}; H per site: --diloco-x-local-steps "
-                          f"{s.per_site_h.local_steps[m]}, idle {100 * s.per_site_h.idle_fraction[m]:.1f}%")
+                          f"{s.per_site_h.local_steps[m]}, idle {100 * s.per_site_h.idle_fraction[m]:.1f}%{memory(m)}")
             for m, (t, solo) in enumerate(zip(s.step_s, s.solo_tokens_per_s))]
     for name, pol in (("sites as given (equal H)", s.equal_h),
                       ("sites, batch by speed", s.balanced_batch), ("sites, H per site", s.per_site_h)):

@@ -111,6 +111,9 @@ class SitesPlan:
     """Every site H steps per round at :attr:`balanced_tokens_per_step` (runs today)."""
     per_site_h: Policy
     """H_m = floor(H t_max / t_m) (each job its own ``--diloco-x-local-steps``)."""
+    shard_ratio: list[float] = dataclasses.field(default_factory=list)
+    """Per site: its ranks' shard over the planned replica's, g / g_m (what is sharded over DP, the inner
+    optimizer's and the outer state, scales by it: a site of half the GPUs holds two exchange slots per rank)."""
 
 
 def plan_sites(sites: list[Site], step_s: float, tokens_per_step: int, local_steps: int, boundary_s: float,
@@ -137,4 +140,4 @@ def plan_sites(sites: list[Site], step_s: float, tokens_per_step: int, local_ste
     balanced = [k * slowest / t for k, t in zip(own, steps)]
     equal = [local_steps] * len(sites)
     return SitesPlan(steps, solo, policy(equal, own, steps), balanced, policy(equal, balanced, [slowest] * len(sites)),
-                     policy(per_site, own, steps))
+                     policy(per_site, own, steps), [gpus / (s.gpus or gpus) for s in sites])
