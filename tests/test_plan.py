@@ -12,8 +12,6 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
-
-from megatron_diloco.plan.report import _site_rows
 import torch
 
 from megatron_diloco.algorithm.link import ring_allreduce_bytes
@@ -22,6 +20,7 @@ from megatron_diloco.algorithm.compression.codecs import payload_bytes
 from megatron_diloco.algorithm.outer_store import SLOTS
 import megatron_diloco.plan as plan_mod
 from megatron_diloco.plan import PlanConfig, main, plan
+from megatron_diloco.plan.report import _site_rows
 
 REPO = Path(__file__).resolve().parent.parent
 
