@@ -48,12 +48,14 @@ def main() -> None:
     p.add_argument("--gpu-b", type=int, default=1, help="site B's GPU (A has GPUs 0 and 1)")
     p.add_argument("--tmp", type=Path, default=Path("/tmp/sites_dp"))
     p.add_argument("--model", choices=sorted(MODELS), default="85M", help="demo: the example's model (a CPU check)")
+    p.add_argument("--outer-state", choices=("device", "host"), default="device",
+                   help="--diloco-x-outer-state of both sites (host: the outer state streamed through the GPU)")
     a = p.parse_args()
     import torch
 
     model, _, h, lr_warmup, gbs = MODELS[a.model]
     base = [*JOB_FLAGS, "--train-iters", str(a.iters), "--diloco-x-local-steps", str(h), "--lr-warmup-iters",
-            str(lr_warmup), "--diloco-x-exchange-slots", "2"]
+            str(lr_warmup), "--diloco-x-exchange-slots", "2", "--diloco-x-outer-state", a.outer_state]
     sites = {"A": (2, "0,1", 2 * gbs), "B": (1, str(a.gpu_b), gbs)}  # (ranks, GPUs, global batch)
     jobs = {}
     with Lighthouse(a.tmp / "lighthouse.txt") as lh:
@@ -75,6 +77,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     out = {"card": torch.cuda.get_device_name(0) if cuda else "cpu (gloo)", "gpus": torch.cuda.device_count(),
            "commit": commit, "iters": a.iters, "H": h, "model": a.model, "exchange_slots": 2,
+           "outer_state": a.outer_state,
            "b_shares_a_gpu": cuda and a.gpu_b in (0, 1),
            "sites": {name: {"ranks": n, "gpus": gpus, "global_batch": batch,
                             "step_s": _step_s(_boundaries(jobs[name])[0]),
