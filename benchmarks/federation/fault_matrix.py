@@ -27,6 +27,10 @@ Failure kinds:
   address 20 s later, within the meeting bound (no job faulted; point ``meeting``); ``lighthouse_past``: 45 s
   later, past it (meetings fail, the jobs train rounds alone, then meet again).
 
+``--slots``: sites of different data-parallel size (``--diloco-x-exchange-slots 2``): A and B on 2 ranks (DP 2), C
+on 1 (DP 1: its one rank holds both slots, as two virtual ranks of the run), into
+``results/fault_matrix_slots.json`` by default; theta compared slot by slot.
+
 Per cell: ``survived`` (every job not faulted ends at --train-iters with exit 0), ``survivors_identical``
 (their final fp32 main shards and theta at every boundary they share are bit-identical), ``aborted`` (a
 survivor ended by a signal, SIGABRT included), ``max_wait_s`` (the longest meeting, and the longest
@@ -63,6 +67,9 @@ FLAGS = ["--pipeline-model-parallel-size", "1", "--global-batch-size", "4", "--d
          "--diloco-x-outer-timeout-minutes", str(OUTER_BOUND_S / 60),
          "--diloco-x-meeting-timeout-minutes", str(MEETING_BOUND_S / 60)]
 STEP_ENV = {"DILOCO_TEST_STEP_SLEEP_S": "0.1"}  # ~35 s of training: a late job (~20 s to start) joins
+#: --slots: each job's ranks (the others' one rank each otherwise)
+SLOT_RANKS = {"A": 2, "B": 2, "C": 1}
+SLOTS = False
 
 
 def _action(kind: str) -> str:
@@ -77,11 +84,24 @@ def _fed_rounds(job: Job) -> list:
 
 def _identical(jobs: list[Job]) -> bool:
     finals = [[r.get("final_fp") for r in j.records()] for j in jobs]
-    if not finals or any(None in f or not f for f in finals) or any(f != finals[0] for f in finals):
+    if not finals or any(None in f or not f for f in finals):
         return False
-    tables = [{r[0]: r[1] for r in _fed_rounds(j)} for j in jobs]
+    if SLOTS:  # jobs of other DP hold other main shards: the same end, theta compared slot by slot below
+        if len({f["steps"] for job in finals for f in job}) != 1:
+            return False
+    elif any(f != finals[0] for f in finals):
+        return False
+    tables = [_job_theta(j) for j in jobs]
     common = set(tables[0]).intersection(*tables[1:])
     return bool(common) and all(len({str(t[s]) for t in tables}) == 1 for s in common)
+
+
+def _job_theta(job: Job) -> dict[int, list]:
+    """step -> theta's fingerprint of the whole job at each boundary every rank recorded: its ranks', in rank
+    order (slot by slot: a job of DP 1 and one of DP 2 list the same slots)."""
+    per_rank = [{r[0]: r[1] for r in rec["fed_rounds"]} for rec in job.records()]
+    common = set(per_rank[0]).intersection(*per_rank[1:]) if per_rank else set()
+    return {s: [x for rank in per_rank for x in rank[s]] for s in common}
 
 
 def cell(tmp: Path, kind: str, point: str) -> dict:
@@ -99,8 +119,9 @@ def cell(tmp: Path, kind: str, point: str) -> dict:
     started = time.time()
     with Lighthouse(tmp / "lighthouse.txt", join_timeout_ms=10000, heartbeat_timeout_ms=3000) as lh:
         def job(n: str, i: int) -> Job:
-            return Job(tmp / n, n, i, lh.address, [*FLAGS, *extra[n]], nproc=1, env=env[n], run="fault-matrix",
-                       torchrun=True)
+            slots = ["--diloco-x-exchange-slots", "2"] if SLOTS else []
+            return Job(tmp / n, n, i, lh.address, [*FLAGS, *slots, *extra[n]], nproc=SLOT_RANKS[n] if SLOTS else 1,
+                       env=env[n], run="fault-matrix", torchrun=True)
 
         jobs = {"A": job("A", 0), "B": job("B", 1)}
         try:
@@ -160,13 +181,19 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--points", default=",".join(POINTS))
     ap.add_argument("--tmp", type=Path, default=Path("/tmp/fault_matrix"))
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/fault_matrix.json")
+    ap.add_argument("--out", type=Path, default=None, help="default results/fault_matrix.json (--slots: "
+                    "results/fault_matrix_slots.json)")
+    ap.add_argument("--slots", action="store_true", help="A and B at DP 2, C at DP 1 (--diloco-x-exchange-slots 2)")
     ap.add_argument("--redo", default="", help="kind:point,... cells to run again (the others already in --out are kept)")
     args = ap.parse_args()
+    global SLOTS
+    SLOTS = args.slots
+    args.out = args.out or REPO / f"benchmarks/results/fault_matrix{'_slots' if SLOTS else ''}.json"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     result = {"commit": commit, "commits": "per cell", "machine": "CPU, 2 cores, gloo over loopback", "iters": ITERS, "H": H,
-              "cells": []}
+              "jobs": "A, B: 2 ranks (DP 2), C: 1 rank (DP 1), --diloco-x-exchange-slots 2" if SLOTS else
+              "one rank each", "cells": []}
     redo = {tuple(x.split(":")) for x in args.redo.split(",") if x}
     if args.out.exists():  # cells already measured are kept (each names its commit), but those to redo
         old = json.loads(args.out.read_text())
