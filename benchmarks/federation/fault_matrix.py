@@ -163,8 +163,16 @@ def cell(tmp: Path, kind: str, point: str) -> dict:
             "max_wait_s": round(max(waits, default=0.0), 3), "max_exchange_s": round(max(exchanges, default=0.0), 3),
             "bound_s": MEETING_BOUND_S, "outer_bound_s": OUTER_BOUND_S, "exit_codes": codes,
             "faulted_outcome": None if faulted is None else _outcome(jobs[faulted], codes[faulted]),
-            "failed_rounds": {n: (j.summary() or {}).get("federation", {}).get("failed_rounds") for n, j in jobs.items()},
+            "failed_rounds": {n: _summary(j).get("federation", {}).get("failed_rounds") for n, j in jobs.items()},
             "wall_s": round(time.time() - started, 1)}
+
+
+def _summary(job: Job) -> dict:
+    """The job's summary line, or {} (a job killed before it printed one)."""
+    try:
+        return job.summary()
+    except AssertionError:
+        return {}
 
 
 def _outcome(job: Job, code: int | None) -> str:
