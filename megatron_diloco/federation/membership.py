@@ -17,8 +17,9 @@ this job the meeting, and it trains the round alone (a failed round, as in a par
 at the next boundary. After ``alone_timeout_s`` without a meeting the job stops with an error naming the
 lighthouse.
 
-A rank that holds k exchange slots (sites of different data-parallel size, ``slots``) sits in the run as k
-*virtual ranks* ``v = rank x k + j`` of a job of ``world x k``: one Manager, one outer group and one heal server
+A rank that holds k exchange slots (sites of different data-parallel size, ``segments``) sits in the run as k
+*virtual ranks* of a job of ``world x k`` ranks (numbered alike in every job: the adapter gives
+``tp + TP (pp + PP slot)``): one Manager, one outer group and one heal server
 per slot (:class:`_Seat`), so that the members of slot j's group are the ranks of every job that hold slot j.
 Their quorums are asynchronous and their commits vote on a thread each (one process casts k of its job's votes,
 which torchft waits for together); everything else runs slot by slot, in slot order, on every rank.
@@ -77,7 +78,7 @@ class _Seat:
     slot has one, a rank holding k has k."""
 
     v: int
-    """The virtual rank: ``rank x k + j`` of ``world x k``."""
+    """The virtual rank (of ``world x k``; module doc)."""
     lo: int
     hi: int
     """Its slot's elements of the rank's flat shard."""
