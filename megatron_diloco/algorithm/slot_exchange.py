@@ -59,14 +59,14 @@ class Segments:
     def ranges(self) -> list[tuple[int, int]]:
         return list(zip(self.bounds, self.bounds[1:]))
 
-    def split(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
-        """The parts of the elements ``[lo, hi)`` per segment: ``(j, start in the segment, start in [lo, hi))``,
-        in order; each part runs to the end of its segment or to hi."""
+    def split(self, lo: int, hi: int) -> list[tuple[int, int, slice]]:
+        """The parts of the elements ``[lo, hi)`` per segment, in order: ``(j, its start in segment j, its slice of
+        a chunk holding [lo, hi))``."""
         out = []
         for j, (a, b) in enumerate(self.ranges()):
             s, e = max(lo, a), min(hi, b)
             if s < e:
-                out.append((j, s - a, s - lo))
+                out.append((j, s - a, slice(s - lo, e - lo)))
         return out
 
     def fingerprint_into(self, t: torch.Tensor, lo: int, acc: torch.Tensor) -> None:
@@ -75,10 +75,8 @@ class Segments:
         if self.k == 1:
             fingerprint([t], start=lo, acc=acc)
             return
-        hi = lo + t.numel()
-        for j, start, at in self.split(lo, hi):
-            n = min(hi, self.bounds[j + 1]) - (self.bounds[j] + start)
-            fingerprint([t[at:at + n]], start=start, acc=acc[j])
+        for j, start, part in self.split(lo, lo + t.numel()):
+            fingerprint([t[part]], start=start, acc=acc[j])
 
     def fingerprint(self, store: "OuterStore", tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """The fingerprint of flat vectors of ``store`` one after another (theta, m), streamed chunk by chunk:
@@ -90,10 +88,8 @@ class Segments:
                 if self.k == 1:
                     fingerprint([c], start=i * t.numel() + lo, acc=acc)
                     continue
-                for j, start, at in self.split(lo, lo + c.numel()):
-                    a, b = self.bounds[j], self.bounds[j + 1]
-                    n = min(lo + c.numel(), b) - (a + start)
-                    fingerprint([c[at:at + n]], start=i * (b - a) + start, acc=acc[j])
+                for j, start, part in self.split(lo, lo + c.numel()):
+                    fingerprint([c[part]], start=i * (self.bounds[j + 1] - self.bounds[j]) + start, acc=acc[j])
         return acc
 
     def accumulator(self, device: torch.device) -> torch.Tensor:
@@ -116,10 +112,7 @@ class SlotOutbox:
     def put(self, lo: int, pseudo_grad: torch.Tensor, residual: torch.Tensor | None = None,
             residual_out: torch.Tensor | None = None) -> None:
         """:meth:`Outbox.put` of the chunk at ``lo``, each segment's part into its own outbox."""
-        hi = lo + pseudo_grad.numel()
-        for j, start, at in self.segments.split(lo, hi):
-            n = min(hi, self.segments.bounds[j + 1]) - (self.segments.bounds[j] + start)
-            cut = slice(at, at + n)
+        for j, start, cut in self.segments.split(lo, lo + pseudo_grad.numel()):
             self.parts[j].put(start, pseudo_grad[cut], residual[cut] if residual is not None else None,
                               residual_out[cut] if residual_out is not None else None)
 
