@@ -307,7 +307,7 @@ def test_sites_of_different_data_parallel_size(tmp_path):
     outer groups): at every boundary B's slot j holds theta bit for bit as A's rank j does; every mean weighs A
     by 4/3 and B by 2/3 (their tokens); both end at iteration 36."""
     base = [*BASE, "--train-iters", "36", "--diloco-x-exchange-slots", "2", "--pipeline-model-parallel-size", "1"]
-    with Lighthouse(tmp_path / "lighthouse.txt") as lh:
+    with Lighthouse(tmp_path / "lighthouse.txt", min_replicas=2) as lh:  # (both from iteration 0, whichever is up first)
         jobs = [Job(tmp_path / "A", "A", 0, lh.address, base),
                 Job(tmp_path / "B", "B", 1, lh.address, [*base, "--global-batch-size", "2"], nproc=1)]
         _end(jobs)
