@@ -47,6 +47,23 @@ def test_chunk_elements_fall_on_blocks():
     assert chunk_elements(1.5) % CHUNK_ALIGN == 0
 
 
+def test_a_slot_part_of_the_store_is_the_store_of_its_elements():
+    """``OuterStore.part`` (an exchange slot's segment): every attribute a store has, its own length and one
+    segment, the held vectors and staging buffers shared with the whole store (a slice of a held vector is held);
+    its chunks restart at the slot's start."""
+    store = OuterStore(5 * CHUNK_ALIGN, torch.device("cpu"), on_host=True, chunk=2 * CHUNK_ALIGN,
+                       segments=(0, 3 * CHUNK_ALIGN, 5 * CHUNK_ALIGN))
+    theta = store.zeros()
+    part = store.part(3 * CHUNK_ALIGN, 5 * CHUNK_ALIGN)
+    assert set(vars(part)) == set(vars(store))
+    assert (part.numel, part.segments) == (2 * CHUNK_ALIGN, (0, 2 * CHUNK_ALIGN))
+    assert part.held(theta[3 * CHUNK_ALIGN:]) and part._staging is store._staging
+    assert part.ranges() == [(0, 2 * CHUNK_ALIGN)]
+    a = CHUNK_ALIGN
+    assert store.ranges() == [(0, 2 * a), (2 * a, 3 * a), (3 * a, 5 * a)]  # restarting at the slot
+    assert store.part(0, store.numel) is store
+
+
 class _CopyLog(torch.overrides.TorchFunctionMode):
     """Records each ``copy_`` into or out of the host vector ``t`` as ("in" | "out", chunk)."""
 

@@ -246,3 +246,28 @@ def test_a_job_of_another_data_parallel_size_joins_the_run_under_way(tmp_path):
     for j in (0, 1):
         assert torch.equal(a[j]["theta"], b["theta"][j * SLOT:(j + 1) * SLOT]), j
         assert torch.equal(a[j]["x"], b["x"][j * SLOT:(j + 1) * SLOT]), j  # (the run's end: x = theta)
+
+
+def _part(theta: list[float], **meta) -> dict:
+    base = {"identity": "run", "position": {"steps": 12, "boundaries": 2}, "rounds": 2, "skipped_rounds": 0,
+            "committed": 2, "tau": 1, "round_steps": 6, "in_boundary": True,
+            "timings": {"step_time_s": 0.1}, "link_bytes_per_s": None}
+    return {"theta": torch.tensor(theta), "momentum_buffer": None, "pending": None, "codec": None,
+            "meta": {**base, **meta}}
+
+
+def test_a_heal_is_joined_from_slots_of_one_point_of_the_run_only():
+    """The slots' parts of a heal come from one member at one boundary: joined in slot order, where the source's
+    ranks may differ in their timings only; a part placed elsewhere in the run (another boundary, round, tau,
+    identity) is refused, naming what differs, and nothing is joined (the membership fails that heal)."""
+    from megatron_diloco.algorithm.slot_exchange import joined_state
+
+    joined = joined_state([_part([1.0, 2.0]), _part([3.0], timings={"step_time_s": 0.2})])
+    assert torch.equal(joined["theta"], torch.tensor([1.0, 2.0, 3.0]))
+    assert joined["momentum_buffer"] is None and joined["meta"]["timings"] == {"step_time_s": 0.1}
+    for meta in ({"position": {"steps": 18, "boundaries": 3}}, {"rounds": 3}, {"tau": 2}, {"identity": "other"},
+                 {"committed": 1}):
+        with pytest.raises(ValueError, match=f"slot 1 came from another point.*{next(iter(meta))}"):
+            joined_state([_part([1.0]), _part([2.0], **meta)])
+    with pytest.raises(ValueError, match="momentum_buffer"):
+        joined_state([_part([1.0]), {**_part([2.0]), "momentum_buffer": torch.zeros(1)}])

@@ -140,8 +140,10 @@ class OuterStore:
         if (lo, hi) == (0, self.numel):
             return self
         part = OuterStore.__new__(OuterStore)
-        part.__dict__.update(self.__dict__)
         part.numel, part.segments = hi - lo, (0, hi - lo)
+        part.device, part.on_host, part.chunk, part._cuda = self.device, self.on_host, self.chunk, self._cuda
+        # shared with this store: which vectors are held (a slice of one is too), the staging buffers, the streams
+        part._held, part._staging, part._streams = self._held, self._staging, self._streams
         return part
 
     def stream(self, *tensors: torch.Tensor | None, write: Sequence[torch.Tensor | None] = (),

@@ -203,9 +203,22 @@ def slot_state(state: dict, lo: int, hi: int) -> dict:
             for name, value in state.items()}
 
 
+#: what every slot's part of a heal must agree on with slot 0's (they come from one member at one boundary); the
+#: timings and the measured link may differ between the source's ranks
+AGREED_META = ("identity", "position", "rounds", "skipped_rounds", "committed", "tau", "round_steps", "in_boundary")
+
+
 def joined_state(parts: list[dict]) -> dict:
     """A heal's state from its slots' parts (in slot order): the shard vectors concatenated, the rest slot 0's.
-    ValueError when a vector is present in some parts only."""
+    ValueError (the heal is not taken) when a vector is present in some parts only, or when a part's metadata
+    places it at another point of the run than slot 0's (:data:`AGREED_META`)."""
+    first = parts[0].get("meta") if isinstance(parts[0].get("meta"), dict) else {}
+    for j, part in enumerate(parts[1:], 1):
+        meta = part.get("meta") if isinstance(part.get("meta"), dict) else {}
+        differ = [name for name in AGREED_META if meta.get(name) != first.get(name)]
+        if differ:
+            raise ValueError(f"the heal's exchange slot {j} came from another point of the run than slot 0 "
+                             f"({', '.join(differ)} differ); not taken")
     out = dict(parts[0])
     for name in SHARD_ENTRIES:
         values = [p.get(name) for p in parts]
