@@ -359,3 +359,39 @@ def test_sites_of_different_data_parallel_size_resume_and_join(tmp_path):
     steps = sorted(set(at[0]) & set(at[2]))
     assert steps and min(steps) > 24 and max(steps) == 48, steps
     assert all([*at[0][s], *at[1][s]] == at[2][s] for s in steps), [(s, at[0][s], at[1][s], at[2][s]) for s in steps]
+
+
+def test_sites_of_different_speed_each_run_the_steps_that_fit(tmp_path):
+    """``--diloco-x-site-pace 4`` on both jobs, the same flags otherwise (the run's rounds: 18 warm-up rounds of 2,
+    then 6 of 6, 72 run steps), job B slowed by 0.3 s per step (no compute). B, the slowest, starts alone and runs
+    the run's steps; A starts while B trains, joins under way from nothing (at its own iteration 0, the LR schedule
+    at the run's position) and runs the steps that fit B's round in every round after its first (more, at most
+    4x). The two are identical at every boundary they share, A weighing more than B by its tokens; B ends at
+    iteration 72, A at its own count, both at the run's last boundary and the LR schedule's end."""
+    flags = [*BASE, "--train-iters", "72", "--diloco-x-site-pace", "4", "--log-interval", "1"]
+    with Lighthouse(tmp_path / "lighthouse.txt") as lh:
+        b = Job(tmp_path / "B", "B", 1, lh.address, flags, env={"DILOCO_TEST_STEP_SLEEP_S": "0.3"})
+        jobs = [b]
+        with _closing(jobs):
+            wait_until(lambda: b.rounds() >= 2, 240, "B's first rounds", jobs)
+            jobs.insert(0, Job(tmp_path / "A", "A", 0, lh.address, flags))
+        _end(jobs)
+    a = jobs[0]
+    rounds = [[r[0][1] + r[1][1] for r in zip(*(rec["fed_rounds"] for rec in j.records()))] for j in jobs]
+    assert len(rounds[1]) == 24 and 3 <= len(rounds[0]) < 22, [len(r) for r in rounds]  # A joined under way
+    assert rounds[0] == rounds[1][-len(rounds[0]):]  # theta at every boundary both ran
+    assert "joined run 'test-run' under way at iteration 0" in a.log(), a.log()[-3000:]
+    steps_a, steps_b = ([r[0] for r in j.records()[0]["fed_rounds"]] for j in jobs)
+    paced = [n - m for m, n in zip(steps_a, steps_a[1:])]
+    own = [n - m for m, n in zip(steps_b, steps_b[1:])][-len(paced):]
+    assert steps_b[-1] == 72 and all(p > 1.5 * o for p, o in zip(paced, own)), (steps_a, steps_b)
+    assert {n for n, _ in _final(a)} == {steps_a[-1]} and {n for n, _ in _final(b)} == {72}
+    wa, wb = _weights(a), _weights(b)
+    later = list(zip(sorted(wa), sorted(wb)[-len(wa):]))[1:]  # (A's first round after its join: nothing measured)
+    assert all(wa[s][1] > 1.0 > wb[t][1] and wa[s][0] > wb[t][0] for s, t in later), (wa, wb)
+
+    def last_lr(job: Job) -> str:
+        return job.log().rsplit("learning rate: ", 1)[1].split()[0]
+
+    assert last_lr(a) == last_lr(b), (last_lr(a), last_lr(b))
+    _losses_fall(b)

@@ -65,6 +65,9 @@ AUTO_H_PER_TAU = 8
 #: (:func:`megatron_diloco.algorithm.schedule.auto_warmup_iters`).
 WARMUP_H_MULTIPLE, WARMUP_MAX_SHARE = 30, 2
 
+#: the largest --diloco-x-site-pace: a job's round at most this many times the run's (its datasets are sized
+#: for that many samples)
+PACE_MAX = 16.0
 #: k of the derived outer timeout: an exchange may take k times a round's compute (or k times the
 #: longest exchange seen) before the link counts as hung (see :meth:`DiLoCoXConfig.outer_timeout_s`).
 OUTER_TIMEOUT_HEADROOM: float = 4.0
@@ -100,6 +103,13 @@ class DiLoCoXConfig:
     local_steps_auto: bool = False
     """``--diloco-x-local-steps auto``: H chosen at every boundary after the warm-up, the smallest that
     hides the exchange (:func:`megatron_diloco.algorithm.schedule.auto_local_steps`), agreed by all ranks."""
+
+    site_pace: float | None = None
+    """Separate jobs (``--diloco-x-site-pace P``): each job's round length follows its measured speed. The
+    flags (H, H0, W, ``--train-iters``, the LR schedule) give the run's rounds, as for jobs of equal speed; at
+    every boundary the jobs agree on the slowest one's inner-step time, and a job runs the inner steps that
+    fit that job's round, ``floor(L x slowest step / own step)`` for a run round of L steps, between L and
+    ``P x L`` (:mod:`megatron_diloco.algorithm.pace`). None: every job runs the run's rounds."""
 
     warmup_local_steps: int | None = None
     """H0: the round length during the first :attr:`warmup_iters` inner steps
@@ -292,6 +302,13 @@ class DiLoCoXConfig:
             if not AUTO_H_MIN <= self.local_steps <= AUTO_H_MAX:
                 raise ValueError(f"--diloco-x-local-steps auto keeps H in [{AUTO_H_MIN}, {AUTO_H_MAX}], "
                                  f"got H = {self.local_steps}")
+        if self.site_pace is not None:
+            if not (isinstance(self.site_pace, (int, float)) and 1.0 <= self.site_pace <= PACE_MAX):
+                raise ValueError(f"--diloco-x-site-pace (the most a job's round may exceed the run's, as a multiple) "
+                                 f"must be a number in [1, {PACE_MAX}], got {self.site_pace!r}")
+            if self.local_steps_auto:
+                raise ValueError("--diloco-x-site-pace sizes each job's rounds from the run's fixed H: give "
+                                 "--diloco-x-local-steps as a number with it, not auto")
         if self.warmup_local_steps is not None or self.warmup_iters:
             h0, w = self.warmup_local_steps, self.warmup_iters
             if not isinstance(h0, int) or not 1 <= h0 <= self.local_steps:

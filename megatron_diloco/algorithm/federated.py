@@ -76,11 +76,13 @@ from megatron_diloco.algorithm.heal import (check_heal, enter_at_theta, landing_
                                             tau_of_share, tau_share)
 from megatron_diloco.algorithm.bounds import OuterGroupError
 from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle
-from megatron_diloco.algorithm.link import bounded_all_reduce
+from megatron_diloco.algorithm.link import bounded_all_reduce, job_reduce
+from megatron_diloco.algorithm.pace import paced_round_steps
 from megatron_diloco.algorithm.rounds import RoundOutcome
 from megatron_diloco.algorithm.slot_exchange import all_reduce_over_slots
 
 logger = logging.getLogger(__name__)
+MAX, MIN = dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
 #: progress = boundaries reached x PROGRESS_RADIX + rounds committed (one integer: the coordinator heals a
 #: member whose progress is below the most advanced member's)
@@ -215,15 +217,14 @@ class FederatedRounds:
     # ---------------- progress, heal ----------------
     def boundaries(self) -> int:
         """The boundaries this job has reached (its inner steps on its own schedule): the run's clock."""
-        return self.sync.schedule.boundaries_in(int(self.position()["steps"]))
+        return self.sync.schedule.boundaries_reached(int(self.position()["steps"]))
 
     def progress(self) -> int:
         """This job's progress: boundaries reached x :data:`PROGRESS_RADIX` + rounds committed."""
         return self.boundaries() * PROGRESS_RADIX + self.committed
 
     def heal_bytes(self) -> int:
-        """The largest heal this rank accepts (bytes): theta, the momentum and a pending mean as fp32, plus
-        1 MiB for the metadata and the codec state."""
+        """The largest heal this rank accepts (bytes): theta, momentum, a pending mean (fp32), 1 MiB of the rest."""
         return 3 * 4 * self.sync.theta.numel() + (1 << 20)
 
     def state_dict(self) -> dict:
@@ -235,7 +236,7 @@ class FederatedRounds:
         state["meta"].update(committed=self.committed, position={**self.position(), "boundaries": boundaries},
                              identity=self.identity,
                              # the round tau counts (a receiver of another H takes the same share of its own)
-                             round_steps=sync.schedule.round_steps(sync.schedule.steps_at_boundary(boundaries)),
+                             round_steps=sync.schedule.round_steps_at_boundary(boundaries),
                              # False at a job's start: no boundary follows this meeting on that job
                              in_boundary=not self._joining)
         # at a job's start, the exchange its checkpoint restored (its mean), applied tau steps in
@@ -300,7 +301,8 @@ class FederatedRounds:
         """Found behind the run while training, its outer state taken: move to the run's boundary in place (the
         iterations between skipped by :attr:`catch_up`), its last round kept one round stale when
         :attr:`_late_round`, else entering as a joiner does (weight 0). Local."""
-        target, steps = int(own_position(self.sync.schedule, healed)["steps"]), int(self.position()["steps"])
+        pos = self.position()
+        steps, target = int(pos["steps"]), int(own_position(self.sync.schedule, healed, pos)["steps"])
         behind = int(healed["boundaries"]) - before
         self.stats["caught_up_rounds"] += behind
         if self._late_round:  # x <- theta_run + (x - theta_held); tokens and error feedback kept
@@ -367,6 +369,7 @@ class FederatedRounds:
         if not self.agree(decision is not None):
             return None
         faults.point("decision", sync.rounds, company=self.members > 1)
+        steps = sync.next_round_steps  # (--diloco-x-site-pace: as agreed)
         decision = dataclasses.replace(decision, tau=tau_of_share(decision.tau, steps, sync.schedule.tau_cap(steps)))
         if decision.skip:  # x <- theta: the round's progress is dropped, and its tokens with it
             self.tokens = 0
@@ -380,32 +383,32 @@ class FederatedRounds:
         sync = self.sync
         ok = decided
         mine = (float(self.tokens) if self.tokens_per_step is not None else 1.0) if self.contributing else 0.0
-        self._weights = None
+        self._weights, pace, paced = None, sync.schedule.pace, None  # pace: the job's step time is its slowest rank's
+        own_s = job_reduce(sync.step_time_s or 0.0, MAX, self.membership.job_group, sync.timeout_s()) if pace else 0.0
         if ok and sync.group is not None and dist.get_world_size(sync.group) > 1:
-            slots = torch.zeros(dist.get_world_size(sync.group), dtype=torch.float64)
+            n = dist.get_world_size(sync.group)
+            slots = torch.zeros(2 * n if pace is not None else n, dtype=torch.float64)
             slots[sync.group.rank()] = mine
             try:  # (a slot that is no count fails the round on every member alike: they all see the same)
+                if pace is not None and self.contributing:
+                    slots[n + sync.group.rank()] = own_s
                 all_reduce_over_slots(slots, dist.ReduceOp.SUM, sync.slot_groups, sync.timeout_s())
-                self._weights = token_weights(slots.tolist())
+                values = slots.tolist()
+                self._weights = token_weights(values[:n])
+                if pace is not None:
+                    paced = paced_round_steps(pace, sync.boundary_steps, values[n:], own_s, sync.config.site_pace)
             except (RuntimeError, TimeoutError, ValueError) as err:
                 logger.warning("DiLoCoX round %d: the decision failed (%s)", sync.rounds, err)
                 ok = False
         self.round_tokens = self.tokens if self.contributing else 0
         self.round_weight = self._weights[sync.group.rank()] if self._weights is not None else 1.0
-        ok = self._job_all(ok)
+        ok = bool(job_reduce(ok, MIN, self.membership.job_group, sync.timeout_s()))
+        if pace is not None and sync.boundary_steps is not None:  # the job's next round begins, agreed or not
+            sync.next_round_steps = pace.begin(sync.boundary_steps, paced if ok else None)
         if not ok:
             self.fail("the decision did not reach every member")
             self.membership.commit(False)
         return ok
-
-    def _job_all(self, ok: bool) -> bool:
-        """``ok`` on every rank of this job (a bounded MIN over its world; collective over it)."""
-        job = self.membership.job_group
-        if job is None or dist.get_world_size(job) <= 1:
-            return ok
-        flag = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
-        bounded_all_reduce(flag, dist.ReduceOp.MIN, job, self.sync.timeout_s())
-        return bool(flag.item())
 
     def fail(self, why: str) -> None:
         """Mark this round failed on this rank (resolved at the next meeting)."""
@@ -480,7 +483,7 @@ class FederatedRounds:
         self.failed = False
         if healed is None:
             return None
-        self.set_position(healed := own_position(self.sync.schedule, healed))
+        self.set_position(healed := own_position(self.sync.schedule, healed, self.position()))
         sync = self.sync
         enter_at_theta(sync)
         self.tokens = 0
@@ -535,7 +538,7 @@ class FederatedRounds:
             ok = False
             why = str(err).split(". Nothing of this round")[0]
             sync.renew_exchange_buffer()  # (land's reason: the stale collective keeps the old one)
-        if not self._job_all(ok) and ok:
+        if not job_reduce(ok, MIN, self.membership.job_group, sync.timeout_s()) and ok:
             ok, why = False, "another rank of this job did not complete its exchange"
         if ok:
             return True

@@ -89,11 +89,15 @@ def landing_tau(share: int, schedule, steps: int) -> int:
     return tau_of_share(share, own_round, schedule.tau_cap(own_round))
 
 
-def own_position(schedule, healed: dict) -> dict:
+def own_position(schedule, healed: dict, own: dict) -> dict:
     """This job's position at a peer's healed position (``healed``: the peer's position with its
     ``"boundaries"``; ``schedule``: this job's :class:`~megatron_diloco.algorithm.schedule.RoundSchedule`): the
     inner steps at that boundary on this job's own schedule, and Megatron's iteration offset by as many (the
-    peer's offset kept: with the same H, exactly the peer's position)."""
+    peer's offset kept: with the same H, exactly the peer's position). With ``--diloco-x-site-pace`` the job's
+    own position ``own`` as it stands (its steps are never the run's), its pace moved to the boundary."""
+    if schedule.pace is not None:
+        schedule.pace.rebase(int(healed["boundaries"]))
+        return {**healed, **own}
     steps = schedule.steps_at_boundary(int(healed["boundaries"]))
     own = {k: v for k, v in healed.items() if k != "boundaries"}
     own["steps"] = steps

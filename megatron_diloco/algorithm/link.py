@@ -127,3 +127,13 @@ def host_copy(t: torch.Tensor, group, copy: bool = True) -> torch.Tensor:
         staged.copy_(t, non_blocking=True)
         torch.cuda.current_stream(t.device).synchronize()  # the collective reads it on gloo's thread
     return staged
+
+
+def job_reduce(value: float, op, job_group, timeout_s: float | None) -> float:
+    """``value`` (a number; a bool as 0 / 1) reduced with ``op`` over ``job_group``, a job's own world, as float64
+    (bounded by ``timeout_s``; collective over it); ``value`` itself without a group of more than one rank."""
+    if job_group is None or dist.get_world_size(job_group) <= 1:
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    bounded_all_reduce(t, op, job_group, timeout_s)
+    return float(t.item())

@@ -340,7 +340,9 @@ class OuterSync(BoundaryProtocols):
 
     def schedule_changed(self) -> None:
         """The warm-up of :attr:`config` changed (a resume keeping its checkpoint's, or the run length
-        known late): build, keep or drop :attr:`warmup_codec` to match ``config.warmup_compression``."""
+        known late): build, keep or drop :attr:`warmup_codec` to match ``config.warmup_compression``; the
+        schedule's pace (``--diloco-x-site-pace``) follows the rounds."""
+        self.schedule.changed()
         name = self.config.warmup_compression
         if name is None:
             self.warmup_codec = None

@@ -166,6 +166,15 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "exchanges its shard as G / d slots, each with the ranks of the other sites that hold "
                             "the same slot. A power of two up to 128 and a multiple of this job's DP; above 40 "
                             "every job needs the same --ddp-bucket-size. Default: every job has the same DP.")
+    group.add_argument("--diloco-x-site-pace", type=float, default=None, metavar="P",
+                       help="With --diloco-x-lighthouse, for sites of different speed: each job runs, in every "
+                            "round of the run, the inner steps that fit the slowest job's round, from the step "
+                            "times measured at each boundary: floor(L x slowest step / own step) for a run round "
+                            "of L steps, at most P x L (1 <= P <= 16). Give every job the same flags, as for jobs "
+                            "of equal speed (--diloco-x-local-steps, --train-iters, the LR schedule): they are the "
+                            "run's rounds, which the slowest job runs; a faster job runs more steps per round, "
+                            "follows the LR schedule by the run's progress and ends with the run. Each job's "
+                            "iteration and data position stay its own. Default: every job runs the run's rounds.")
     group.add_argument("--diloco-x-outer-timeout-minutes", type=float, default=None,
                        help="T: an exchange over the outer groups (and the boundary's skip decision, the "
                             "link measurement) must complete within T minutes of its launch, else the run "
@@ -291,6 +300,7 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
         outer_state=getattr(args, "diloco_x_outer_state", "device"),
         outer_chunk_mb=getattr(args, "diloco_x_outer_chunk_mb", 16.0),
         outer_timeout_minutes=getattr(args, "diloco_x_outer_timeout_minutes", None),
+        site_pace=getattr(args, "diloco_x_site_pace", None),
         # Megatron's own collective timeout: the floor of the derived outer timeout
         distributed_timeout_minutes=float(getattr(args, "distributed_timeout_minutes", None) or 10.0),
     )
@@ -384,6 +394,13 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
             if getattr(args, f"diloco_x_{flag}_timeout_minutes", 1.0) <= 0:
                 raise ValueError(f"--diloco-x-{flag}-timeout-minutes must be > 0")
     _validate_exchange_slots(args, config, dp, federated)
+    if config.site_pace is not None:
+        if not federated:
+            raise ValueError("--diloco-x-site-pace applies with --diloco-x-lighthouse only (separate jobs, one "
+                             "per site; the replicas of one world step together)")
+        if getattr(args, "train_iters", None) is None:
+            raise ValueError("--diloco-x-site-pace needs the run's length in iterations (--train-iters, the run's "
+                             "rounds as the slowest job runs them), not --train-samples")
     if store and (args.save or args.load):
         raise ValueError("--save / --load cannot be used with --diloco-x-outer-store yet (the DiLoCoX "
                          "checkpoint layout spans the replicas of one world); run the replicas in one "

@@ -24,6 +24,7 @@ at 1/R of the run (seen: the validation iterator ended at iteration 2100 of 3000
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 from megatron_diloco.megatron_adapter import patches
@@ -49,10 +50,12 @@ def build_loader(build: Callable, replicas: int, index: int, slots: int | None) 
     return build_pretraining_data_loader
 
 
-def num_samples(get_num_samples: Callable, replicas: int, slots: int | None, dp: int) -> Callable:
+def num_samples(get_num_samples: Callable, replicas: int, slots: int | None, dp: int,
+                pace: float | None = None) -> Callable:
     """Megatron's ``get_train_valid_test_num_samples`` sized for the run's samples: R times a job's (with
-    ``slots`` G, R G / dp times: module doc)."""
-    factor = replicas * (slots // dp if slots else 1)
+    ``slots`` G, R G / dp times: module doc; with ``--diloco-x-site-pace`` P, ceil(P) times that again: a job may
+    run up to P times the run's iterations, and evaluate as often)."""
+    factor = replicas * (slots // dp if slots else 1) * (math.ceil(pace) if pace else 1)
 
     @functools.wraps(get_num_samples)
     def get_train_valid_test_num_samples():

@@ -70,6 +70,7 @@ MUST_AGREE_DILOCO: tuple[tuple[str, Callable[[DiLoCoXConfig], Any], Callable[[Di
      lambda c: c.overlap == "eager"),
     ("--diloco-x-rank", lambda c: c.rank, lambda c: CODECS[c.compression].matrix and c.compression != "adaptive"),
     ("--diloco-x-energy", lambda c: c.energy, lambda c: c.compression == "adaptive"),
+    ("--diloco-x-site-pace", lambda c: c.site_pace, None),
 )
 
 #: Megatron arguments that every launch must share, by flag (or description) and attribute.
@@ -142,7 +143,7 @@ def describe_rounds(args: argparse.Namespace, config: DiLoCoXConfig) -> dict[str
     from megatron_diloco.algorithm.schedule import RoundSchedule
 
     schedule, iters = RoundSchedule(config), int(args.train_iters)
-    last = " and a shorter last one" if not schedule.is_boundary(iters) else ""
+    last = " and a shorter last one" if schedule.run_steps_since_boundary(iters) else ""
     out = {"rounds of the run (--train-iters over --diloco-x-local-steps, after the warm-up)":
            f"{schedule.boundaries_in(iters)}{last}",
            "warm-up rounds (--diloco-x-warmup-iters / --diloco-x-warmup-local-steps)":
@@ -186,13 +187,16 @@ def describe_launch(args: argparse.Namespace, config: DiLoCoXConfig, shards: lis
                            "megatron-diloco": f"{__version__} (source {package_source_digest()})",
                            "megatron-core": megatron_version}
     per_job = separate_jobs and getattr(args, "train_samples", None) is None
+    paced = config.site_pace is not None  # the jobs share the run's rounds in run steps; only the batch may differ
     for flag, read, used in MUST_AGREE_DILOCO:
-        if (used is None or used(config)) and not (per_job and flag in PER_JOB_DILOCO):
+        if (used is None or used(config)) and not (per_job and not paced and flag in PER_JOB_DILOCO):
             out[flag] = read(config)
-    if per_job:
+    if per_job and not paced:
         out.update(describe_rounds(args, config))
     slots = getattr(args, "diloco_x_exchange_slots", None) if separate_jobs else None
-    for flag, attr in MUST_AGREE_MEGATRON + (() if per_job else PER_JOB_MEGATRON):
+    # jobs of a run in iterations may differ in the global batch and (not paced) in their iterations
+    shared = PER_JOB_MEGATRON if not per_job else PER_JOB_MEGATRON[1:] if paced else ()
+    for flag, attr in MUST_AGREE_MEGATRON + shared:
         if slots and attr in SLOTS_REPLACE:  # sites of different size: they agree on the slots instead
             continue
         value = getattr(args, attr, None)

@@ -235,6 +235,9 @@ class _Installation:
             self.run_length_known()  # --train-samples: Megatron has just set args.train_iters
             if hasattr(optimizer, "attach_lr_scheduler"):
                 optimizer.attach_lr_scheduler(scheduler)
+                if self.config.site_pace is not None:  # the LR follows the run's progress, in samples
+                    gbs, sync = self.args.global_batch_size, optimizer.sync
+                    optimizer.lr_position.follow(lambda: sync.schedule.pace.run_position(optimizer.step_calls) * gbs)
             return scheduler
 
         return get_optimizer_param_scheduler
@@ -320,6 +323,7 @@ class _Installation:
         opt.iteration_offset = args.iteration - opt.step_calls
         started = time.perf_counter()
         position = opt.join_federation()
+        self.paced_run_length()
         if position is None:
             if dist.get_rank() == 0:
                 print(f"megatron-diloco: joined run {args.diloco_x_run!r} at iteration {args.iteration} "
@@ -371,6 +375,9 @@ class _Installation:
         same flags, so the replicas agree."""
         from megatron_diloco.megatron_adapter.arguments import resolve_run_length
 
+        if self.optimizer is not None and self.config.site_pace is not None:
+            self.optimizer.sync.schedule.run_steps = int(self.args.train_iters)  # the run's length, in run steps
+            self.optimizer.sync.schedule.changed()
         if not resolve_run_length(self.config, self.args):
             return
         if self.optimizer is not None:
@@ -390,7 +397,7 @@ class _Installation:
         (:func:`~megatron_diloco.megatron_adapter.data_split.num_samples`)."""
         return data_split.num_samples(get_num_samples, self.config.replicas,
                                       getattr(self.args, "diloco_x_exchange_slots", None),
-                                      getattr(self.args, "data_parallel_size", 1))
+                                      getattr(self.args, "data_parallel_size", 1), self.config.site_pace)
 
     def after_load(self) -> None:
         """Megatron's ``load_checkpoint`` returned: the optimizer restarts the outer loop if weights
@@ -407,7 +414,16 @@ class _Installation:
         loaded = any(os.path.isfile(get_checkpoint_tracker_filename(d)) for d in dirs)
         self.optimizer.after_checkpoint_load(weights_loaded=loaded)
 
+    def paced_run_length(self) -> None:
+        """``--diloco-x-site-pace``: this job's ``--train-iters`` as its rounds go (Megatron's loop reads it every
+        iteration): the end of its current round, plus the run's rounds after it at its current pace; exactly its
+        iteration at the run's last boundary once its last round began (:meth:`Pace.own_end`)."""
+        opt = self.optimizer
+        if opt is not None and self.config.site_pace is not None:
+            self.args.train_iters = opt.iteration_offset + opt.sync.schedule.pace.own_end(opt.sync.schedule.run_steps)
+
     def log_round(self, m: dict) -> None:
+        self.paced_run_length()
         self.rounds.append(m)
         if dist.get_rank() == 0:
             print(format_round_line(m, lossy=self.config.compression != "none"), flush=True)

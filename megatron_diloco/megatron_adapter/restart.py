@@ -16,7 +16,7 @@ and calls them; nothing here reads the optimizer):
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from megatron_diloco.algorithm.config import DiLoCoXConfig
 from megatron_diloco.algorithm.sync import OuterSync
@@ -100,9 +100,10 @@ class RestartPolicy:
         the same flags). An auto H resumed with auto H keeps the checkpoint's H and the step its rounds
         began at."""
         cfg, schedule = self.config, self.sync.schedule
-        if saved is None or saved == schedule.state_dict():
+        saved = schedule.load_pace(saved or {}, step_calls) or None  # (--diloco-x-site-pace: the job's own rounds)
+        if saved is None or saved == schedule.rounds_state():
             return
-        if schedule.load_auto(saved) and saved == schedule.state_dict():
+        if schedule.load_auto(saved) and saved == schedule.rounds_state():
             logger.info("DiLoCoX: auto H resumes with the checkpoint's H %d (rounds from step %s)", cfg.local_steps,
                         schedule.anchor if schedule.anchor is not None else cfg.warmup_iters)
             return
@@ -120,7 +121,7 @@ class RestartPolicy:
             return
         logger.warning("DiLoCoX: the checkpoint was trained with rounds %s, this run's flags give %s: the rounds "
                        "after step %d follow the flags (--diloco-x-local-steps, --diloco-x-warmup-local-steps, "
-                       "--diloco-x-warmup-iters)", saved, schedule.state_dict(), step_calls)
+                       "--diloco-x-warmup-iters)", saved, schedule.rounds_state(), step_calls)
 
 
 class LRSchedulePosition:
@@ -153,6 +154,22 @@ class LRSchedulePosition:
 
         load_state_dict._diloco_x = True
         scheduler.load_state_dict = load_state_dict
+
+    def follow(self, position: Callable[[], float]) -> None:
+        """``--diloco-x-site-pace``: the schedule's position is ``position()`` (in the scheduler's units: run steps x
+        the global batch), whatever increment Megatron steps it by (a job's own steps are not the run's); set at
+        every step, load and resume. Call after :meth:`attach`."""
+        scheduler = self.scheduler
+        original = scheduler.step
+        if getattr(original, "_diloco_x_follows", False):
+            return
+
+        def step(increment: int) -> None:
+            scheduler.num_steps = position()
+            original(increment=0)
+
+        step._diloco_x_follows = True
+        scheduler.step = step
 
     @property
     def steps(self) -> int | None:
