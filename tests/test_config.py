@@ -529,3 +529,24 @@ def test_a_resume_keeps_an_auto_local_steps_run_where_it_was(caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_diloco.megatron_adapter.restart"):
         fixed = resume("--diloco-x-local-steps", "30")
     assert (fixed.config.local_steps, fixed.anchor) == (30, None) and "--diloco-x-local-steps" in caplog.text
+
+
+@pytest.mark.parametrize("pace, extra, cfg, phrase", [
+    (0.5, {}, {}, "--diloco-x-site-pace (the most a job's round may exceed the run's"),
+    (32.0, {}, {}, "must be a number in [1, 16.0]"),
+    (2.0, {}, dict(local_steps_auto=True, local_steps=32, overlap_steps=None), "not auto"),
+    (2.0, dict(train_iters=None, train_samples=1000), {}, "--train-iters"),
+    (2.0, {}, None, "applies with --diloco-x-lighthouse only"),
+])
+def test_site_pace_is_checked_before_training(tmp_path, pace, extra, cfg, phrase):
+    """``--diloco-x-site-pace`` out of range, with auto H, without the run's length in iterations or without
+    separate jobs is refused naming the fix; 4 with the package's defaults is accepted."""
+    secret = tmp_path / "run.secret"
+    secret.write_text("a test secret of the run, 32 bytes or more")
+    secret.chmod(0o600)
+    jobs = dict(diloco_x_lighthouse="127.0.0.1:29510", diloco_x_run="r", diloco_x_replica_index=0,
+                diloco_x_secret_file=str(secret), train_iters=100)
+    with pytest.raises(ValueError, match=re.escape(phrase)):
+        config = DiLoCoXConfig(replicas=2, site_pace=pace, **(cfg or {}))
+        validate_megatron_args(megatron_args(**{**({} if cfg is None else jobs), **extra}), config)
+    validate_megatron_args(megatron_args(**jobs), DiLoCoXConfig(replicas=2, site_pace=4.0))

@@ -395,3 +395,31 @@ def test_sites_of_different_speed_each_run_the_steps_that_fit(tmp_path):
 
     assert last_lr(a) == last_lr(b), (last_lr(a), last_lr(b))
     _losses_fall(b)
+
+
+def test_sites_of_different_speed_resume_from_their_own_checkpoints(tmp_path):
+    """The paced jobs of the test above, both from the start, each saving its own checkpoints every 12 of its own
+    iterations, are killed together (kill -9) mid-run and restarted from their latest checkpoints, which stand at
+    different boundaries of the run: the job behind takes the run's outer state from the other and keeps its own
+    iteration and pace; both end at the run's last boundary, identical there, with the LR schedule's end."""
+    flags = [*BASE, "--train-iters", "72", "--diloco-x-site-pace", "4", "--log-interval", "1", "--no-load-rng",
+             "--save-interval", "12"]
+    ckpt = {n: tmp_path / f"ckpt{n}" for n in "AB"}
+    env = {"A": {}, "B": {"DILOCO_TEST_STEP_SLEEP_S": "0.3"}}
+    with Lighthouse(tmp_path / "lighthouse.txt", min_replicas=2) as lh:
+        jobs = [Job(tmp_path / f"{n}1", n, i, lh.address, [*flags, "--save", str(ckpt[n])], env=env[n])
+                for i, n in enumerate("AB")]
+        with _closing(jobs):
+            wait_until(lambda: jobs[1].rounds() >= 20, 240, "20 rounds", jobs)
+        for job in jobs:
+            job.close()
+        saved = {n: int((ckpt[n] / "latest_checkpointed_iteration.txt").read_text()) for n in "AB"}
+        jobs = [Job(tmp_path / f"{n}2", n, i, lh.address, [*flags, "--save", str(ckpt[n]), "--load", str(ckpt[n])],
+                    env=env[n]) for i, n in enumerate("AB")]
+        _end(jobs)
+    a, b = jobs
+    assert saved["B"] >= 36 and saved["A"] > saved["B"], saved
+    heals = [j.summary()["federation"]["heals"] for j in jobs]
+    assert sum(heals) == 1, heals  # the job whose checkpoint stands at an earlier boundary
+    assert _final(a)[0][1] == _final(b)[0][1] and _final(b)[0][0] == 72 and _final(a)[0][0] > 72
+    assert a.log().rsplit("learning rate: ", 1)[1].split()[0] == b.log().rsplit("learning rate: ", 1)[1].split()[0]

@@ -96,7 +96,7 @@ def own_position(schedule, healed: dict, own: dict) -> dict:
     peer's offset kept: with the same H, exactly the peer's position). With ``--diloco-x-site-pace`` the job's
     own position ``own`` as it stands (its steps are never the run's), its pace moved to the boundary."""
     if schedule.pace is not None:
-        schedule.pace.rebase(int(healed["boundaries"]))
+        schedule.pace.rebase(int(healed["boundaries"]), int(own["steps"]))
         return {**healed, **own}
     steps = schedule.steps_at_boundary(int(healed["boundaries"]))
     own = {k: v for k, v in healed.items() if k != "boundaries"}

@@ -106,10 +106,13 @@ class Pace:
             self.pending = self.run_round(self.boundaries_in(steps))
         return self.pending
 
-    def rebase(self, boundary: int) -> None:
-        """A heal moved the job to the run's ``boundary`` (a joiner, or a job that fell behind): the round that
-        boundary starts is the next to begin, at the job's own steps where it stands."""
-        self.pending = self.run_round(boundary)
+    def rebase(self, boundary: int, steps: int) -> None:
+        """A heal moved the job to the run's ``boundary`` (a joiner, a job resumed behind the run, or one that fell
+        behind) after ``steps`` of its own inner steps: the round that boundary starts begins there, at the job's
+        current pace until the members agree on it (at that boundary's decision, when it runs on this job)."""
+        ratio = self.ratio
+        self.current, self.own_start, self.pending = self.run_round(boundary), steps, None
+        self.own_steps = max(self.current.steps, round(self.current.steps * ratio))
 
     def projected_steps(self, steps: int) -> int:
         """The own steps of the round the boundary after ``steps`` starts, before the members agree on it: at the
