@@ -4,6 +4,7 @@ waits, and the run's tokens/s against the two sites' solo tokens/s summed; write
 
     python benchmarks/federation/heterogeneous.py [--iters 160] [--balanced-batches 16,24] [--out JSON]
     python benchmarks/federation/heterogeneous.py --gpus 2 --model 85M --out JSON   # a GPU per site
+    python benchmarks/federation/heterogeneous.py --runs paced --b-sleep S ...      # those runs and their references
 
 CPU (the default): each job is one replica of the demo model (the example's defaults, PP 1), one rank on one
 core (``OMP_NUM_THREADS=1``; the machine's two cores, one per job). ``--gpus N``: each job one rank on a GPU
@@ -29,6 +30,9 @@ Runs, one after the other (``--resume`` keeps those ``--out`` holds: a run longe
 * ``per_site_h``: A and B at the same global batch, A with twice B's H (its warm-up H0, ``--train-iters``
   and ``--lr-warmup-iters`` doubled: the same rounds): A runs twice the inner steps per round, and neither
   should wait.
+* ``paced``: A and B with the same flags and ``--diloco-x-site-pace 4``: each job runs, in every round, the
+  inner steps that fit the slowest job's round, from the step times measured at each boundary (A about twice
+  B's); nothing to size by hand.
 * GPUs only, for the loss at the same tokens as ``per_site_h`` (3 x iters x the global batch):
   ``equal_tokens``, A and B at the same H for 1.5 x iters each; ``allreduce``, ``--no-diloco-x`` data
   parallel over both GPUs at twice the global batch for 1.5 x iters (Megatron's AllReduce run).
@@ -72,6 +76,8 @@ MODELS = {
              "--attention-sdpa", "--no-create-attention-mask-in-dataloader", "--lr", "1e-3", "--min-lr", "1e-4"],
             512, 30, 60, 64),
 }
+#: ``paced`` runs: --diloco-x-site-pace (a job's round at most this many times the run's)
+PACE = 4
 #: --gpus N: each job on GPU (its index mod N); 0: the CPU
 GPUS = 0
 MODEL = "demo"
@@ -83,8 +89,12 @@ def _model() -> tuple[list[str], int, int, int, int]:
 
 def _site_flags(gbs: int, iters: int, m: int) -> list[str]:
     """A job of m x the model's H over m x ``iters`` (its warm-up H0 and LR warm-up in proportion: the same
-    rounds as a job of H)."""
+    rounds as a job of H); m = 0: the model's H and ``iters`` with ``--diloco-x-site-pace`` (:data:`PACE`), the job
+    running the steps that fit the slowest one's rounds."""
     _, _, h, lr_warmup, _ = _model()
+    if m == 0:
+        return ["--global-batch-size", str(gbs), "--train-iters", str(iters), "--diloco-x-local-steps", str(h),
+                "--lr-warmup-iters", str(lr_warmup), "--diloco-x-site-pace", str(PACE)]
     scaled = ["--diloco-x-warmup-local-steps", str(m * min(h // 3, 10))] if m > 1 else []
     return ["--global-batch-size", str(gbs), "--train-iters", str(m * iters), "--diloco-x-local-steps", str(m * h),
             "--lr-warmup-iters", str(m * lr_warmup), *scaled]
@@ -172,11 +182,15 @@ def _together(tmp: Path, iters: int, sites: dict[str, tuple[int, float, int]]) -
     for n, job in jobs.items():
         gbs, sleep, m = sites[n]
         rounds = job.records()[0]["fed_rounds"]
-        step = _step_s(job, m * iters)
-        out["sites"][n] = {"global_batch": gbs, "sleep_s": sleep, "local_steps": m * _model()[2], "iters": m * iters,
-                           "step_s": step, "tokens_per_s": gbs * seq / step, "final_loss": _final_loss(job),
-                           "val_loss": _val_loss(job.log()), "tokens": gbs * seq * m * iters,
+        own = job.records()[0]["final_fp"]["steps"] if m == 0 else m * iters  # (paced: the steps it ran)
+        step = _step_s(job, own)
+        out["sites"][n] = {"global_batch": gbs, "sleep_s": sleep, "iters": own, "step_s": step,
+                           "local_steps": f"paced (at most {PACE} x {_model()[2]})" if m == 0 else m * _model()[2],
+                           "tokens_per_s": gbs * seq / step, "final_loss": _final_loss(job),
+                           "val_loss": _val_loss(job.log()), "tokens": gbs * seq * own,
                            "weight": rounds[-1][9] if len(rounds[-1]) > 9 else None, "members_last": rounds[-1][2]}
+        if m == 0:  # each round's own steps (the paced H) and the job's weight
+            out["sites"][n]["round_steps"] = [b[0] - a[0] for a, b in zip(rounds, rounds[1:])]
     out["tokens"] = sum(s["tokens"] for s in out["sites"].values())
     # each job evaluates its own slot of the validation set (as one replica of a data-parallel world would):
     # their mean covers the samples Megatron's AllReduce run evaluates
@@ -227,6 +241,11 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=REPO / ".cache" / "heterogeneous")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "heterogeneous.json")
     p.add_argument("--resume", action="store_true", help="keep the runs --out holds and run the rest")
+    p.add_argument("--runs", default="per_site_h,equal,paced,balanced",
+                   help="the two-job runs to make, of per_site_h, equal, paced, balanced (CPU); the solos they are "
+                        "measured against always")
+    p.add_argument("--b-sleep", type=float, default=None,
+                   help="B's sleep per step in seconds (default: A's solo step, measured first)")
     a = p.parse_args()
     if a.gpus == 1:
         p.error("--gpus 1 would put both sites on one GPU: give each site its own (--gpus 2), or run on the CPU")
@@ -260,16 +279,17 @@ def main() -> None:
 
     def write() -> dict:  # after every run: a failure later keeps what was measured
         for name, r in runs.items():
-            if name in ("per_site_h", "equal", "balanced"):
+            if name in ("per_site_h", "equal", "balanced", "paced"):
                 g = r["sites"]["A"]["global_batch"]
                 _figures(r, reference(g))
-                alone = {"sites": r["sites"], "tokens_per_s": r["tokens_per_s"]}
-                _figures(alone, {"A": solo[f"A{g}"], "B": solo[b_key]})
-                r["against_each_solo_alone"] = {k: alone[k] for k in
-                                                ("fast_site_idle_fraction", "throughput_vs_solo_sum")}
+                if f"A{g}" in solo and b_key in solo:
+                    alone = {"sites": r["sites"], "tokens_per_s": r["tokens_per_s"]}
+                    _figures(alone, {"A": solo[f"A{g}"], "B": solo[b_key]})
+                    r["against_each_solo_alone"] = {k: alone[k] for k in
+                                                    ("fast_site_idle_fraction", "throughput_vs_solo_sum")}
         result = {"machine": machine, "commit": commit, "iters": a.iters, "model": describe,
-                  "slow_site": f"B sleeps {solo[a_key]['step_s']:.4f} s per step (A's solo step at global batch {gbs})"
-                  if a_key in solo else None,
+                  "slow_site": f"B sleeps {sleep:.4f} s per step (A's solo step at global batch {gbs}"
+                  f"{', measured before' if a.b_sleep else ''})" if sleep else None,
                   "solo": solo, "runs": runs, "wall_s": time.time() - started}
         result["gpu" if GPUS else "cpu"] = {
             name: {"fast_site_idle_fraction": r["fast_site_idle_fraction"],
@@ -289,19 +309,23 @@ def main() -> None:
             table[key] = {**fn(*args), "commit": commit}
             write()
 
-    once(solo, a_key, _solo, a.work / f"solo_{a_key}", a.iters, "A", gbs, 0.0)
-    sleep = solo[a_key]["step_s"]  # B: half A's speed at the same global batch
-    once(solo, b_key, _solo, a.work / f"solo_{b_key}", a.iters, "B", gbs, sleep)
+    chosen = a.runs.split(",")
+    sleep = a.b_sleep
+    if sleep is None:
+        once(solo, a_key, _solo, a.work / f"solo_{a_key}", a.iters, "A", gbs, 0.0)
+        sleep = solo[a_key]["step_s"]  # B: half A's speed at the same global batch
+        once(solo, b_key, _solo, a.work / f"solo_{b_key}", a.iters, "B", gbs, sleep)
     once(solo, side_key(gbs), _solos_side_by_side, a.work / "solo_side_by_side", a.iters,
          {"A": (gbs, 0.0), "B": (gbs, sleep)})
-    once(runs, "per_site_h", _together, a.work / "per_site_h", a.iters, {"A": (gbs, 0.0, 2), "B": (gbs, sleep, 1)})
-    once(runs, "equal", _together, a.work / "equal", a.iters, {"A": (gbs, 0.0, 1), "B": (gbs, sleep, 1)})
-    if GPUS:  # the loss at per_site_h's tokens: the same H, and Megatron's AllReduce
+    for name, (ma, mb) in (("paced", (0, 0)), ("per_site_h", (2, 1)), ("equal", (1, 1))):  # (paced: the same flags)
+        if name in chosen:
+            once(runs, name, _together, a.work / name, a.iters, {"A": (gbs, 0.0, ma), "B": (gbs, sleep, mb)})
+    if GPUS and "per_site_h" in chosen:  # the loss at per_site_h's tokens: the same H, and Megatron's AllReduce
         once(runs, "equal_tokens", _together, a.work / "equal_tokens", 3 * a.iters // 2,
              {"A": (gbs, 0.0, 1), "B": (gbs, 0.0, 1)})
         if GPUS > 1:
             once(runs, "allreduce", _allreduce, a.work / "allreduce", 3 * a.iters // 2, 2 * gbs)
-    else:  # A at the global batch whose solo step is closest to B's
+    elif not GPUS and "balanced" in chosen:  # A at the global batch whose solo step is closest to B's
         for g in map(int, a.balanced_batches.split(",")):
             once(solo, f"A{g}", _solo, a.work / f"solo_A{g}", a.iters, "A", g, 0.0)
         best = min((int(k[1:]) for k in solo if k[0] == "A" and k[1:].isdigit() and k != a_key),
