@@ -19,8 +19,8 @@
 - ``gap_vs_size.png`` (``results/convergence_scale.json``): the package default's gap to AllReduce (each at its
   best inner lr) by model size and by tokens per parameter, beside the published gaps of DiLoCo to data
   parallelism (Charles et al. 2025; Streaming DiLoCo), with each point's bytes.
-- ``sites.png`` (``results/heterogeneous.json``, ``heterogeneous_gpu.json``: a row each): two sites of different
-  speed, per way of running them: the fast site's idle share of its wall time and the run's tokens/s against the
+- ``sites.png`` (``results/heterogeneous.json``; ``heterogeneous_gpu.json`` with ``heterogeneous_paced_gpu.json``: a
+  row each): two sites of different speed, per way of running them: the fast site's idle share of its wall time and the run's tokens/s against the
   two sites' solo sum.
 
 Each plot is stamped with the commit it was made at (``git rev-parse --short HEAD``; ``+dirty`` when
@@ -470,7 +470,7 @@ def plot_gap_vs_size(scale: dict, path: Path, stamp: str) -> None:
 # --------------------------------------------------------------------------- sites that differ
 #: heterogeneous.json's runs, in the order and words of the plot
 SITE_RUNS = (("equal", "the same flags\n(equal H, batch)"), ("balanced", "fast site: larger\nglobal batch"),
-             ("per_site_h", "fast site: twice\nthe H"))
+             ("per_site_h", "fast site: twice\nthe H"), ("paced", "both: --diloco-x-\nsite-pace 4"))
 
 
 def plot_sites(hets: list[dict], path: Path, stamp: str) -> None:
@@ -484,7 +484,7 @@ def plot_sites(hets: list[dict], path: Path, stamp: str) -> None:
         for ax, key, title, target in ((row[0], "fast_site_idle_fraction", "fast site idle (% of its wall time)", 5),
                                        (row[1], "throughput_vs_solo_sum", "run's tokens/s (% of the solo sum)", 95)):
             values = [100 * r[key] for _, r in runs]
-            colors = {"equal": "0.6", "balanced": "tab:blue", "per_site_h": "tab:green"}
+            colors = {"equal": "0.6", "balanced": "tab:blue", "per_site_h": "tab:green", "paced": "tab:purple"}
             bars = ax.bar(range(len(runs)), values,
                           color=[colors[n] for n, _ in SITE_RUNS if n in het.get("runs", {})])
             ax.bar_label(bars, fmt="%.1f", fontsize=8)
@@ -493,7 +493,9 @@ def plot_sites(hets: list[dict], path: Path, stamp: str) -> None:
             ax.set_title(f"{het.get('machine', '').split(',')[0]}: {title}", fontsize=9)
             ax.set_ylim(0, 105)
             ax.legend(fontsize=7.5, loc="upper right" if target < 50 else "lower right")
-    commits = ", ".join(f"{h.get('machine', '').split(',')[0]} {h.get('commit')}" for h in hets)
+    commits = ", ".join(f"{h.get('machine', '').split(',')[0]} {h.get('commit')}"
+                        + (f" (paced: {h['runs']['paced'].get('commit')})" if "paced" in h.get("runs", {}) else "")
+                        for h in hets)
     fig.suptitle(f"Two sites, one half as fast (commits: {commits})", fontsize=9)
     fig.tight_layout()
     _save(fig, path, stamp)
@@ -535,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     if "sites" in only and (RESULTS / "heterogeneous.json").exists():
         hets = [json.loads((RESULTS / f).read_text()) for f in ("heterogeneous.json", "heterogeneous_gpu.json")
                 if (RESULTS / f).exists()]
+        if len(hets) > 1 and (RESULTS / "heterogeneous_paced_gpu.json").exists():  # the paced run: another lease
+            hets[1]["runs"]["paced"] = json.loads((RESULTS / "heterogeneous_paced_gpu.json").read_text())["runs"]["paced"]
         plot_sites(hets, a.out / "sites.png", stamp)
         made.append("sites.png")
     if "size" in only and (RESULTS / "convergence_scale.json").exists():
