@@ -74,6 +74,9 @@ def test_the_jobs_steps_map_onto_the_runs():
     assert fixed.pace.current == RunRound(3, 8, H, False) and fixed.steps_since_boundary(10) == 2
     fixed.load_pace({}, 8)  # at a boundary: the round that ended there
     assert fixed.pace.current.boundary == 2 and fixed.boundaries_reached(8) == 3 and fixed.is_boundary(8)
+    pace.rebase(4, 30)  # a heal at the run's boundary 4, the job at its own step 30: that round begins there
+    assert pace.current == RunRound(4, 12, H, False) and (pace.own_start, pace.own_steps) == (30, 12)  # its pace kept
+    assert schedule.boundaries_reached(30) == 4 and schedule.is_boundary(42) and pace.run_position(36) == 14.0
     plain = RoundSchedule(DiLoCoXConfig(replicas=2, local_steps=H, compression="none"))
     with pytest.raises(ValueError, match="resume it with --diloco-x-site-pace"):
         plain.load_pace(state, 9)
