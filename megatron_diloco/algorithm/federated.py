@@ -383,11 +383,11 @@ class FederatedRounds:
         sync = self.sync
         ok = decided
         mine = (float(self.tokens) if self.tokens_per_step is not None else 1.0) if self.contributing else 0.0
-        self._weights, pace, paced = None, sync.schedule.pace, None  # pace: the job's step time is its slowest rank's
-        own_s = job_reduce(sync.step_time_s or 0.0, MAX, self.membership.job_group, sync.timeout_s()) if pace else 0.0
+        self._weights, pace, paced = None, sync.schedule.pace, None  # pace: the job's step time, its slowest rank's
+        own_s = job_reduce((sync.step_time_s or 0.0) if self.contributing else 0.0,  # (a joiner's: not measured)
+                           MAX, self.membership.job_group, sync.timeout_s()) if pace else 0.0
         if ok and sync.group is not None and dist.get_world_size(sync.group) > 1:
-            n = dist.get_world_size(sync.group)
-            slots = torch.zeros(2 * n if pace is not None else n, dtype=torch.float64)
+            slots = torch.zeros((n := dist.get_world_size(sync.group)) * (2 if pace else 1), dtype=torch.float64)
             slots[sync.group.rank()] = mine
             try:  # (a slot that is no count fails the round on every member alike: they all see the same)
                 if pace is not None and self.contributing:
