@@ -387,6 +387,8 @@ def test_sites_that_differ_hand_computed():
     assert per.weights == pytest.approx([3 * k / sum(tokens) for k in tokens])
     assert per.tokens_per_s == pytest.approx(sum(tokens) / round_s)
     assert plan(cfg()).sites is None
+    rows = dict(_site_rows(p))  # at run time: a pace of at least the fastest site's steps per step of the slowest
+    assert "--diloco-x-site-pace 4 or more (the fastest site steps 4.00x" in rows["or H per site at run time"]
 
 
 def test_sites_of_different_gpu_counts():

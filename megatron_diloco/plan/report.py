@@ -5,6 +5,7 @@ or on the host (:func:`outer_state_options`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from megatron_diloco.plan.config import PlanConfig
@@ -108,6 +109,12 @@ def _site_rows(p: Plan) -> list[tuple[str, str]]:
     rows.append(("H per site, to run it", "give each site its --diloco-x-local-steps above, and its warm-up "
                  "(--diloco-x-warmup-local-steps, --diloco-x-warmup-iters), --train-iters and --lr-warmup-iters / "
                  "--lr-decay-iters in the same proportion: the jobs must have the same rounds (docs/federation.md)"))
+    ratio = max(s.step_s) / min(s.step_s)  # the fastest site's steps per step of the slowest
+    pace = min(16.0, math.ceil(10 * ratio) / 10)
+    rows.append(("or H per site at run time", f"every site the same flags and --diloco-x-site-pace {pace:g} or more (the "
+                 f"fastest site steps {ratio:.2f}x as often as the slowest): each runs the steps that fit the slowest "
+                 "site's round, from the step times measured at every boundary"
+                 + (" (16 is the most: the fastest site waits for the rest)" if ratio > 16 else "")))
     return rows
 
 
