@@ -82,6 +82,18 @@ def link_share_bytes_per_s(link_mbps: float, sharers: int, efficiency: float = 1
     return link_mbps * 1e6 / 8 * efficiency / max(1, sharers)
 
 
+def _check_site_pace(pace: float | None, local_steps_auto: bool) -> None:
+    """``--diloco-x-site-pace``: ValueError naming the fix."""
+    if pace is None:
+        return
+    if not (isinstance(pace, (int, float)) and 1 <= pace <= PACE_MAX):
+        raise ValueError(f"--diloco-x-site-pace (the most a job's round may exceed the run's, as a multiple) must be "
+                         f"a number in [1, {PACE_MAX}], got {pace!r}")
+    if local_steps_auto:
+        raise ValueError("--diloco-x-site-pace sizes each job's rounds from the run's fixed H: give "
+                         "--diloco-x-local-steps as a number with it, not auto")
+
+
 @dataclasses.dataclass
 class DiLoCoXConfig:
     """Configuration of the DiLoCoX outer loop (arXiv 2506.21263).
@@ -105,11 +117,9 @@ class DiLoCoXConfig:
     hides the exchange (:func:`megatron_diloco.algorithm.schedule.auto_local_steps`), agreed by all ranks."""
 
     site_pace: float | None = None
-    """Separate jobs (``--diloco-x-site-pace P``): each job's round length follows its measured speed. The
-    flags (H, H0, W, ``--train-iters``, the LR schedule) give the run's rounds, as for jobs of equal speed; at
-    every boundary the jobs agree on the slowest one's inner-step time, and a job runs the inner steps that
-    fit that job's round, ``floor(L x slowest step / own step)`` for a run round of L steps, between L and
-    ``P x L`` (:mod:`megatron_diloco.algorithm.pace`). None: every job runs the run's rounds."""
+    """Separate jobs (``--diloco-x-site-pace P``): in every round of the run (the flags' rounds) a job runs the inner
+    steps that fit the slowest job's round, at most P x the run's (:mod:`megatron_diloco.algorithm.pace`). None:
+    every job runs the run's rounds."""
 
     warmup_local_steps: int | None = None
     """H0: the round length during the first :attr:`warmup_iters` inner steps
@@ -302,13 +312,7 @@ class DiLoCoXConfig:
             if not AUTO_H_MIN <= self.local_steps <= AUTO_H_MAX:
                 raise ValueError(f"--diloco-x-local-steps auto keeps H in [{AUTO_H_MIN}, {AUTO_H_MAX}], "
                                  f"got H = {self.local_steps}")
-        if self.site_pace is not None:
-            if not (isinstance(self.site_pace, (int, float)) and 1.0 <= self.site_pace <= PACE_MAX):
-                raise ValueError(f"--diloco-x-site-pace (the most a job's round may exceed the run's, as a multiple) "
-                                 f"must be a number in [1, {PACE_MAX}], got {self.site_pace!r}")
-            if self.local_steps_auto:
-                raise ValueError("--diloco-x-site-pace sizes each job's rounds from the run's fixed H: give "
-                                 "--diloco-x-local-steps as a number with it, not auto")
+        _check_site_pace(self.site_pace, self.local_steps_auto)
         if self.warmup_local_steps is not None or self.warmup_iters:
             h0, w = self.warmup_local_steps, self.warmup_iters
             if not isinstance(h0, int) or not 1 <= h0 <= self.local_steps:

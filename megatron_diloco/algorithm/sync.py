@@ -339,9 +339,8 @@ class OuterSync(BoundaryProtocols):
         policy.budget_bytes = byte_budget(self.link_bytes_per_s, self.next_round_steps, self.step_time_s)
 
     def schedule_changed(self) -> None:
-        """The warm-up of :attr:`config` changed (a resume keeping its checkpoint's, or the run length
-        known late): build, keep or drop :attr:`warmup_codec` to match ``config.warmup_compression``; the
-        schedule's pace (``--diloco-x-site-pace``) follows the rounds."""
+        """The warm-up or the run's length changed (a resume keeping its checkpoint's, the run length known late): the
+        schedule follows, and :attr:`warmup_codec` is built, kept or dropped to match ``config.warmup_compression``."""
         self.schedule.changed()
         name = self.config.warmup_compression
         if name is None:
