@@ -19,9 +19,9 @@
 - ``gap_vs_size.png`` (``results/convergence_scale.json``): the package default's gap to AllReduce (each at its
   best inner lr) by model size and by tokens per parameter, beside the published gaps of DiLoCo to data
   parallelism (Charles et al. 2025; Streaming DiLoCo), with each point's bytes.
-- ``sites.png`` (``results/heterogeneous.json``; ``heterogeneous_gpu.json`` with ``heterogeneous_paced_gpu.json``: a
-  row each): two sites of different speed, per way of running them: the fast site's idle share of its wall time and the run's tokens/s against the
-  two sites' solo sum.
+- ``sites.png`` (``results/heterogeneous.json`` with ``heterogeneous_paced.json``; ``heterogeneous_gpu.json`` with
+  ``heterogeneous_paced_gpu.json``: a row each): two sites of different speed, per way of running them: the fast
+  site's idle share of its wall time and the run's tokens/s against the two sites' solo sum.
 
 Each plot is stamped with the commit it was made at (``git rev-parse --short HEAD``; ``+dirty`` when
 the results or this file have uncommitted changes). Needs matplotlib (``make bench-venv``).
@@ -537,8 +537,9 @@ def main(argv: list[str] | None = None) -> int:
     if "sites" in only and (RESULTS / "heterogeneous.json").exists():
         hets = [json.loads((RESULTS / f).read_text()) for f in ("heterogeneous.json", "heterogeneous_gpu.json")
                 if (RESULTS / f).exists()]
-        if len(hets) > 1 and (RESULTS / "heterogeneous_paced_gpu.json").exists():  # the paced run: another lease
-            hets[1]["runs"]["paced"] = json.loads((RESULTS / "heterogeneous_paced_gpu.json").read_text())["runs"]["paced"]
+        for het, paced in zip(hets, ("heterogeneous_paced.json", "heterogeneous_paced_gpu.json")):  # (later runs)
+            if (RESULTS / paced).exists():
+                het["runs"]["paced"] = json.loads((RESULTS / paced).read_text())["runs"]["paced"]
         plot_sites(hets, a.out / "sites.png", stamp)
         made.append("sites.png")
     if "size" in only and (RESULTS / "convergence_scale.json").exists():
