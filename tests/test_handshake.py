@@ -128,6 +128,24 @@ def test_separate_jobs_may_differ_in_round_lengths_with_the_same_rounds():
         _describe(warm, train_iters=12), _describe(double, train_iters=24, lr_warmup_iters=4), 1)
 
 
+def test_paced_jobs_share_the_runs_rounds_and_may_differ_in_global_batch():
+    """With --diloco-x-site-pace the flags are the run's rounds (each job runs its own steps of them at run time):
+    the jobs may differ in their global batch only; their H, warm-up, --train-iters and LR iterations, and the
+    pace itself, are compared as flags."""
+    def jobs(config, **args) -> dict:
+        return describe_launch(_args(**args), config, [shard_digest(rank) for rank in LAYOUT], "0.19.2", True)
+
+    paced = dataclasses.replace(CFG, warmup_local_steps=2, warmup_iters=4, site_pace=4.0)
+    assert differences(jobs(paced, train_iters=12), jobs(paced, train_iters=12, global_batch_size=8), 1) == []
+    double = dataclasses.replace(paced, local_steps=8, warmup_local_steps=4, warmup_iters=8)
+    found = differences(jobs(paced, train_iters=12), jobs(double, train_iters=24), 1)
+    assert {"--diloco-x-local-steps is 4 here, 8 in replica 1", "--train-iters is 12 here, 24 in replica 1"} <= set(
+        found), found
+    unpaced = dataclasses.replace(paced, site_pace=None)
+    found = differences(jobs(paced, train_iters=12), jobs(unpaced, train_iters=12), 1)
+    assert found[0] == "--diloco-x-site-pace is 4.0 here, unset in replica 1", found  # (named first)
+
+
 _STORES: list = []  # the launches' stores stay up as a run keeps them (the host's going away ends the others' reads)
 
 

@@ -51,6 +51,8 @@ HANDSHAKE_FORMAT = 1
 #: differently already differ in the settings the test reads).
 MUST_AGREE_DILOCO: tuple[tuple[str, Callable[[DiLoCoXConfig], Any], Callable[[DiLoCoXConfig], bool] | None], ...] = (
     ("--diloco-x-replicas", lambda c: c.replicas, None),
+    # first: with it the flags below are the run's rounds (compared), without it each job's (their rounds compared)
+    ("--diloco-x-site-pace", lambda c: c.site_pace, None),
     ("--diloco-x-compression", lambda c: c.compression, None),
     ("--diloco-x-local-steps", lambda c: "auto" if c.local_steps_auto else c.local_steps, None),
     ("--diloco-x-warmup-local-steps", lambda c: c.warmup_local_steps, None),
@@ -70,7 +72,6 @@ MUST_AGREE_DILOCO: tuple[tuple[str, Callable[[DiLoCoXConfig], Any], Callable[[Di
      lambda c: c.overlap == "eager"),
     ("--diloco-x-rank", lambda c: c.rank, lambda c: CODECS[c.compression].matrix and c.compression != "adaptive"),
     ("--diloco-x-energy", lambda c: c.energy, lambda c: c.compression == "adaptive"),
-    ("--diloco-x-site-pace", lambda c: c.site_pace, None),
 )
 
 #: Megatron arguments that every launch must share, by flag (or description) and attribute.
