@@ -31,6 +31,11 @@ Failure kinds:
 on 1 (DP 1: its one rank holds both slots, as two virtual ranks of the run), into
 ``results/fault_matrix_slots.json`` by default; theta compared slot by slot.
 
+``--pace``: sites of different speed paced at run time (``--diloco-x-site-pace 4`` on every job, B twice as slow
+as A and C: 0.2 s more per step), into ``results/fault_matrix_pace.json`` by default. The jobs run their own steps
+of the run's rounds, so a survivor ends at the run's last boundary (its own iteration), and theta is compared by
+the rounds committed.
+
 Per cell: ``survived`` (every job not faulted ends at --train-iters with exit 0), ``survivors_identical``
 (their final fp32 main shards and theta at every boundary they share are bit-identical), ``aborted`` (a
 survivor ended by a signal, SIGABRT included), ``max_wait_s`` (the longest meeting, and the longest
@@ -70,6 +75,8 @@ STEP_ENV = {"DILOCO_TEST_STEP_SLEEP_S": "0.1"}  # ~35 s of training: a late job 
 #: --slots: each job's ranks (the others' one rank each otherwise)
 SLOT_RANKS = {"A": 2, "B": 2, "C": 1}
 SLOTS = False
+#: --pace: every job paced at run time, B slower
+PACE = False
 
 
 def _action(kind: str) -> str:
@@ -89,7 +96,9 @@ def _identical(jobs: list[Job]) -> bool:
     if SLOTS:  # jobs of other DP hold other main shards: the same end, theta compared slot by slot below
         if len({f["steps"] for job in finals for f in job}) != 1:
             return False
-    elif any(f != finals[0] for f in finals):
+    elif PACE and any([r["main"] for r in f] != [r["main"] for r in finals[0]] for f in finals):
+        return False  # (paced jobs end at their own steps: the same parameters)
+    elif not PACE and any(f != finals[0] for f in finals):
         return False
     tables = [_job_theta(j) for j in jobs]
     common = set(tables[0]).intersection(*tables[1:])
@@ -99,7 +108,7 @@ def _identical(jobs: list[Job]) -> bool:
 def _job_theta(job: Job) -> dict[int, list]:
     """step -> theta's fingerprint of the whole job at each boundary every rank recorded: its ranks', in rank
     order (slot by slot: a job of DP 1 and one of DP 2 list the same slots)."""
-    per_rank = [{r[0]: r[1] for r in rec["fed_rounds"]} for rec in job.records()]
+    per_rank = [{r[4 if PACE else 0]: r[1] for r in rec["fed_rounds"]} for rec in job.records()]  # (pace: by rounds)
     common = set(per_rank[0]).intersection(*per_rank[1:]) if per_rank else set()
     return {s: [x for rank in per_rank for x in rank[s]] for s in common}
 
@@ -109,6 +118,8 @@ def cell(tmp: Path, kind: str, point: str) -> dict:
     late = point in ("handshake", "heal-target", "heal-source")  # C starts late: a membership change and a heal
     faulted = "A" if point == "heal-source" else ("C" if not kind.startswith("lighthouse") else None)
     env = {n: dict(STEP_ENV) for n in "ABC"}
+    if PACE:
+        env["B"]["DILOCO_TEST_STEP_SLEEP_S"] = "0.2"
     if faulted:  # the late job's own handshake and heal come before its first round
         at = 0 if point in ("handshake", "heal-target") else FAULT_ROUND
         env[faulted]["DILOCO_X_FAULT"] = f"{point}:{_action(kind)}:{at}"
@@ -119,7 +130,7 @@ def cell(tmp: Path, kind: str, point: str) -> dict:
     started = time.time()
     with Lighthouse(tmp / "lighthouse.txt", join_timeout_ms=10000, heartbeat_timeout_ms=3000) as lh:
         def job(n: str, i: int) -> Job:
-            slots = ["--diloco-x-exchange-slots", "2"] if SLOTS else []
+            slots = ["--diloco-x-exchange-slots", "2"] if SLOTS else ["--diloco-x-site-pace", "4"] if PACE else []
             return Job(tmp / n, n, i, lh.address, [*FLAGS, *slots, *extra[n]], nproc=SLOT_RANKS[n] if SLOTS else 1,
                        env=env[n], run="fault-matrix", torchrun=True)
 
@@ -156,8 +167,9 @@ def cell(tmp: Path, kind: str, point: str) -> dict:
     exchanges = [r[7] for j in survivors for r in _fed_rounds(j) if len(r) > 7 and r[7] is not None]
     fired = faulted is None or "[fault drill]" in jobs[faulted].log()
     return {"failure": kind, "point": point, "faulted_job": faulted, "fired": fired, "iters": iters,
-            "survived": all(codes[j.name] == 0 and finals[j.name] and all(s == iters for s in finals[j.name])
+            "survived": all(codes[j.name] == 0 and finals[j.name] and (PACE or all(s == iters for s in finals[j.name]))
                             for j in survivors),
+            "survivor_steps": {j.name: finals[j.name] for j in survivors},
             "survivors_identical": _identical(survivors),
             "aborted": any(codes[j.name] is None or codes[j.name] < 0 or codes[j.name] == 134 for j in survivors),
             "max_wait_s": round(max(waits, default=0.0), 3), "max_exchange_s": round(max(exchanges, default=0.0), 3),
@@ -192,15 +204,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="default results/fault_matrix.json (--slots: "
                     "results/fault_matrix_slots.json)")
     ap.add_argument("--slots", action="store_true", help="A and B at DP 2, C at DP 1 (--diloco-x-exchange-slots 2)")
+    ap.add_argument("--pace", action="store_true", help="every job --diloco-x-site-pace 4, B twice as slow")
     ap.add_argument("--redo", default="", help="kind:point,... cells to run again (the others already in --out are kept)")
     args = ap.parse_args()
-    global SLOTS
-    SLOTS = args.slots
-    args.out = args.out or REPO / f"benchmarks/results/fault_matrix{'_slots' if SLOTS else ''}.json"
+    global SLOTS, PACE
+    SLOTS, PACE = args.slots, args.pace
+    name = "_slots" if SLOTS else "_pace" if PACE else ""
+    args.out = args.out or REPO / f"benchmarks/results/fault_matrix{name}.json"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     result = {"commit": commit, "commits": "per cell", "machine": "CPU, 2 cores, gloo over loopback", "iters": ITERS, "H": H,
               "jobs": "A, B: 2 ranks (DP 2), C: 1 rank (DP 1), --diloco-x-exchange-slots 2" if SLOTS else
+              "one rank each, --diloco-x-site-pace 4, B 0.2 s per step more (A and C 0.1 s)" if PACE else
               "one rank each", "cells": []}
     redo = {tuple(x.split(":")) for x in args.redo.split(",") if x}
     if args.out.exists():  # cells already measured are kept (each names its commit), but those to redo
