@@ -224,7 +224,7 @@ def test_separate_worlds_read_their_replicas_share(monkeypatch):
 
     monkeypatch.setattr(ps, "get_data_parallel_rank", lambda *a, **k: 1)
     monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda *a, **k: 2)
-    installation = _Installation(argparse.Namespace(replicas=3), _args(diloco_x_replica_index=2))
+    installation = _Installation(argparse.Namespace(replicas=3, site_pace=None), _args(diloco_x_replica_index=2))
 
     def build(dataset, consumed_samples):
         from megatron.core import mpu
@@ -234,6 +234,8 @@ def test_separate_worlds_read_their_replicas_share(monkeypatch):
     assert installation.wrap_build_pretraining_data_loader(build)("data", 5) == (2 * 2 + 1, 3 * 2, "data", 3 * 5)
     assert (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()) == (1, 2)
     assert installation.wrap_get_train_valid_test_num_samples(lambda: (10, None, 3))() == (30, None, 9)
+    paced = _Installation(argparse.Namespace(replicas=3, site_pace=2.5), _args(diloco_x_replica_index=2))
+    assert paced.wrap_get_train_valid_test_num_samples(lambda: (10, None, 3))() == (90, None, 27)  # x ceil(2.5)
 
 
 @pytest.mark.parametrize("own_batches", [(8, 8), (16, 8)], ids=["equal", "per-job-global-batch"])
@@ -308,6 +310,6 @@ def test_sites_of_different_data_parallel_size_read_disjoint_samples(monkeypatch
             assert read(replica, dp, gbs, resume_at, dp_rank) == whole[resume_at:]
             seen += [i for batch in whole for i in batch]
     assert len(seen) == len(set(seen)) == 12 * 12  # every rank its own samples (12 per iteration: 8 + 4)
-    inst = _Installation(argparse.Namespace(replicas=2),
+    inst = _Installation(argparse.Namespace(replicas=2, site_pace=None),
                          _args(diloco_x_replica_index=1, diloco_x_exchange_slots=G, data_parallel_size=1))
     assert inst.wrap_get_train_valid_test_num_samples(lambda: (10, None, 3))() == (40, None, 12)
