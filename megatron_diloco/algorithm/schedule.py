@@ -167,8 +167,7 @@ class RoundSchedule:
         if state is not None:
             self.pace.load_state_dict(state)
         else:
-            self.pace.start_at(steps, self.boundaries_in(steps) - (0 if self.run_steps_since_boundary(steps) else 1)
-                               if steps else 0)
+            self.pace.start_at(steps, self.boundaries_in(max(0, steps - 1)))  # (the round that holds step ``steps``)
         return saved
 
     def load_auto(self, saved: dict) -> bool:

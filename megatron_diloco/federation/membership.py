@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from megatron_diloco.algorithm import faults
 from megatron_diloco.algorithm.federated import Meeting
-from megatron_diloco.algorithm.link import bounded_all_reduce
+from megatron_diloco.algorithm.link import bounded_all_reduce, job_reduce
 from megatron_diloco.algorithm.groups import register_group, retire_group
 from megatron_diloco.algorithm.slot_exchange import joined_state, slot_state
 
@@ -352,11 +352,7 @@ class TorchftMembership:
         """Whether ``flag`` holds on any rank of this job (a bounded MAX over the job's world): every rank of
         the job leaves each step of a meeting the same way, though its ranks sit in different outer groups,
         whose quorum configuration, handshake and heal may end differently."""
-        if self.job_group is None or self.world <= 1:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
-        bounded_all_reduce(t, dist.ReduceOp.MAX, self.job_group, self.timeout_s)
-        return bool(t.item())
+        return bool(job_reduce(flag, dist.ReduceOp.MAX, self.job_group, self.timeout_s))
 
     def _alone(self, started: float, why: str) -> Meeting:
         """A meeting that failed: this job trains the round alone (its round fails: nothing to commit with)."""
