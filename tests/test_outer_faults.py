@@ -69,6 +69,8 @@ def test_outer_timeout_flag_default_rule_and_validation():
     assert cfg.outer_timeout_s(1.0) == 900.0  # 4 x 100 x 1 s = 400 s < the floor
     assert cfg.outer_timeout_s(3.0) == 1200.0  # 4 x H x step time
     assert cfg.outer_timeout_s(1.0, 500.0) == 2000.0  # 4 x the longest exchange seen
+    assert cfg.outer_timeout_s(3.0, 0.0, 250) == 3000.0  # a paced job's round of 250 steps: 4 x 250 x step time
+    assert cfg.outer_timeout_s(3.0, 0.0, 40) == 1200.0  # a round shorter than H (a warm-up round): H still
     args = parser.parse_args(["--diloco-x"])  # without Megatron's attribute: its default, 10 min
     assert config_from_args(args).outer_timeout_s() == 600.0
     # the paper's scale: a ~15 min exchange hidden under a round of H x step >= 15 min -> >= 60 min

@@ -109,6 +109,10 @@ def _paced_worker(rank: int, world: int, overlap: str, out: dict) -> None:
         sync.boundary()
         seen.append((step, sync.schedule.pace.own_steps, fed.round_weight, sync.theta.clone()))
     sync.drain()
+    # the derived outer timeout covers the job's own round, the same wall time on both (8 x 0.05 s, 4 x 0.1 s),
+    # not H x its step (0.2 s for job 0): a floor and no exchange seen leave 4 x that round
+    sync.config.distributed_timeout_minutes, sync.longest_exchange_s = 0.0, 0.0
+    assert sync.next_round_steps == (8, 4)[rank] and sync.timeout_s() == pytest.approx(4 * 0.4)
     thetas = [torch.empty(N), torch.empty(N)]
     dist.all_gather(thetas, sync.theta.clone())
     assert torch.equal(thetas[0], thetas[1])

@@ -481,13 +481,14 @@ class DiLoCoXConfig:
                        "auto) and the adaptive codec's byte budget; neither is used here")
         return out
 
-    def outer_timeout_s(self, step_time_s: float | None = None, longest_exchange_s: float = 0.0) -> float:
+    def outer_timeout_s(self, step_time_s: float | None = None, longest_exchange_s: float = 0.0,
+                        round_steps: int | None = None) -> float:
         """T in seconds: ``--diloco-x-outer-timeout-minutes`` when given, else the derived rule of
-        :attr:`outer_timeout_minutes` (``step_time_s``: mean inner-step time, None while unknown;
-        ``longest_exchange_s``: the longest completed exchange so far, launch to completion)."""
+        :attr:`outer_timeout_minutes` (``step_time_s``: mean inner-step time, None while unknown; ``longest_exchange_s``:
+        the longest completed exchange, launch to completion; ``round_steps``: the job's current round, if over H)."""
         if self.outer_timeout_minutes is not None:
             return 60.0 * self.outer_timeout_minutes
         bound = 60.0 * self.distributed_timeout_minutes
         if step_time_s is not None and math.isfinite(step_time_s):
-            bound = max(bound, OUTER_TIMEOUT_HEADROOM * self.local_steps * step_time_s)
+            bound = max(bound, OUTER_TIMEOUT_HEADROOM * max(self.local_steps, round_steps or 0) * step_time_s)
         return max(bound, OUTER_TIMEOUT_HEADROOM * longest_exchange_s)

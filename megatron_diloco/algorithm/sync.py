@@ -261,9 +261,10 @@ class OuterSync(BoundaryProtocols):
         return self.segments.fingerprint(self.store, tensors, self.view.device)
 
     def timeout_s(self) -> float:
-        """The bound (s) on the next outer operation: ``--diloco-x-outer-timeout-minutes``, or derived
-        from H x the step time and the longest exchange (:meth:`DiLoCoXConfig.outer_timeout_s`)."""
-        return self.config.outer_timeout_s(self.step_time_s, self.longest_exchange_s)
+        """The bound (s) on the next outer operation: ``--diloco-x-outer-timeout-minutes``, or derived from the
+        round's steps (H, or a paced job's longer round) x the step time and the longest exchange
+        (:meth:`DiLoCoXConfig.outer_timeout_s`)."""
+        return self.config.outer_timeout_s(self.step_time_s, self.longest_exchange_s, self.next_round_steps)
 
     def _start(self, outbox: Outbox | None, input_sq: list[torch.Tensor],
                residual_sq: list[torch.Tensor], weights: tuple[float, ...] | None = None) -> ExchangeHandle:
@@ -287,15 +288,13 @@ class OuterSync(BoundaryProtocols):
     def before_boundary(self, step_time_s: float | None, next_round_steps: int | None = None,
                         steps: int | None = None) -> None:
         """What the boundary about to run needs from the caller, and what it may run for it first: the
-        inner-step time measured by the caller (None: not measured this
-        round, e.g. a resume just before a boundary; the last one, or the checkpoint's, is kept), and
-        the inner steps done (``steps``: where an auto H agreed at the boundary starts its rounds; None:
-        the last, shorter round of a run), which give the inner steps of the round that boundary starts
-        (:meth:`RoundSchedule.round_steps`: H0 during a warm-up, else H; ``next_round_steps`` overrides
-        it, H without either): sets
-        the adaptive codec's byte
-        budget to link bandwidth x those steps x step time (no-op unless adaptive); auto tau hides
-        the exchange within them.
+        inner-step time measured by the caller (None: not measured this round, e.g. a resume just before a
+        boundary; the last one, or the checkpoint's, is kept), and the inner steps done (``steps``: where an
+        auto H agreed at the boundary starts its rounds; None: the last, shorter round of a run), which give
+        the inner steps of the round that boundary starts (:meth:`RoundSchedule.round_steps`: H0 during a
+        warm-up, else H; ``next_round_steps`` overrides it, H without either): sets the adaptive codec's byte
+        budget to link bandwidth x those steps x step time (no-op unless adaptive); auto tau hides the
+        exchange within them.
 
         Also the step time of the derived outer timeout (:meth:`timeout_s`), for every codec.
 

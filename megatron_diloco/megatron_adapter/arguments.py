@@ -180,7 +180,8 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "link measurement) must complete within T minutes of its launch, else the run "
                             "ends with an error naming the round and the group; the groups' own timeouts "
                             "are set to 1.25 T + 1 min as a backstop. Default: derived at each launch as "
-                            "max(--distributed-timeout-minutes, 4 x H x inner-step time of the last round, "
+                            "max(--distributed-timeout-minutes, 4 x H (a paced job's own round, if longer) x "
+                            "inner-step time of the last round, "
                             "4 x the longest exchange so far); give it when one exchange may take longer "
                             "than that (e.g. a first blocking exchange over a very slow link).")
     escape_unformattable_help(parser)  # megatron-core 0.19.2 has a help string argparse cannot print
