@@ -271,3 +271,68 @@ def test_a_heal_is_joined_from_slots_of_one_point_of_the_run_only():
             joined_state([_part([1.0]), _part([2.0], **meta)])
     with pytest.raises(ValueError, match="momentum_buffer"):
         joined_state([_part([1.0]), {**_part([2.0]), "momentum_buffer": torch.zeros(1)}])
+
+
+# ---------------- paced jobs of different data-parallel size ----------------
+def _paced_site(rank: int, world: int, out: dict) -> None:
+    """The mixed layout with ``--diloco-x-site-pace 4``: A (DP 2) reports half B's step time, its ranks 0.05 s and
+    0.04 s (the job's time is its slowest rank's: a rank that took its own would run another round length than its
+    twin and hang the job); B, one rank holding both slots, 0.1 s. The run's rounds: two warm-up rounds of 2, then
+    4; 20 run steps. Six boundaries of the run, the loop of ``tests/test_pace.py``."""
+    ranks = LAYOUTS["mixed"]
+    job, slots = ranks[rank]
+    slot_of = {s: dist.new_group([r for r, (_, held) in enumerate(ranks) if s in held]) for s in (0, 1)}
+    jobs = {name: dist.new_group([r for r, (j, _) in enumerate(ranks) if j == name]) for name in ("A", "B")}
+    cfg = DiLoCoXConfig(replicas=2, local_steps=H, warmup_local_steps=2, warmup_iters=4, outer_lr=1.0,
+                        outer_momentum=0.0, compression="int4", overlap_steps=1, site_pace=4.0)
+    x = _values(slots, 1.0)
+    bounds = tuple(SLOT * j for j in range(len(slots) + 1))
+    sync = OuterSync(ShardView([x]), cfg, slot_of[slots[0]], segments=bounds)
+    sync.schedule.run_steps = 20
+    sync.schedule.changed()
+    steps = {"steps": 0}
+    membership = SlotMembership(jobs[job] if job == "A" else None, tuple(slot_of[s] for s in slots))
+    sync.round_rules = fed = FederatedRounds(sync, membership, lambda: dict(steps), lambda p: steps.update(p))
+    membership.rounds = lambda: sync.rounds
+    fed.tokens_per_step = lambda: TOKENS[job]
+    step_s = {0: 0.1, 1: 0.05, 2: 0.04}[rank]
+    salt = {"A": 2.0 ** -6, "B": 3 * 2.0 ** -7}[job]
+    seen, step = [], 0
+    while fed.boundaries() < 6:
+        step += 1
+        x.sub_(_values(slots, salt * step).mul_(2.0 ** -3))
+        steps["steps"] = step
+        fed.count_step()
+        since = sync.schedule.steps_since_boundary(step)
+        if since:
+            if sync.merge_due(since):
+                sync.merge()
+            continue
+        sync.before_boundary(step_s, steps=step)
+        sync.boundary()
+        seen.append((step, sync.schedule.pace.own_steps, fed.round_weight, sync.theta.clone()))
+    sync.drain()
+    torch.save({"job": job, "seen": seen, "theta": sync.theta.clone(), "failed": fed.summary()["failed_rounds"],
+                "at_end": sync.schedule.pace.run_position(step)}, out["dir"] / f"paced_{rank}.pt")
+
+
+def test_paced_jobs_of_different_data_parallel_size(tmp_path):
+    """With ``--diloco-x-site-pace`` and exchange slots together: A's two ranks run the same rounds, twice B's
+    inner steps (its job-wide step time, not each rank's), the slots' theta agree at every boundary of the run and
+    at the end, and the means weigh the jobs by their tokens (A: twice the steps at twice the tokens per step)."""
+    run_world(_paced_site, 3, {"dir": tmp_path})
+    b, a0, a1 = (torch.load(tmp_path / f"paced_{r}.pt") for r in range(3))
+    for r in (b, a0, a1):
+        assert r["failed"] == 0 and r["at_end"] == 20
+    assert [s[1] for s in b["seen"]] == [2, 4, 4, 4, 4, 4]  # each boundary: the round it starts (the last: past
+    assert [s[1] for s in a0["seen"]] == [s[1] for s in a1["seen"]] == [4, 8, 8, 8, 8, 8]  # the run's end)
+    assert [s[0] for s in a0["seen"]] == [2, 6, 14, 22, 30, 38] and [s[0] for s in b["seen"]] == [2, 4, 8, 12, 16, 20]
+    for k in range(6):  # B's slot j is A's rank j, at every boundary of the run
+        for j, a in enumerate((a0, a1)):
+            assert torch.equal(b["seen"][k][3][j * SLOT:(j + 1) * SLOT], a["seen"][k][3]), (k, j)
+    for j, a in enumerate((a0, a1)):
+        assert torch.equal(b["theta"][j * SLOT:(j + 1) * SLOT], a["theta"]), j
+    assert not torch.equal(b["theta"], _values((0, 1), 1.0))
+    f32 = lambda v: float(torch.tensor(v, dtype=torch.float32))  # noqa: E731
+    assert [s[2] for s in b["seen"]] == [f32(2 / 3)] + [f32(0.4)] * 5  # tokens 1:2 in the first round, then 1:4
+    assert [s[2] for s in a0["seen"]] == [s[2] for s in a1["seen"]] == [f32(4 / 3)] + [f32(1.6)] * 5
