@@ -10,7 +10,7 @@ import pytest
 
 from megatron_diloco.megatron_adapter.arguments import add_diloco_x_args, config_from_args, validate_megatron_args
 from megatron_diloco.algorithm.schedule import RoundSchedule
-from megatron_diloco.algorithm.config import DiLoCoXConfig
+from megatron_diloco.algorithm.config import DiLoCoXConfig, ineffective_settings
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -308,17 +308,17 @@ def test_a_resume_keeps_an_auto_warmup_and_warns_on_changed_flags(caplog):
 def test_settings_that_do_nothing_are_named(kwargs, phrase):
     """A flag set away from its default that the other flags make ineffective is named (install prints
     it as a warning); the same flag where it acts is not."""
-    assert any(phrase in w for w in DiLoCoXConfig(replicas=2, **kwargs).ineffective_settings())
+    assert any(phrase in w for w in ineffective_settings(DiLoCoXConfig(replicas=2, **kwargs)))
     acting = {"merge": dict(overlap="partial", merge="mix"), "mix_alpha": dict(merge="mix", mix_alpha=0.3),
               "rank": dict(compression="lowrank", rank=8), "energy": dict(compression="adaptive", energy=0.5),
               "nesterov": dict(nesterov=False, outer_momentum=0.9), "outer_chunk_mb": dict(outer_state="host", outer_chunk_mb=4.0),
               "bandwidth_mbps": dict(bandwidth_mbps=1000.0)}
     field = next(k for k in acting if k in kwargs)
-    assert DiLoCoXConfig(replicas=2, **acting[field]).ineffective_settings() == []
+    assert ineffective_settings(DiLoCoXConfig(replicas=2, **acting[field])) == []
 
 
 def test_defaults_have_no_ineffective_settings():
-    assert DiLoCoXConfig().ineffective_settings() == []
+    assert ineffective_settings(DiLoCoXConfig()) == []
 
 
 @pytest.mark.parametrize("kw, cfg, flag", [
@@ -550,3 +550,16 @@ def test_site_pace_is_checked_before_training(tmp_path, pace, extra, cfg, phrase
         config = DiLoCoXConfig(replicas=2, site_pace=pace, **(cfg or {}))
         validate_megatron_args(megatron_args(**{**({} if cfg is None else jobs), **extra}), config)
     validate_megatron_args(megatron_args(**jobs), DiLoCoXConfig(replicas=2, site_pace=4.0))
+
+
+def test_site_weights_are_checked_before_training():
+    """``--diloco-x-site-weights``: a value outside its choices is refused by the config (argparse's choices for the
+    flag), ``normalized`` in one world naming --diloco-x-lighthouse; with separate jobs it is accepted."""
+    with pytest.raises(ValueError, match="--diloco-x-site-weights must be one of tokens, normalized"):
+        DiLoCoXConfig(replicas=2, site_weights="steps")
+    with pytest.raises(ValueError, match="--diloco-x-site-weights applies with --diloco-x-lighthouse only"):
+        validate_megatron_args(megatron_args(), DiLoCoXConfig(replicas=2, site_weights="normalized"))
+    parser = add_diloco_x_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--diloco-x"]).diloco_x_site_weights == "tokens"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--diloco-x", "--diloco-x-site-weights", "steps"])

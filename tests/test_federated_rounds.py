@@ -27,7 +27,8 @@ import torch.distributed as dist
 from megatron_diloco.algorithm import faults
 from megatron_diloco.algorithm.config import DiLoCoXConfig
 from megatron_diloco.algorithm.compression import get_codec
-from megatron_diloco.algorithm.federated import FederatedRounds, Meeting, token_weights
+from megatron_diloco.algorithm.federated import FederatedRounds, Meeting
+from megatron_diloco.algorithm.weights import normalized_weights, token_weights
 from megatron_diloco.algorithm.heal import tau_of_share, tau_share
 from megatron_diloco.algorithm.shard_view import ShardView
 from megatron_diloco.algorithm.sync import OuterSync
@@ -85,11 +86,12 @@ class ScriptedMembership:
 
 
 def _job(overlap: str, compression: str, refuse: set = frozenset(), steps: dict | None = None,
-         check_means: bool = True, local_steps: int = H):
+         check_means: bool = True, local_steps: int = H, site_weights: str = "tokens"):
     """One job's rank: ``(sync, fed, x, steps)`` over the world group, with a scripted membership; the job
     weighs by its tokens (:func:`_boundaries` counts them)."""
     cfg = DiLoCoXConfig(replicas=2, local_steps=local_steps, outer_lr=1.0, outer_momentum=0.0, overlap=overlap,
-                        compression=compression, **({"overlap_steps": 1} if overlap == "partial" else {}))
+                        compression=compression, site_weights=site_weights,
+                        **({"overlap_steps": 1} if overlap == "partial" else {}))
     x = torch.zeros(N)
     sync = OuterSync(ShardView([x]), cfg, dist.group.WORLD)
     steps = {"steps": 0} if steps is None else steps
@@ -272,6 +274,21 @@ def test_token_weights():
     assert w == (float(torch.tensor(2 / 3, dtype=torch.float32)), float(torch.tensor(4 / 3, dtype=torch.float32)))
 
 
+def test_normalized_weights():
+    """FedNova's normalized averaging: w_r = R p_r s_eff / s_r; token weights when the members with tokens ran the
+    same steps (a member without tokens weighs 0 whatever its steps); refused: bad values, tokens in no steps."""
+    assert normalized_weights([4.0, 4.0], [1.0, 2.0]) == (1.5, 0.75)  # p = 1/2 each, s_eff 1.5
+    assert normalized_weights([2.0, 1.0], [2.0, 1.0]) == (float(torch.tensor(10 / 9, dtype=torch.float32)),) * 2
+    assert normalized_weights([3.0, 1.0], [5.0, 5.0]) == token_weights([3.0, 1.0]) == (1.5, 0.5)
+    assert normalized_weights([3.0, 0.0], [2.0, 0.0]) == (2.0, 0.0)  # one member with tokens: its own mean
+    assert normalized_weights([8.0, 8.0, 0.0], [4.0, 2.0, 0.0]) == (1.125, 2.25, 0.0)  # a joiner weighs 0
+    assert normalized_weights([0.0, 0.0], [0.0, 0.0]) is None and normalized_weights([6.0, 6.0], [3.0, 3.0]) is None
+    for tokens, steps, match in (([1.0, 1.0], [float("nan"), 1.0], "finite"), ([1.0, 1.0], [-1.0, 1.0], "finite"),
+                                 ([1.0, 1.0], [0.0, 1.0], "no inner steps"), ([1.0], [1.0, 1.0], "step counts")):
+        with pytest.raises(ValueError, match=match):
+            normalized_weights(tokens, steps)
+
+
 def test_weighed_payloads_decode_to_the_weighted_mean():
     """int8: weighing the gathered payloads (their block scales) and decoding gives (1/R) sum_r w_r D(p_r),
     D(p_r) each payload decoded alone, to fp32 rounding; weights of 1 leave the bits unchanged."""
@@ -292,34 +309,39 @@ def test_weighed_payloads_decode_to_the_weighted_mean():
     assert torch.equal(codec.decode(ones, n), plain)
 
 
-def _weighted_worker(rank: int, world: int, overlap: str, paced: bool) -> None:
+def _weighted_worker(rank: int, world: int, overlap: str, paced: bool, site_weights: str = "tokens") -> None:
     """Job 0 trains on 3 tokens per step, job 1 on 1: every landing moves theta by exactly
     (1/2)(1.5 delta_0 + 0.5 delta_1) (dyadic values, fp32 exchange, eta 1, mu 0). ``paced``: job 1 runs rounds
     of 2H inner steps (a site twice as fast), job 0 of H, over the same rounds, on 6 and 1 tokens per step (24
-    and 8 a round): the same weights; both land after the same share of their round (tau 1 of H, 2 of 2H)."""
+    and 8 a round): the same weights; both land after the same share of their round (tau 1 of H, 2 of 2H).
+    ``normalized`` (paced, ``--diloco-x-site-weights normalized``): 2 and 1 tokens per step (2H each a round:
+    token weights would be 1 and 1); shares p = 1/2, mean steps 1.5 H: w = 2 p 1.5 H / steps = 1.5 and 0.75."""
     h = 2 * H if paced and rank == 1 else H
-    sync, fed, x, steps = _job(overlap, "none", local_steps=h)
-    tokens = (6 if paced else 3) if rank == 0 else 1
+    sync, fed, x, steps = _job(overlap, "none", local_steps=h, site_weights=site_weights)
+    normalized = site_weights == "normalized"
+    tokens = (2 if normalized else 6 if paced else 3) if rank == 0 else 1
+    w = (1.5, 0.75) if normalized else (1.5, 0.5)
     expected, taus = None, []
     for _ in _boundaries(sync, x, rank, steps, STEPS * h // H, tokens=tokens):
         if expected is not None:
             assert torch.equal(sync.theta, expected), (sync.theta - expected).abs().max()
         deltas = [torch.empty(N), torch.empty(N)]
         dist.all_gather(deltas, sync.theta - x)
-        expected = sync.theta - (1.5 * deltas[0] + 0.5 * deltas[1]) / 2
+        expected = sync.theta - (w[0] * deltas[0] + w[1] * deltas[1]) / 2
         sync.boundary()
         taus.append(sync.tau)
-        assert fed.round_weight == (1.5, 0.5)[rank] and fed.round_tokens == h * tokens
+        assert fed.round_weight == w[rank] and fed.round_tokens == h * tokens
     sync.drain()
     assert torch.equal(sync.theta, expected)
     if paced:
         assert taus == [h // H] * (STEPS // H), taus
 
 
-@pytest.mark.parametrize("overlap, paced", [("partial", False), ("none", False), ("partial", True)],
-                         ids=["partial", "none", "partial-jobs-of-different-H"])
-def test_the_mean_weighs_jobs_by_their_tokens(overlap, paced):
-    run_world(_weighted_worker, 2, overlap, paced)
+@pytest.mark.parametrize("overlap, paced, site_weights", [("partial", False, "tokens"), ("none", False, "tokens"),
+                                                           ("partial", True, "tokens"), ("partial", True, "normalized")],
+                         ids=["partial", "none", "partial-jobs-of-different-H", "normalized-jobs-of-different-H"])
+def test_the_mean_weighs_jobs_by_their_tokens(overlap, paced, site_weights):
+    run_world(_weighted_worker, 2, overlap, paced, site_weights)
 
 
 # ---------------- jobs of different H: the rounds are the clock ----------------

@@ -144,6 +144,9 @@ def test_paced_jobs_share_the_runs_rounds_and_may_differ_in_global_batch():
     unpaced = dataclasses.replace(paced, site_pace=None)
     found = differences(jobs(paced, train_iters=12), jobs(unpaced, train_iters=12), 1)
     assert found[0] == "--diloco-x-site-pace is 4.0 here, unset in replica 1", found  # (named first)
+    normalized = dataclasses.replace(paced, site_weights="normalized")  # (the decision's slots follow it)
+    found = differences(jobs(paced, train_iters=12), jobs(normalized, train_iters=12), 1)
+    assert found == ["--diloco-x-site-weights is tokens here, normalized in replica 1"], found
 
 
 _STORES: list = []  # the launches' stores stay up as a run keeps them (the host's going away ends the others' reads)

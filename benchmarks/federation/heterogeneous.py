@@ -30,6 +30,8 @@ Runs, one after the other (``--resume`` keeps those ``--out`` holds: a run longe
 * ``per_site_h``: A and B at the same global batch, A with twice B's H (its warm-up H0, ``--train-iters``
   and ``--lr-warmup-iters`` doubled: the same rounds): A runs twice the inner steps per round, and neither
   should wait.
+* ``--site-weights normalized``: every two-job run with ``--diloco-x-site-weights normalized`` (the means weigh each
+  job's pseudo-gradient per inner step, FedNova's normalized averaging) instead of by tokens alone.
 * ``paced``: A and B with the same flags and ``--diloco-x-site-pace 4``: each job runs, in every round, the
   inner steps that fit the slowest job's round, from the step times measured at each boundary (A about twice
   B's); nothing to size by hand.
@@ -244,12 +246,16 @@ def main() -> None:
     p.add_argument("--runs", default="per_site_h,equal,paced,balanced",
                    help="the two-job runs to make, of per_site_h, equal, paced, balanced (CPU); the solos they are "
                         "measured against always")
+    p.add_argument("--site-weights", choices=("tokens", "normalized"), default="tokens",
+                   help="--diloco-x-site-weights of every two-job run (the solos have one job: no weights)")
     p.add_argument("--b-sleep", type=float, default=None,
                    help="B's sleep per step in seconds (default: A's solo step, measured first)")
     a = p.parse_args()
     if a.gpus == 1:
         p.error("--gpus 1 would put both sites on one GPU: give each site its own (--gpus 2), or run on the CPU")
     GPUS, MODEL = a.gpus, a.model
+    if a.site_weights != "tokens":
+        JOB_FLAGS.extend(["--diloco-x-site-weights", a.site_weights])
     _, seq, h, _, gbs = _model()
     commit = os.environ.get("DILOCO_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
@@ -265,7 +271,8 @@ def main() -> None:
     a_key, b_key = f"A{gbs}", f"B{gbs}"
 
     describe = (f"{MODEL} ({'the demo, ' if MODEL == 'demo' else ''}examples/pretrain_gpt_diloco.py), PP 1, one rank "
-                f"per job, sequence {seq}, H {h}, global batch {gbs}")
+                f"per job, sequence {seq}, H {h}, global batch {gbs}"
+                + ("" if a.site_weights == "tokens" else f", --diloco-x-site-weights {a.site_weights}"))
 
     def side_key(g: int) -> str:
         return "side_by_side" if g == gbs else f"side_by_side_A{g}"

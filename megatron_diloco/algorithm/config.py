@@ -68,6 +68,8 @@ WARMUP_H_MULTIPLE, WARMUP_MAX_SHARE = 30, 2
 #: the largest --diloco-x-site-pace: a job's round at most this many times the run's (its datasets are sized
 #: for that many samples)
 PACE_MAX = 16.0
+#: --diloco-x-site-weights: how a round's mean weighs the jobs of a run (the first: the default)
+SITE_WEIGHTS = ("tokens", "normalized")
 #: k of the derived outer timeout: an exchange may take k times a round's compute (or k times the
 #: longest exchange seen) before the link counts as hung (see :meth:`DiLoCoXConfig.outer_timeout_s`).
 OUTER_TIMEOUT_HEADROOM: float = 4.0
@@ -120,6 +122,11 @@ class DiLoCoXConfig:
     """Separate jobs (``--diloco-x-site-pace P``): in every round of the run (the flags' rounds) a job runs the inner
     steps that fit the slowest job's round, at most P x the run's (:mod:`megatron_diloco.algorithm.pace`). None:
     every job runs the run's rounds."""
+
+    site_weights: str = "tokens"
+    """Separate jobs (``--diloco-x-site-weights``): each job's pseudo-gradient in a round's mean weighs by the tokens
+    it trained on (``tokens``), or by them with each divided by its inner steps and the mean scaled by the
+    token-weighted mean steps (``normalized``: :func:`megatron_diloco.algorithm.federated.normalized_weights`)."""
 
     warmup_local_steps: int | None = None
     """H0: the round length during the first :attr:`warmup_iters` inner steps
@@ -313,6 +320,8 @@ class DiLoCoXConfig:
                 raise ValueError(f"--diloco-x-local-steps auto keeps H in [{AUTO_H_MIN}, {AUTO_H_MAX}], "
                                  f"got H = {self.local_steps}")
         _check_site_pace(self.site_pace, self.local_steps_auto)
+        if self.site_weights not in SITE_WEIGHTS:
+            raise ValueError(f"--diloco-x-site-weights must be one of {', '.join(SITE_WEIGHTS)}, got {self.site_weights!r}")
         if self.warmup_local_steps is not None or self.warmup_iters:
             h0, w = self.warmup_local_steps, self.warmup_iters
             if not isinstance(h0, int) or not 1 <= h0 <= self.local_steps:
@@ -454,33 +463,6 @@ class DiLoCoXConfig:
         spec = CODECS[self.compression]
         return spec.matrix or (self.outer_state == "host" and not spec.lossy)
 
-    def ineffective_settings(self) -> list[str]:
-        """Settings that differ from their defaults but do nothing with the others given, one sentence
-        each naming the flag and what it needs (``install`` prints them as warnings; a value equal to
-        the default is not told apart from no flag)."""
-        d = {f.name: f.default for f in dataclasses.fields(self)}
-        out = []
-        if self.merge != d["merge"] and self.overlap != "partial":
-            out.append(f"--diloco-x-merge {self.merge} applies to --diloco-x-overlap partial only "
-                       f"(overlap is {self.overlap})")
-        if self.mix_alpha != d["mix_alpha"] and not (self.overlap == "partial" and self.merge == "mix"):
-            out.append("--diloco-x-mix-alpha applies to --diloco-x-merge mix with --diloco-x-overlap partial only")
-        if self.rank != d["rank"] and self.compression not in ("lowrank", "lowrank-int8"):
-            out.append(f"--diloco-x-rank applies to --diloco-x-compression lowrank / lowrank-int8 only "
-                       f"(compression is {self.compression}; adaptive chooses its ranks by --diloco-x-energy)")
-        if self.energy != d["energy"] and self.compression != "adaptive":
-            out.append(f"--diloco-x-energy applies to --diloco-x-compression adaptive only "
-                       f"(compression is {self.compression})")
-        if not self.nesterov and self.outer_momentum == 0.0:
-            out.append("--diloco-x-no-nesterov changes nothing with --diloco-x-outer-momentum 0 (no momentum)")
-        if self.outer_chunk_mb != d["outer_chunk_mb"] and self.outer_state != "host":
-            out.append("--diloco-x-outer-chunk-mb applies to --diloco-x-outer-state host only")
-        auto_tau = self.overlap == "partial" and (self.overlap_steps is None or bool(self.warmup_iters))
-        if self.bandwidth_mbps is not None and not auto_tau and self.compression != "adaptive":
-            out.append("--diloco-x-bandwidth-mbps sizes auto tau (--diloco-x-overlap partial, --diloco-x-overlap-steps "
-                       "auto) and the adaptive codec's byte budget; neither is used here")
-        return out
-
     def outer_timeout_s(self, step_time_s: float | None = None, longest_exchange_s: float = 0.0,
                         round_steps: int | None = None) -> float:
         """T in seconds: ``--diloco-x-outer-timeout-minutes`` when given, else the derived rule of
@@ -492,3 +474,31 @@ class DiLoCoXConfig:
         if step_time_s is not None and math.isfinite(step_time_s):
             bound = max(bound, OUTER_TIMEOUT_HEADROOM * max(self.local_steps, round_steps or 0) * step_time_s)
         return max(bound, OUTER_TIMEOUT_HEADROOM * longest_exchange_s)
+
+
+def ineffective_settings(config: "DiLoCoXConfig") -> list[str]:
+    """Settings of ``config`` that differ from their defaults but do nothing with the others given, one sentence
+    each naming the flag and what it needs (``install`` prints them as warnings; a value equal to
+    the default is not told apart from no flag)."""
+    d = {f.name: f.default for f in dataclasses.fields(config)}
+    out = []
+    if config.merge != d["merge"] and config.overlap != "partial":
+        out.append(f"--diloco-x-merge {config.merge} applies to --diloco-x-overlap partial only "
+                   f"(overlap is {config.overlap})")
+    if config.mix_alpha != d["mix_alpha"] and not (config.overlap == "partial" and config.merge == "mix"):
+        out.append("--diloco-x-mix-alpha applies to --diloco-x-merge mix with --diloco-x-overlap partial only")
+    if config.rank != d["rank"] and config.compression not in ("lowrank", "lowrank-int8"):
+        out.append(f"--diloco-x-rank applies to --diloco-x-compression lowrank / lowrank-int8 only "
+                   f"(compression is {config.compression}; adaptive chooses its ranks by --diloco-x-energy)")
+    if config.energy != d["energy"] and config.compression != "adaptive":
+        out.append(f"--diloco-x-energy applies to --diloco-x-compression adaptive only "
+                   f"(compression is {config.compression})")
+    if not config.nesterov and config.outer_momentum == 0.0:
+        out.append("--diloco-x-no-nesterov changes nothing with --diloco-x-outer-momentum 0 (no momentum)")
+    if config.outer_chunk_mb != d["outer_chunk_mb"] and config.outer_state != "host":
+        out.append("--diloco-x-outer-chunk-mb applies to --diloco-x-outer-state host only")
+    auto_tau = config.overlap == "partial" and (config.overlap_steps is None or bool(config.warmup_iters))
+    if config.bandwidth_mbps is not None and not auto_tau and config.compression != "adaptive":
+        out.append("--diloco-x-bandwidth-mbps sizes auto tau (--diloco-x-overlap partial, --diloco-x-overlap-steps "
+                   "auto) and the adaptive codec's byte budget; neither is used here")
+    return out

@@ -28,7 +28,7 @@ Every boundary, on every rank of every job, in the same order:
    decided": a job launches on all its ranks or on none (:meth:`FederatedRounds.launch` records the
    launch and, ``partial`` with a lossy codec, keeps the residual from before it). The mean is
    **token-weighted**: member r weighs ``w_r = R t_r / sum_s t_s`` (fp32; the decision carries them,
-   :func:`token_weights`), so jobs with different global batches (or a job that trained more steps
+   :mod:`megatron_diloco.algorithm.weights`, also for ``--diloco-x-site-weights normalized``), so jobs with different global batches (or a job that trained more steps
    since its last committed round) count by the data they saw; a job that has just joined, or that
    trained nothing, weighs exactly 0; equal tokens give the plain mean, bit for bit.
 3. **Land** (:meth:`FederatedRounds.land`; at the boundary with ``none``, tau steps later with
@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from typing import Any, Callable, Protocol
 
 import torch
@@ -79,7 +78,7 @@ from megatron_diloco.algorithm.exchange import AfterStep, ExchangeHandle
 from megatron_diloco.algorithm.link import bounded_all_reduce, job_reduce
 from megatron_diloco.algorithm.pace import paced_round_steps
 from megatron_diloco.algorithm.rounds import RoundOutcome
-from megatron_diloco.algorithm.slot_exchange import all_reduce_over_slots
+from megatron_diloco.algorithm.weights import member_values, normalized_weights, token_weights
 
 logger = logging.getLogger(__name__)
 MAX, MIN = dist.ReduceOp.MAX, dist.ReduceOp.MIN
@@ -87,22 +86,6 @@ MAX, MIN = dist.ReduceOp.MAX, dist.ReduceOp.MIN
 #: progress = boundaries reached x PROGRESS_RADIX + rounds committed (one integer: the coordinator heals a
 #: member whose progress is below the most advanced member's)
 PROGRESS_RADIX = 1 << 32
-def token_weights(tokens: list[float]) -> tuple[float, ...] | None:
-    """The members' weights in a round's mean from the tokens each trained on (``tokens``, in the outer
-    group's rank order): ``w_r = R t_r / sum t`` rounded to fp32 (mean 1, so the exchange's
-    ``(1/R) sum_r w_r delta_r`` is the token-weighted mean); None when every weight is exactly 1 (equal
-    tokens: the plain mean, no extra pass) or nobody trained. A member with no tokens weighs 0. ValueError when a
-    count is not a finite number >= 0 (a peer's slot: checked before use)."""
-    if not all(math.isfinite(t) and t >= 0 for t in tokens):
-        raise ValueError(f"a member's token count is not a finite number >= 0: {tokens}")
-    total = float(sum(tokens))
-    if total <= 0:
-        return None
-    r = len(tokens)
-    weights = tuple(float(torch.tensor(r * t / total, dtype=torch.float32)) for t in tokens)
-    return None if all(w == 1.0 for w in weights) else weights
-
-
 class FellBehindError(SystemExit):
     """This job is behind the run while training (it was stopped or cut off past the bound) and cannot move
     to the run's boundary in place (no ``catch_up``). It leaves the run cleanly; restarting it rejoins it from
@@ -382,21 +365,19 @@ class FederatedRounds:
         decided (MIN over its world). False: nobody of this job launches."""
         sync = self.sync
         ok = decided
-        mine = (float(self.tokens) if self.tokens_per_step is not None else 1.0) if self.contributing else 0.0
+        per_step = self.tokens_per_step() if self.tokens_per_step is not None else None
+        mine = (float(self.tokens) if per_step is not None else 1.0) if self.contributing else 0.0
         self._weights, pace, paced = None, sync.schedule.pace, None  # pace: the job's step time, its slowest rank's
         own_s = job_reduce((sync.step_time_s or 0.0) if self.contributing else 0.0,  # (a joiner's: not measured)
                            MAX, self.membership.job_group, sync.timeout_s()) if pace else 0.0
+        normalized = sync.config.site_weights == "normalized"  # and the inner steps behind the tokens
+        fields = [mine] + ([mine / per_step if per_step else mine] if normalized else []) + ([own_s] if pace else [])
         if ok and sync.group is not None and dist.get_world_size(sync.group) > 1:
-            slots = torch.zeros((n := dist.get_world_size(sync.group)) * (2 if pace else 1), dtype=torch.float64)
-            slots[sync.group.rank()] = mine
-            try:  # (a slot that is no count fails the round on every member alike: they all see the same)
-                if pace is not None and self.contributing:
-                    slots[n + sync.group.rank()] = own_s
-                all_reduce_over_slots(slots, dist.ReduceOp.SUM, sync.slot_groups, sync.timeout_s())
-                values = slots.tolist()
-                self._weights = token_weights(values[:n])
+            try:  # (a value that is no count fails the round on every member alike: they all see the same)
+                values = member_values(sync.group, sync.slot_groups, fields, sync.timeout_s())
+                self._weights = normalized_weights(*values[:2]) if normalized else token_weights(values[0])
                 if pace is not None:
-                    paced = paced_round_steps(pace, sync.boundary_steps, values[n:], own_s, sync.config.site_pace)
+                    paced = paced_round_steps(pace, sync.boundary_steps, values[-1], own_s, sync.config.site_pace)
             except (RuntimeError, TimeoutError, ValueError) as err:
                 logger.warning("DiLoCoX round %d: the decision failed (%s)", sync.rounds, err)
                 ok = False

@@ -14,7 +14,8 @@ from megatron_diloco.compat.help import escape_unformattable_help
 from megatron_diloco.algorithm.schedule import auto_warmup_iters
 from megatron_diloco.algorithm.config import (AUTO_H_MAX, AUTO_H_MIN, AUTO_H_PER_TAU, WARMUP_H_MULTIPLE,
                                               WARMUP_MAX_SHARE, BLOCKWISE, CODECS, MERGE_RULES,
-                                              OUTER_STATE_ALIASES, OUTER_STATES, OVERLAP_MODES, DiLoCoXConfig)
+                                              OUTER_STATE_ALIASES, OUTER_STATES, OVERLAP_MODES, SITE_WEIGHTS,
+                                              DiLoCoXConfig)
 
 
 def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -175,6 +176,13 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "run's rounds, which the slowest job runs; a faster job runs more steps per round, "
                             "follows the LR schedule by the run's progress and ends with the run. Each job's "
                             "iteration and data position stay its own. Default: every job runs the run's rounds.")
+    group.add_argument("--diloco-x-site-weights", choices=SITE_WEIGHTS, default=SITE_WEIGHTS[0],
+                       help="With --diloco-x-lighthouse, how a round's mean weighs the jobs: tokens (the default): "
+                            "each job's pseudo-gradient by the tokens it trained on in the round; normalized: each "
+                            "divided by its inner steps, weighed by its tokens, and the mean scaled by the jobs' "
+                            "token-weighted mean steps (FedNova's normalized averaging), so that a job running more "
+                            "steps per round (--diloco-x-site-pace, its own --diloco-x-local-steps) does not pull "
+                            "further for its longer pseudo-gradient. The same on every job of a run.")
     group.add_argument("--diloco-x-outer-timeout-minutes", type=float, default=None,
                        help="T: an exchange over the outer groups (and the boundary's skip decision, the "
                             "link measurement) must complete within T minutes of its launch, else the run "
@@ -302,6 +310,7 @@ def config_from_args(args: argparse.Namespace) -> DiLoCoXConfig:
         outer_chunk_mb=getattr(args, "diloco_x_outer_chunk_mb", 16.0),
         outer_timeout_minutes=getattr(args, "diloco_x_outer_timeout_minutes", None),
         site_pace=getattr(args, "diloco_x_site_pace", None),
+        site_weights=getattr(args, "diloco_x_site_weights", "tokens"),
         # Megatron's own collective timeout: the floor of the derived outer timeout
         distributed_timeout_minutes=float(getattr(args, "distributed_timeout_minutes", None) or 10.0),
     )
@@ -395,6 +404,9 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
             if getattr(args, f"diloco_x_{flag}_timeout_minutes", 1.0) <= 0:
                 raise ValueError(f"--diloco-x-{flag}-timeout-minutes must be > 0")
     _validate_exchange_slots(args, config, dp, federated)
+    if config.site_weights != "tokens" and not federated:
+        raise ValueError("--diloco-x-site-weights applies with --diloco-x-lighthouse only (separate jobs; the "
+                         "replicas of one world run the same steps on the same batch: every weight is 1)")
     if config.site_pace is not None:
         if not federated:
             raise ValueError("--diloco-x-site-pace applies with --diloco-x-lighthouse only (separate jobs, one "

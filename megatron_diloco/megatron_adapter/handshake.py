@@ -53,6 +53,7 @@ MUST_AGREE_DILOCO: tuple[tuple[str, Callable[[DiLoCoXConfig], Any], Callable[[Di
     ("--diloco-x-replicas", lambda c: c.replicas, None),
     # first: with it the flags below are the run's rounds (compared), without it each job's (their rounds compared)
     ("--diloco-x-site-pace", lambda c: c.site_pace, None),
+    ("--diloco-x-site-weights", lambda c: c.site_weights, None),  # (the decision's slots depend on it)
     ("--diloco-x-compression", lambda c: c.compression, None),
     ("--diloco-x-local-steps", lambda c: "auto" if c.local_steps_auto else c.local_steps, None),
     ("--diloco-x-warmup-local-steps", lambda c: c.warmup_local_steps, None),
