@@ -360,9 +360,9 @@ class FederatedRounds:
         return dataclasses.replace(decision, weights=self._weights)
 
     def agree(self, decided: bool) -> bool:
-        """Step 2 of the module doc: every member's tokens (a slot per member, SUM over the outer group:
-        float64, exact below 2^53 tokens) into the round's weights, and whether every rank of this job
-        decided (MIN over its world). False: nobody of this job launches."""
+        """Step 2 of the module doc: every member's tokens (and its inner steps, its step time: the slots of
+        :func:`~megatron_diloco.algorithm.weights.member_values`, float64, exact below 2^53 tokens) into the round's
+        weights, and whether every rank of this job decided (MIN over its world). False: nobody of this job launches."""
         sync = self.sync
         ok = decided
         per_step = self.tokens_per_step() if self.tokens_per_step is not None else None
