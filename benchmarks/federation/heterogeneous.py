@@ -248,6 +248,9 @@ def main() -> None:
                         "measured against always")
     p.add_argument("--site-weights", choices=("tokens", "normalized"), default="tokens",
                    help="--diloco-x-site-weights of every two-job run (the solos have one job: no weights)")
+    p.add_argument("--seed", type=int, default=None, help="Megatron's --seed for every run (default: the example's)")
+    p.add_argument("--loss-only", action="store_true",
+                   help="the runs' losses only: no solos, so no idle or throughput figures (give --b-sleep)")
     p.add_argument("--b-sleep", type=float, default=None,
                    help="B's sleep per step in seconds (default: A's solo step, measured first)")
     a = p.parse_args()
@@ -256,6 +259,10 @@ def main() -> None:
     GPUS, MODEL = a.gpus, a.model
     if a.site_weights != "tokens":
         JOB_FLAGS.extend(["--diloco-x-site-weights", a.site_weights])
+    if a.seed is not None:  # (the model's flags: the two-job runs, the solos and AllReduce alike)
+        MODELS[MODEL] = ([*MODELS[MODEL][0], "--seed", str(a.seed)], *MODELS[MODEL][1:])
+    if a.loss_only and a.b_sleep is None:
+        p.error("--loss-only runs no solo to measure B's sleep from: give --b-sleep")
     _, seq, h, _, gbs = _model()
     commit = os.environ.get("DILOCO_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
@@ -272,7 +279,8 @@ def main() -> None:
 
     describe = (f"{MODEL} ({'the demo, ' if MODEL == 'demo' else ''}examples/pretrain_gpt_diloco.py), PP 1, one rank "
                 f"per job, sequence {seq}, H {h}, global batch {gbs}"
-                + ("" if a.site_weights == "tokens" else f", --diloco-x-site-weights {a.site_weights}"))
+                + ("" if a.site_weights == "tokens" else f", --diloco-x-site-weights {a.site_weights}")
+                + ("" if a.seed is None else f", --seed {a.seed}"))
 
     def side_key(g: int) -> str:
         return "side_by_side" if g == gbs else f"side_by_side_A{g}"
@@ -286,7 +294,7 @@ def main() -> None:
 
     def write() -> dict:  # after every run: a failure later keeps what was measured
         for name, r in runs.items():
-            if name in ("per_site_h", "equal", "balanced", "paced"):
+            if name in ("per_site_h", "equal", "balanced", "paced") and solo:
                 g = r["sites"]["A"]["global_batch"]
                 _figures(r, reference(g))
                 if f"A{g}" in solo and b_key in solo:
@@ -322,8 +330,9 @@ def main() -> None:
         once(solo, a_key, _solo, a.work / f"solo_{a_key}", a.iters, "A", gbs, 0.0)
         sleep = solo[a_key]["step_s"]  # B: half A's speed at the same global batch
         once(solo, b_key, _solo, a.work / f"solo_{b_key}", a.iters, "B", gbs, sleep)
-    once(solo, side_key(gbs), _solos_side_by_side, a.work / "solo_side_by_side", a.iters,
-         {"A": (gbs, 0.0), "B": (gbs, sleep)})
+    if not a.loss_only:
+        once(solo, side_key(gbs), _solos_side_by_side, a.work / "solo_side_by_side", a.iters,
+             {"A": (gbs, 0.0), "B": (gbs, sleep)})
     for name, (ma, mb) in (("paced", (0, 0)), ("per_site_h", (2, 1)), ("equal", (1, 1))):  # (paced: the same flags)
         if name in chosen:
             once(runs, name, _together, a.work / name, a.iters, {"A": (gbs, 0.0, ma), "B": (gbs, sleep, mb)})
