@@ -22,6 +22,8 @@
 - ``sites.png`` (``results/heterogeneous.json`` with ``heterogeneous_paced.json``; ``heterogeneous_gpu.json`` with
   ``heterogeneous_paced_gpu.json``: a row each): two sites of different speed, per way of running them: the fast
   site's idle share of its wall time and the run's tokens/s against the two sites' solo sum.
+- ``sites_loss.png`` (``results/heterogeneous_loss*_gpu.json``): the same two sites at equal tokens, each way of
+  running them (and of weighing their means): its validation loss against AllReduce's, per seed.
 
 Each plot is stamped with the commit it was made at (``git rev-parse --short HEAD``; ``+dirty`` when
 the results or this file have uncommitted changes). Needs matplotlib (``make bench-venv``).
@@ -504,6 +506,50 @@ def plot_sites(hets: list[dict], path: Path, stamp: str) -> None:
     _save(fig, path, stamp)
 
 
+#: the loss runs of heterogeneous.py (``results/heterogeneous_loss*_gpu.json``), in the order and words of the plot;
+#: runs whose mean does not depend on the weights (one job's steps, or none) are keyed without them
+LOSS_RUNS = (("equal_tokens", None, "the same H\n(equal steps)"), ("per_site_h", "tokens", "fast site: H 60\ntokens"),
+             ("per_site_h", "normalized", "fast site: H 60\nnormalized"), ("paced", "tokens", "paced (P 4)\ntokens"),
+             ("paced", "normalized", "paced (P 4)\nnormalized"))
+
+
+def site_losses(files: list[dict]) -> dict:
+    """{(run, weights or None): {seed: validation loss}} and AllReduce's {seed: loss} under ("allreduce", None),
+    from heterogeneous.py's loss files (seed and weights read from each file's ``model``)."""
+    out: dict = {}
+    for het in files:
+        seed = int(m[1]) if (m := re.search(r"--seed (\d+)", het["model"])) else 1234  # (the example's default)
+        weights = "normalized" if "--diloco-x-site-weights normalized" in het["model"] else "tokens"
+        for name, run in het["runs"].items():
+            key = (name, weights if name in ("per_site_h", "paced") else None)
+            if run.get("val_loss") is not None:
+                out.setdefault(key, {})[seed] = run["val_loss"]
+    return out
+
+
+def plot_site_losses(losses: dict, path: Path, stamp: str, card: str) -> None:
+    """Each way of running two sites of different speed: its validation loss's gap to AllReduce at the same tokens
+    (%), per seed (points) and their mean (bar)."""
+    plt = _plt()
+    ar = losses[("allreduce", None)]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    rows = [(words, losses[(run, w)]) for run, w, words in LOSS_RUNS if (run, w) in losses]
+    for i, (words, by_seed) in enumerate(rows):
+        gaps = [100 * (v / ar[seed] - 1) for seed, v in sorted(by_seed.items()) if seed in ar]
+        bar = ax.bar(i, statistics.mean(gaps), color="tab:purple" if "paced" in words else "tab:green" if "H 60" in
+                     words else "0.6", alpha=0.8)
+        ax.bar_label(bar, fmt="%+.1f%%", fontsize=8)
+        ax.scatter([i] * len(gaps), gaps, color="k", s=12, zorder=3)
+    ax.set_xticks(range(len(rows)), [w for w, _ in rows], fontsize=8)
+    ax.set_ylabel("validation loss vs AllReduce (%)")
+    ax.margins(y=0.15)
+    seeds = sorted({s for _, v in rows for s in v})
+    ax.set_title(f"Two sites, one half as fast, at the same tokens ({card}; seeds {', '.join(map(str, seeds))}: "
+                 "points, mean: bar)", fontsize=9)
+    fig.tight_layout()
+    _save(fig, path, stamp)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=BENCH / "plots", help="folder for the PNGs (default benchmarks/plots)")
@@ -545,6 +591,11 @@ def main(argv: list[str] | None = None) -> int:
                 het["runs"]["paced"] = json.loads((RESULTS / paced).read_text())["runs"]["paced"]
         plot_sites(hets, a.out / "sites.png", stamp)
         made.append("sites.png")
+        loss_files = [json.loads(f.read_text()) for f in sorted(RESULTS.glob("heterogeneous_loss*_gpu.json"))]
+        if loss_files:
+            card = loss_files[0]["machine"].split(",")[0]
+            plot_site_losses(site_losses(loss_files), a.out / "sites_loss.png", stamp, card)
+            made.append("sites_loss.png")
     if "size" in only and (RESULTS / "convergence_scale.json").exists():
         scale = json.loads((RESULTS / "convergence_scale.json").read_text())
         if scale.get("points"):
