@@ -24,3 +24,24 @@ def boundaries(sync, steps: dict, first: int, last: int, local_step: Callable[[i
             continue
         sync.before_boundary(0.01)
         yield step
+
+
+def paced_boundaries(sync, steps: dict, until: int, step_s: float, local_step: Callable[[int], None]) -> Iterator[int]:
+    """The inner steps of a paced job (``--diloco-x-site-pace``: its boundaries where its own rounds end) until it has
+    reached ``until`` boundaries of the run: ``local_step(step)``, its position (``steps``) and tokens counted,
+    ``partial``'s merges where they fall, ``step_s`` given as the step time measured; yields each boundary's step
+    after running it."""
+    fed, step = sync.round_rules, 0
+    while fed.boundaries() < until:
+        step += 1
+        local_step(step)
+        steps["steps"] = step
+        fed.count_step()
+        since = sync.schedule.steps_since_boundary(step)
+        if since:
+            if sync.merge_due(since):
+                sync.merge()
+            continue
+        sync.before_boundary(step_s, steps=step)
+        sync.boundary()
+        yield step

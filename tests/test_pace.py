@@ -22,6 +22,7 @@ from megatron_diloco.algorithm.schedule import RoundSchedule
 from megatron_diloco.algorithm.shard_view import ShardView
 from megatron_diloco.algorithm.sync import OuterSync
 from tests.dist_utils import run_world
+from tests.inner_steps import paced_boundaries
 from tests.test_federated_rounds import N, ScriptedMembership
 
 H, H0, W, RUN = 4, 2, 4, 20  # rounds of the run: 2, 2, then 4 x 4
@@ -94,20 +95,11 @@ def _paced_worker(rank: int, world: int, overlap: str, out: dict) -> None:
     membership.fed = fed
     fed.tokens_per_step = lambda: 1
     step_s = (0.05, 0.1)[rank]  # job 0 twice as fast
-    seen, step = [], 0
-    while fed.boundaries() < 6:
-        step += 1
-        x.sub_(torch.arange(N, dtype=torch.float32).mul_(2.0 ** -8 * (rank + 1)).add_(2.0 ** -6 * step))
-        steps["steps"] = step
-        fed.count_step()
-        since = sync.schedule.steps_since_boundary(step)
-        if since:
-            if sync.merge_due(since):
-                sync.merge()
-            continue
-        sync.before_boundary(step_s, steps=step)
-        sync.boundary()
-        seen.append((step, sync.schedule.pace.own_steps, fed.round_weight, sync.theta.clone()))
+    local = (lambda step: x.sub_(torch.arange(N, dtype=torch.float32).mul_(2.0 ** -8 * (rank + 1))
+                                 .add_(2.0 ** -6 * step)))
+    seen = [(step, sync.schedule.pace.own_steps, fed.round_weight, sync.theta.clone())
+            for step in paced_boundaries(sync, steps, 6, step_s, local)]
+    step = steps["steps"]
     sync.drain()
     # the derived outer timeout covers the job's own round, the same wall time on both (8 x 0.05 s, 4 x 0.1 s),
     # not H x its step (0.2 s for job 0): a floor and no exchange seen leave 4 x that round

@@ -31,7 +31,7 @@ from megatron_diloco.algorithm.sync import OuterSync
 from megatron_diloco.federation.auth import RunKey
 from megatron_diloco.federation.handshake import means_agree
 from tests.dist_utils import run_world
-from tests.inner_steps import boundaries
+from tests.inner_steps import boundaries, paced_boundaries
 
 SLOT, H, STEPS = 320, 4, 17  # the last round is shorter (17 = 4 x 4 + 1)
 KEY = RunKey(b"a test secret of the run", "test-run")
@@ -297,23 +297,12 @@ def _paced_site(rank: int, world: int, out: dict) -> None:
     fed.tokens_per_step = lambda: TOKENS[job]
     step_s = {0: 0.1, 1: 0.05, 2: 0.04}[rank]
     salt = {"A": 2.0 ** -6, "B": 3 * 2.0 ** -7}[job]
-    seen, step = [], 0
-    while fed.boundaries() < 6:
-        step += 1
-        x.sub_(_values(slots, salt * step).mul_(2.0 ** -3))
-        steps["steps"] = step
-        fed.count_step()
-        since = sync.schedule.steps_since_boundary(step)
-        if since:
-            if sync.merge_due(since):
-                sync.merge()
-            continue
-        sync.before_boundary(step_s, steps=step)
-        sync.boundary()
-        seen.append((step, sync.schedule.pace.own_steps, fed.round_weight, sync.theta.clone()))
+    seen = [(step, sync.schedule.pace.own_steps, fed.round_weight, sync.theta.clone())
+            for step in paced_boundaries(sync, steps, 6, step_s,
+                                         lambda step: x.sub_(_values(slots, salt * step).mul_(2.0 ** -3)))]
     sync.drain()
     torch.save({"job": job, "seen": seen, "theta": sync.theta.clone(), "failed": fed.summary()["failed_rounds"],
-                "at_end": sync.schedule.pace.run_position(step)}, out["dir"] / f"paced_{rank}.pt")
+                "at_end": sync.schedule.pace.run_position(steps["steps"])}, out["dir"] / f"paced_{rank}.pt")
 
 
 def test_paced_jobs_of_different_data_parallel_size(tmp_path):
