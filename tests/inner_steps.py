@@ -1,5 +1,5 @@
-"""The inner-step loop of the round tests that drive ``OuterSync`` without Megatron (``tests/test_federated_rounds.py``,
-``tests/test_slot_exchange.py``)."""
+"""The inner-step loops of the round tests that drive ``OuterSync`` without Megatron (``tests/test_federated_rounds.py``,
+``tests/test_slot_exchange.py``, ``tests/test_pace.py``)."""
 
 from __future__ import annotations
 
