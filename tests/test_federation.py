@@ -28,6 +28,17 @@ ENV = {"DILOCO_TEST_STEP_SLEEP_S": "0.1"}
 BASE = ["--diloco-x-local-steps", "6", "--global-batch-size", "4", "--diloco-x-outer-timeout-minutes", "0.25"]
 
 
+def _slow(tmp_path, sleep_s: float = 0.1) -> dict[str, str]:
+    """Per step ``sleep_s`` more (no compute) until :func:`_hurry` (time to kill, stop and restart jobs mid-run
+    on two cores; once the test has done so, the rest of the run trains at full speed)."""
+    return {"DILOCO_TEST_STEP_SLEEP_S": str(sleep_s), "DILOCO_TEST_STEP_SLEEP_UNTIL": str(tmp_path / "hurry")}
+
+
+def _hurry(tmp_path) -> None:
+    """The steps of every job of the test at full speed from now on (:func:`_slow`)."""
+    (tmp_path / "hurry").touch()
+
+
 def _rounds(job: Job, per: int = 1) -> dict[int, list]:
     """step -> [theta's fingerprint, members] of every boundary the job's ranks recorded (``per``: the job's steps
     per step of the run's clock; a job of twice the H records twice the steps). The fingerprint: every rank's, in
@@ -93,11 +104,14 @@ def test_killed_job_others_go_on_then_it_rejoins(tmp_path):
     both slots); kill -9 C mid-run: A and B go on with the mean over the two of them, identical at every boundary,
     loss falling, no NaN; restart C from nothing: it joins the run at a boundary, takes theta, m and the position
     from a peer slot by slot, is identical to them from then on (slot by slot), and all three end at the same
-    iteration."""
-    flags = [*BASE, "--diloco-x-replicas", "3", "--train-iters", "180", "--diloco-x-exchange-slots", "2",
+    iteration.
+
+    Steps 0.2 s longer until C has rejoined (~20 steps to the kill, C back ~35-45 in 120: ~75 steps, ~20 s on two
+    busy cores, for a restart that takes ~2-6 s), then at full speed."""
+    flags = [*BASE, "--diloco-x-replicas", "3", "--train-iters", "120", "--diloco-x-exchange-slots", "2",
              "--pipeline-model-parallel-size", "1"]
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:
-        jobs = [Job(tmp_path / n, n, i, lh.address, flags, env=ENV, nproc=1 if n == "C" else 2)
+        jobs = [Job(tmp_path / n, n, i, lh.address, flags, env=_slow(tmp_path, 0.2), nproc=1 if n == "C" else 2)
                 for i, n in enumerate("ABC")]
         a, b, c = jobs
         with _closing(jobs):
@@ -107,13 +121,15 @@ def test_killed_job_others_go_on_then_it_rejoins(tmp_path):
             seen = a.rounds()
             wait_until(lambda: a.rounds() >= seen + 2, 120, "2 rounds of the survivors", [a, b])
             c.start(tmp_path / "C-restarted")
+            wait_until(lambda: "joined run 'test-run' under way at iteration" in c.log(), 240, "C's rejoin", jobs)
+            _hurry(tmp_path)
         _end(jobs)
     assert "joined run 'test-run' under way at iteration" in c.log(), c.log()[-3000:]
     _assert_identical_at_every_boundary([a, b])
     _assert_identical_at_every_boundary([a, c])
     members = [m for _, (_, m) in sorted(_rounds(a).items())]
     assert 2 in members and members[-1] == 3, members  # the survivors' rounds, then the rejoin
-    assert _final(a) == _final(b) and _final(a)[0][0] == _final(c)[0][0] == 180  # (C's main shards: other DP)
+    assert _final(a) == _final(b) and _final(a)[0][0] == _final(c)[0][0] == 120  # (C's main shards: other DP)
     for job in (a, b):
         _losses_fall(job)
     fed = a.summary()["federation"]
@@ -126,17 +142,23 @@ def test_frozen_job_is_left_behind_then_catches_up_in_place(tmp_path):
     exchange fails at the bound and it goes on alone; SIGCONT: the frozen job's stale collective fails, it
     finds it is behind the run at its next meeting, takes the run's state and goes on from the run's boundary,
     Megatron skipping the iterations between, without touching the other (which never aborts: no collective
-    is issued again on the group that broke). Both end at the same iteration with the same model."""
-    flags = [*BASE, "--train-iters", "150"]
+    is issued again on the group that broke). Both end at the same iteration with the same model.
+
+    Steps 0.2 s longer until B has caught up (B stops at ~16, A goes on alone after the 15 s bound, B resumes
+    at ~30 in 100: ~70 steps, ~20 s on two busy cores, to catch up at its next meeting), then at full speed."""
+    flags = [*BASE, "--train-iters", "100"]
+    slow = _slow(tmp_path, 0.2)
     with Lighthouse(tmp_path / "lighthouse.txt", heartbeat_timeout_ms=2000) as lh:
-        a = Job(tmp_path / "A", "A", 0, lh.address, flags, env=ENV)
-        b = Job(tmp_path / "B", "B", 1, lh.address, flags, env={**ENV, "DILOCO_X_FAULT": "exchange:stop:8"})
+        a = Job(tmp_path / "A", "A", 0, lh.address, flags, env=slow)
+        b = Job(tmp_path / "B", "B", 1, lh.address, flags, env={**slow, "DILOCO_X_FAULT": "exchange:stop:8"})
         jobs = [a, b]
         with _closing(jobs):
             wait_until(lambda: "[fault drill] stop at exchange" in b.log(), 240, "B's freeze", jobs)
             seen = a.rounds()
             wait_until(lambda: a.rounds() >= seen + 4, 120, "4 rounds of the other job", [a])
             b.signal(signal.SIGCONT)
+            wait_until(lambda: "caught up with run 'test-run'" in b.log(), 240, "B's catch-up", jobs)
+            _hurry(tmp_path)
         _end(jobs)
     assert "round(s) behind the run (stopped, cut off or late)" in b.log(), b.log()[-4000:]
     skipped = b.log().split("caught up with run 'test-run': iterations ")[1].split(" are skipped")[0]
@@ -150,7 +172,7 @@ def test_frozen_job_is_left_behind_then_catches_up_in_place(tmp_path):
     assert b.summary()["federation"]["caught_up_rounds"] >= 4, b.summary()["federation"]
     assert b.summary()["federation"]["stale_rounds"] == 0  # (its last round failed: dropped)
     _assert_identical_at_every_boundary([a, b])
-    assert _final(a) == _final(b) and _final(a)[0][0] == 150
+    assert _final(a) == _final(b) and _final(a)[0][0] == 100
     _losses_fall(a)
 
 
@@ -196,9 +218,12 @@ def test_job_lost_with_an_exchange_in_flight(tmp_path, flags):
     the next pseudo-gradient covering both rounds, with theta as the two jobs held it before."""
     flags = [*BASE, *flags, "--train-iters", "90"]
     with Lighthouse(tmp_path / "lighthouse.txt") as lh:
-        # (A at 0.1 s per step: it cannot finish the run before B, started after it, has met it)
-        a = Job(tmp_path / "A", "A", 0, lh.address, flags, env=ENV)
+        # (A at 0.1 s per step until B is gone: it cannot finish the run before B, started after it, has met it)
+        a = Job(tmp_path / "A", "A", 0, lh.address, flags, env=_slow(tmp_path))
         b = Job(tmp_path / "B", "B", 1, lh.address, flags, env={"DILOCO_X_FAULT": "decision:kill:14"})
+        with _closing([a, b]):
+            wait_until(lambda: b.proc.poll() is not None, 300, "B's end", [a])
+            _hurry(tmp_path)
         _end([a, b], failing=(b,))
     assert "[fault drill] kill at decision, round" in b.log(), b.log()[-3000:]
     rounds = _rounds(a)
@@ -220,21 +245,26 @@ def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
     --lr-warmup-iters doubled, its auto warm-up doubles with H), the same rounds. It joins at its own
     iteration of the run's boundary (twice A's), weighs by its tokens (4/3 to A's 2/3), and the two are
     identical at every boundary and at the end, B after twice A's iterations."""
-    flags = [*BASE, "--train-iters", "140"]
-    fast = [*BASE, "--train-iters", "280", "--diloco-x-local-steps", "12", "--lr-warmup-iters", "4"]
-    with Lighthouse(tmp_path / "lighthouse.txt") as lh:  # A at 0.3 s per step: B, X, Y and Z start (~10-20 s on
-        # two busy cores) while A still has ~115 steps (~35 s) to go (12 rounds: its warm-up's rounds of 2)
-        a = Job(tmp_path / "A", "A", 0, lh.address, flags, env={"DILOCO_TEST_STEP_SLEEP_S": "0.3"})
+    flags = [*BASE, "--train-iters", "100"]
+    fast = [*BASE, "--train-iters", "200", "--diloco-x-local-steps", "12", "--lr-warmup-iters", "4"]
+    with Lighthouse(tmp_path / "lighthouse.txt") as lh:  # A at 0.6 s per step until B has joined and X, Y and Z
+        # are refused: they start (~10-45 s on two busy cores, torchrun's Y the last) while A still has ~90 steps
+        # (~60 s) to go (4 rounds: its warm-up's rounds of 2); then A and B train the rest at full speed
+        a = Job(tmp_path / "A", "A", 0, lh.address, flags, env=_slow(tmp_path, 0.6))
         jobs = [a]
         with _closing(jobs):
-            wait_until(lambda: a.rounds() >= 12, 240, "12 rounds of the first job", jobs)
-            jobs.append(Job(tmp_path / "B", "B", 1, lh.address, fast, env=ENV))
+            wait_until(lambda: a.rounds() >= 4, 240, "4 rounds of the first job", jobs)
+            jobs.append(Job(tmp_path / "B", "B", 1, lh.address, fast, env=_slow(tmp_path)))
             jobs.append(Job(tmp_path / "X", "X", 1, lh.address, [*flags, "--diloco-x-outer-lr", "0.5"], env=ENV))
             jobs.append(Job(tmp_path / "Y", "Y", 1, lh.address, flags, env=ENV, torchrun=True,
                             secret=run_secret(tmp_path / "elsewhere", "a secret that is not the run's")))
             jobs.append(Job(tmp_path / "Z", "Z", 1, lh.address, [*flags, "--pipeline-model-parallel-size", "1"],
                             env=ENV, nproc=1))  # one rank (the others: 2, PP 2)
             b, x, y, z = jobs[1:]
+            wait_until(lambda: ("joined run 'test-run' under way at iteration" in b.log()
+                                and all(j.proc.poll() is not None for j in (x, y, z))), 300,
+                       "B's join and the others' refusals", [a, b])
+            _hurry(tmp_path)
         _end(jobs, failing=(x, y, z))
     assert "the jobs of this run have 2 ranks each, this one has 1" in z.log(), z.log()[-3000:]
     assert "--diloco-x-outer-lr is 0.5 here, 1.0 in job" in x.log(), x.log()[-3000:]
@@ -244,7 +274,7 @@ def test_late_job_joins_and_a_mismatched_one_is_refused(tmp_path):
     assert joined % 4 == 0 and joined // 2 in _rounds(a), (joined, b.log()[-3000:])  # (B's warm-up rounds: 4)
     _assert_identical_at_every_boundary([a, b], per=(1, 2))
     assert [m for _, m in _final(a)] == [m for _, m in _final(b)]
-    assert {n for n, _ in _final(a)} == {140} and {n for n, _ in _final(b)} == {280}
+    assert {n for n, _ in _final(a)} == {100} and {n for n, _ in _final(b)} == {200}
     shared = {step // 2: w for step, w in _weights(b).items() if step > joined}
     a_w = _weights(a)
     assert shared and all(tokens == 2 * a_w[step][0] and a_w[step][1] == float(np.float32(2 / 3)) and
@@ -275,14 +305,16 @@ def test_jobs_resume_from_their_own_checkpoints(tmp_path):
         (ckpt["B"] / "latest_checkpointed_iteration.txt").write_text("12")
         # A (the most advanced) first: a job that is behind and meets nobody at its start trains alone, and
         # catches up in place when the others arrive, its rounds alone dropped (docs/federation.md)
-        a = Job(tmp_path / "A2", "A", 0, lh.address, [*base, *own["A"], "--load", str(ckpt["A"])],
-                env=ENV)  # (0.1 s per step: A is still training when B is up)
+        slow = _slow(tmp_path, 0.5)  # (0.5 s per step until B has joined: A is still training when B is up)
+        a = Job(tmp_path / "A2", "A", 0, lh.address, [*base, *own["A"], "--load", str(ckpt["A"])], env=slow)
         jobs = [a]
         with _closing(jobs):
             wait_until(lambda: "joined run 'test-run' at iteration 24" in a.log(), 240, "A's start", jobs)
             b = Job(tmp_path / "B2", "B", 1, lh.address, [*base, *own["B"], "--load", str(ckpt["B"])],
-                    env=ENV)
+                    env=slow)
             jobs.append(b)
+            wait_until(lambda: "joined run 'test-run' under way at iteration" in b.log(), 240, "B's join", jobs)
+            _hurry(tmp_path)
         _end(jobs)
     assert "joined run 'test-run' at iteration 24 (no job ahead of this one)" in a.log(), a.log()[-3000:]
     assert ("joined run 'test-run' under way at iteration" in b.log()
@@ -343,14 +375,18 @@ def test_sites_of_different_data_parallel_size_resume_and_join(tmp_path):
         _end(jobs)
     assert (ckpt["B"] / "iter_0000012").is_dir(), sorted(p.name for p in ckpt["B"].iterdir())
     (ckpt["B"] / "latest_checkpointed_iteration.txt").write_text("12")
+    # (0.8 s per step until B has joined: A's 24 steps left, ~20 s, outlast B's start on two busy cores)
+    slow = _slow(tmp_path, 0.8)
     with Lighthouse(tmp_path / "lighthouse2.txt") as lh:
-        a = Job(tmp_path / "A2", "A", 0, lh.address, [*base, *own["A"][0], "--load", str(ckpt["A"])], env=ENV)
+        a = Job(tmp_path / "A2", "A", 0, lh.address, [*base, *own["A"][0], "--load", str(ckpt["A"])], env=slow)
         jobs = [a]
         with _closing(jobs):
             wait_until(lambda: "joined run 'test-run' at iteration 24" in a.log(), 240, "A's start", jobs)
-            b = Job(tmp_path / "B2", "B", 1, lh.address, [*base, *own["B"][0], "--load", str(ckpt["B"])], env=ENV,
+            b = Job(tmp_path / "B2", "B", 1, lh.address, [*base, *own["B"][0], "--load", str(ckpt["B"])], env=slow,
                     nproc=1)
             jobs.append(b)
+            wait_until(lambda: "joined run 'test-run' under way at iteration" in b.log(), 240, "B's join", jobs)
+            _hurry(tmp_path)
         _end(jobs)
     assert ("joined run 'test-run' under way at iteration" in b.log()
             and "inner optimizer state from this job's checkpoint at iteration 12" in b.log()), b.log()[-3000:]

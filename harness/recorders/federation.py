@@ -18,7 +18,9 @@ class FederationRecorder(Recorder):
     must hold it then); ``final_fp``: the fp32 main shards' fingerprint after the end of training;
     ``heals``: per heal received, its transfer's seconds and the bytes of the tensors in it.
     ``DILOCO_TEST_STEP_SLEEP_S=S``: every iteration S seconds longer (time to kill, stop and restart
-    jobs mid-run without more compute). Faults at named protocol points: ``DILOCO_X_FAULT``
+    jobs mid-run without more compute); with ``DILOCO_TEST_STEP_SLEEP_UNTIL=PATH`` only until the file PATH
+    exists (a test creates it once it has done what the slow steps gave it time for: the rest of the run
+    trains at full speed). Faults at named protocol points: ``DILOCO_X_FAULT``
     (:mod:`megatron_diloco.algorithm.faults`)."""
 
     name = "federation"
@@ -67,8 +69,14 @@ class FederationRecorder(Recorder):
         record_losses(training, record["losses"])
 
         pause = float(os.environ.get("DILOCO_TEST_STEP_SLEEP_S", "0"))
+        until = os.environ.get("DILOCO_TEST_STEP_SLEEP_UNTIL")
         if pause > 0:  # longer iterations without more compute (the jobs share two cores)
+            slow = [True]
+
             @wrap(training, "train_step")
             def train_step(orig, *a, **k):
-                time.sleep(pause)
+                if slow[0] and until and os.path.exists(until):
+                    slow[0] = False
+                if slow[0]:
+                    time.sleep(pause)
                 return orig(*a, **k)
