@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import importlib
 import json
 import os
@@ -162,12 +163,11 @@ def run_script(argv: list[str], record: dict | None = None, out_dir: str | os.Pa
 def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` (default ``sys.argv[1:]``), install the recorders, run the script."""
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    faulthandler.enable()  # a rank that crashes in native code (gloo, torch, torchft) prints every thread's stack
     for path in (cfg.script.resolve().parent, REPO):  # the example's neighbours; tests / benchmarks
         if str(path) not in sys.path:
             sys.path.insert(0, str(path))
     if cfg.hang_dump_s:
-        import faulthandler
-
         faulthandler.dump_traceback_later(cfg.hang_dump_s, repeat=True)
     from megatron_diloco import compat
 

@@ -44,7 +44,6 @@ here changes training.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import sys
 import threading
@@ -150,7 +149,6 @@ class TrainingRecorder(Recorder):
         from megatron_diloco.algorithm.config import CODECS
         from megatron_diloco.megatron_adapter.optimizer import DiLoCoXOptimizer
 
-        faulthandler.enable()  # a crash in native code (gloo, torch) prints every thread's Python stack
         _spawned_helpers_skip_the_example()
         ctx, record = self.ctx, self.record
 
