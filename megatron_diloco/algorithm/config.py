@@ -126,7 +126,7 @@ class DiLoCoXConfig:
     site_weights: str = "tokens"
     """Separate jobs (``--diloco-x-site-weights``): each job's pseudo-gradient in a round's mean weighs by the tokens
     it trained on (``tokens``), or by them with each divided by its inner steps and the mean scaled by the
-    token-weighted mean steps (``normalized``: :func:`megatron_diloco.algorithm.federated.normalized_weights`)."""
+    token-weighted mean steps (``normalized``: :func:`megatron_diloco.algorithm.weights.normalized_weights`)."""
 
     warmup_local_steps: int | None = None
     """H0: the round length during the first :attr:`warmup_iters` inner steps

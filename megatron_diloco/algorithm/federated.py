@@ -28,9 +28,10 @@ Every boundary, on every rank of every job, in the same order:
    decided": a job launches on all its ranks or on none (:meth:`FederatedRounds.launch` records the
    launch and, ``partial`` with a lossy codec, keeps the residual from before it). The mean is
    **token-weighted**: member r weighs ``w_r = R t_r / sum_s t_s`` (fp32; the decision carries them,
-   :mod:`megatron_diloco.algorithm.weights`, also for ``--diloco-x-site-weights normalized``), so jobs with different global batches (or a job that trained more steps
-   since its last committed round) count by the data they saw; a job that has just joined, or that
-   trained nothing, weighs exactly 0; equal tokens give the plain mean, bit for bit.
+   :mod:`megatron_diloco.algorithm.weights`, also for ``--diloco-x-site-weights normalized``), so jobs with
+   different global batches (or a job that trained more steps since its last committed round) count by the
+   data they saw; a job that has just joined, or that trained nothing, weighs exactly 0; equal tokens give
+   the plain mean, bit for bit.
 3. **Land** (:meth:`FederatedRounds.land`; at the boundary with ``none``, tau steps later with
    ``partial``): wait for the exchange into the mean, then the job-wide **commit** (every rank of
    the job completed its exchange, and every member of its outer group landed the same mean: their
