@@ -533,17 +533,17 @@ def plot_site_losses(losses: dict, path: Path, stamp: str, card: str) -> None:
     plt = _plt()
     ar = losses[("allreduce", None)]
     fig, ax = plt.subplots(figsize=(8, 3.6))
-    rows = [(words, losses[(run, w)]) for run, w, words in LOSS_RUNS if (run, w) in losses]
-    for i, (words, by_seed) in enumerate(rows):
+    colors = {"equal_tokens": "0.6", "per_site_h": "tab:green", "paced": "tab:purple"}
+    rows = [(run, words, losses[(run, w)]) for run, w, words in LOSS_RUNS if (run, w) in losses]
+    for i, (run, _, by_seed) in enumerate(rows):
         gaps = [100 * (v / ar[seed] - 1) for seed, v in sorted(by_seed.items()) if seed in ar]
-        bar = ax.bar(i, statistics.mean(gaps), color="tab:purple" if "paced" in words else "tab:green" if "H 60" in
-                     words else "0.6", alpha=0.8)
+        bar = ax.bar(i, statistics.mean(gaps), color=colors[run], alpha=0.8)
         ax.bar_label(bar, fmt="%+.1f%%", fontsize=8)
         ax.scatter([i] * len(gaps), gaps, color="k", s=12, zorder=3)
-    ax.set_xticks(range(len(rows)), [w for w, _ in rows], fontsize=8)
+    ax.set_xticks(range(len(rows)), [words for _, words, _ in rows], fontsize=8)
     ax.set_ylabel("validation loss vs AllReduce (%)")
     ax.margins(y=0.15)
-    seeds = sorted({s for _, v in rows for s in v})
+    seeds = sorted({s for _, _, v in rows for s in v})
     ax.set_title(f"Two sites, one half as fast, at the same tokens ({card}; seeds {', '.join(map(str, seeds))}: "
                  "points, mean: bar)", fontsize=9)
     fig.tight_layout()

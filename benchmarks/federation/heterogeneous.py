@@ -65,6 +65,7 @@ sys.path.insert(0, str(REPO))
 
 from harness.federation import Job, Lighthouse  # noqa: E402
 from harness.runner import VALIDATION_LINE, ExampleJob, run_jobs  # noqa: E402
+from megatron_diloco.algorithm.config import SITE_WEIGHTS  # noqa: E402
 
 ITERS = 160
 JOB_FLAGS = ["--diloco-x-replicas", "2", "--pipeline-model-parallel-size", "1", "--log-interval", "1",
@@ -246,7 +247,7 @@ def main() -> None:
     p.add_argument("--runs", default="per_site_h,equal,paced,balanced",
                    help="the two-job runs to make, of per_site_h, equal, paced, balanced (CPU); the solos they are "
                         "measured against always")
-    p.add_argument("--site-weights", choices=("tokens", "normalized"), default="tokens",
+    p.add_argument("--site-weights", choices=SITE_WEIGHTS, default=SITE_WEIGHTS[0],
                    help="--diloco-x-site-weights of every two-job run (the solos have one job: no weights)")
     p.add_argument("--seed", type=int, default=None, help="Megatron's --seed for every run (default: the example's)")
     p.add_argument("--loss-only", action="store_true",
@@ -257,7 +258,7 @@ def main() -> None:
     if a.gpus == 1:
         p.error("--gpus 1 would put both sites on one GPU: give each site its own (--gpus 2), or run on the CPU")
     GPUS, MODEL = a.gpus, a.model
-    if a.site_weights != "tokens":
+    if a.site_weights != SITE_WEIGHTS[0]:
         JOB_FLAGS.extend(["--diloco-x-site-weights", a.site_weights])
     if a.seed is not None:  # (the model's flags: the two-job runs, the solos and AllReduce alike)
         MODELS[MODEL] = ([*MODELS[MODEL][0], "--seed", str(a.seed)], *MODELS[MODEL][1:])
