@@ -10,6 +10,7 @@ By concern (each module's docstring says what its recorders write into the rank'
   ``plain_ddp``, ``profile`` (the benchmarks' step times, losses and memory);
 * ``network.py``: ``link`` (the in-process slow link), ``wan`` (the CPU WAN benchmark);
 * ``codec_capture.py``: ``codec_capture`` (real pseudo-gradients saved to files);
+* ``by_name.py``: ``by_name`` (the exchange by name's pull and push against canonical indices);
 * ``slots.py``: ``slots`` (each rank's exchange slots: their parameter pieces and values);
 * ``base.py``: :class:`~harness.recorders.base.Recorder`, ``wrap`` and the readings several share.
 
@@ -19,6 +20,7 @@ A recorder kept elsewhere is named ``package.module:Name`` (:func:`harness.run.r
 from __future__ import annotations
 
 from .base import Recorder
+from .by_name import ByNameRecorder
 from .checkpoint import CheckpointRecorder
 from .codec_capture import CodecCaptureRecorder
 from .federation import FederationRecorder
@@ -32,4 +34,4 @@ from .training import TrainingRecorder
 RECORDERS: dict[str, type[Recorder]] = {r.name: r for r in (
     TrainingRecorder, CheckpointRecorder, FederationRecorder,
     TimersRecorder, LossesRecorder, MemoryRecorder, RoundsRecorder, BoundaryCheckRecorder, FixedEvalRecorder,
-    PlainDDPRecorder, ProfileRecorder, LinkRecorder, WanRecorder, CodecCaptureRecorder, SlotsRecorder)}
+    PlainDDPRecorder, ProfileRecorder, LinkRecorder, WanRecorder, CodecCaptureRecorder, SlotsRecorder, ByNameRecorder)}

@@ -1,0 +1,295 @@
+"""Exchange by name: sites of different tensor / pipeline / data parallelism exchange the same vectors.
+
+Megatron's distributed checkpoint names every model tensor by a key and a global shape that do not depend on the
+parallel layout (``sharded_state_dict``: a :class:`ShardedTensor` per parameter, with the local tensor's offset in
+the global one; stacked layers carry the layer as a prepended axis). The **canonical vector** is every trained
+parameter's global tensor, flattened row-major, concatenated in key order: N elements, the same at any TP / PP /
+DP. It is cut into G **chunks** (chunk c is ``[c N // G, (c + 1) N // G)``); rank r of a site of W ranks (its whole
+world, any layout, W dividing G) holds the chunks ``r k .. r k + k - 1`` (k = G / W), one contiguous canonical
+range, in a **staging** buffer (fp32, on the main shards' device). The outer state lives over the staging buffer,
+so chunk c is the same vector on its holder at every site.
+
+- :meth:`ByName.pull`: staging <- the fp32 main shards. Every canonical element comes from the one rank that owns
+  it (its main shard holds it and Megatron marks its copy as the main replica: tensor-parallel replicated norms and
+  a tied output layer have other copies). One ``all_to_all_single`` over the site's world group.
+- :meth:`ByName.push`: main shards <- staging, to every rank whose main shard holds the element (every copy).
+
+A main shard is a contiguous range of its parameter's local (tensor-parallel) block; in the global tensor that
+block is rows of equal length at a fixed stride, so a shard is at most three **segments** (a partial row, full
+rows, a partial row), cut again where a rank's staging range ends. A segment is one strided copy on each side.
+
+Collectives: :class:`ByName` construction (an all-gather of the site's key tables and segments, objects within the
+job: nothing crosses to another job), :meth:`pull` and :meth:`push` (``all_to_all_single``, tensors), all over
+the site's world group. Memory: the staging buffer (about a main shard's size) and one send and one receive buffer
+of the same size during a pull or push.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import json
+import math
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """``rows x cols`` elements of a main shard, contiguous in it from element ``lo``, at canonical index
+    ``canon + i stride + j`` (row i, column j). ``owned``: this copy is the one a pull reads."""
+
+    main: int
+    lo: int
+    canon: int
+    rows: int
+    cols: int
+    stride: int
+    owned: bool
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    def wire(self) -> tuple[int, int, int, int, int]:
+        """What the staging side needs: (canon, rows, cols, stride, owned)."""
+        return self.canon, self.rows, self.cols, self.stride, int(self.owned)
+
+
+def _split(seg: Segment, at: int) -> list[Segment]:
+    """``seg`` cut at canonical index ``at`` (pieces before it, then from it), each a segment."""
+    end = seg.canon + (seg.rows - 1) * seg.stride + seg.cols
+    if not seg.canon < at < end:
+        return [seg]
+    row, col = divmod(at - seg.canon, seg.stride)
+    if col >= seg.cols:  # between two rows
+        row, col = row + 1, 0
+    out = []
+
+    def add(lo_row: int, rows: int, c0: int, c1: int) -> None:
+        if rows > 0 and c1 > c0:
+            out.append(dataclasses.replace(seg, lo=seg.lo + lo_row * seg.cols + c0, canon=seg.canon + lo_row * seg.stride
+                                           + c0, rows=rows, cols=c1 - c0, stride=seg.stride if rows > 1 else c1 - c0))
+
+    add(0, row, 0, seg.cols)  # whole rows before
+    if col:  # the row the cut goes through
+        add(row, 1, 0, col)
+        add(row, 1, col, seg.cols)
+        row += 1
+    add(row, seg.rows - row, 0, seg.cols)  # whole rows from it
+    return out
+
+
+def segments_of(main: int, start: int, length: int, canon0: int, row_len: int, stride: int,
+                owned: bool) -> list[Segment]:
+    """The segments of a main shard ``main`` holding elements ``[start, start + length)`` of a local block whose
+    flat element i sits at canonical ``canon0 + (i // row_len) stride + i % row_len``."""
+    out, i, end = [], start, start + length
+    while i < end:
+        r, c = divmod(i, row_len)
+        if c or end - i < row_len:  # a partial row
+            n = min(row_len - c, end - i)
+            out.append(Segment(main, i - start, canon0 + r * stride + c, 1, n, n, owned))
+        else:  # whole rows
+            n = (end - i) // row_len
+            out.append(Segment(main, i - start, canon0 + r * stride, n, row_len, stride if n > 1 else row_len, owned))
+            n *= row_len
+        i += n
+    return out
+
+
+def block_rows(local_shape: tuple[int, ...], global_shape: tuple[int, ...],
+               global_offset: tuple[int, ...]) -> tuple[int, int, int]:
+    """A local block ``local_shape`` at ``global_offset`` in a row-major ``global_shape`` tensor (all of the same
+    rank) as rows: ``(base, row_len, stride)``, flat local element i at global ``base + (i // row_len) stride +
+    i % row_len``. ValueError if the block is cut along more than one axis of more than one element."""
+    cut = [a for a, (l, g) in enumerate(zip(local_shape, global_shape)) if l != g]
+    inner_cut = [a for a in cut if local_shape[a] > 1]
+    if len(inner_cut) > 1:
+        raise ValueError(f"exchange by name: a local block {local_shape} of {global_shape} is cut along more than "
+                         "one axis")
+    k = max(cut, default=-1)  # rows below axis k are whole: a row spans axes k..
+    inner = math.prod(global_shape[k + 1:])
+    row_len = local_shape[k] * inner if k >= 0 else math.prod(global_shape)
+    stride = global_shape[k] * inner if k >= 0 else row_len
+    strides = [math.prod(global_shape[a + 1:]) for a in range(len(global_shape))]
+    base = sum(o * s for o, s in zip(global_offset, strides))
+    if inner_cut and inner_cut[0] < k:
+        raise ValueError(f"exchange by name: a local block {local_shape} of {global_shape} is cut along an outer axis")
+    return base, row_len, stride
+
+
+def _sharded_tensors(sd, out: list) -> list:
+    """Every ShardedTensor (or factory) of a nested sharded state dict, in order."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if isinstance(sd, dict):
+        for v in sd.values():
+            _sharded_tensors(v, out)
+    elif isinstance(sd, (list, tuple)):
+        for v in sd:
+            _sharded_tensors(v, out)
+    elif isinstance(sd, (ShardedTensor, ShardedTensorFactory)):
+        out.append(sd)
+    return out
+
+
+def _main_replica(replica_id) -> bool:
+    """Whether Megatron's ``replica_id`` marks the main copy of a tensor across TP / PP (its last entry, the
+    data-parallel one, is left out: the distributed optimizer's shards split the data-parallel copies)."""
+    ids = tuple(replica_id) if isinstance(replica_id, (tuple, list)) else (replica_id,)
+    return all(int(i) == 0 for i in ids[:-1]) if len(ids) > 1 else True
+
+
+def param_names(model_chunks: list) -> dict[int, tuple[str, tuple[int, ...], tuple[int, ...], bool]]:
+    """Each parameter of ``model_chunks`` that Megatron's sharded state dict names: ``id(param)`` -> (key, its
+    global shape, the local block's shape and offset, as one tuple of the global rank: prepended axes included,
+    whether this is the main copy). ValueError for a parameter Megatron builds through a factory (a fused layout,
+    e.g. ``--swiglu``'s gate and up projections, which the exchange by name does not reshard)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    params = {id(p): p for chunk in model_chunks for p in chunk.parameters()}
+    by_ptr = {(p.data_ptr(), p.numel()): p for p in params.values() if p.numel()}
+    out = {}
+    for chunk in model_chunks:
+        for st in _sharded_tensors(chunk.sharded_state_dict(), []):
+            data = st.data
+            if data is None:
+                continue
+            p = by_ptr.get((data.data_ptr(), data.numel())) if isinstance(data, torch.Tensor) and data.numel() else None
+            if p is None:
+                continue
+            if isinstance(st, ShardedTensorFactory):
+                raise ValueError(f"exchange by name: parameter {st.key!r} is saved through a factory (a fused layout "
+                                 "such as --swiglu); sites of different layout cannot exchange it by name")
+            if st.flattened_range is not None:
+                continue
+            local = (1,) * st.prepend_axis_num + tuple(st.local_shape)
+            key = st.key
+            while key.startswith("module."):  # (a precision wrapper's prefix: the same tensor in an fp32 model)
+                key = key[len("module."):]
+            out[id(p)] = (key, tuple(st.global_shape), local, tuple(st.global_offset), _main_replica(st.replica_id))
+    return out
+
+
+class ByName:
+    """One rank's part of the exchange by name (module doc): its staging buffer and the plans of :meth:`pull` and
+    :meth:`push`.
+
+    Args:
+        model_chunks: the job's model chunks on this rank (Megatron's, as the distributed optimizers hold them).
+        ranges: :func:`~megatron_diloco.megatron_adapter.exchange_slots.main_ranges` of this rank.
+        shards: its fp32 main shards in the same order (ShardView order).
+        chunks: G, the run's number of chunks: a multiple of the site's world size.
+        group: the site's world group (every rank of the job); None: the default group.
+    """
+
+    def __init__(self, model_chunks: list, ranges: list, shards: list[torch.Tensor], chunks: int,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        if chunks < self.world or chunks % self.world:
+            raise ValueError(f"exchange by name: {chunks} chunks are not a multiple of this site's world size "
+                             f"{self.world} (every job of the run gives the same count, a multiple of each site's)")
+        self.shards = shards
+        self.device = shards[0].device if shards else torch.device("cpu")
+        names = param_names(model_chunks)
+        mine = []
+        for i, r in enumerate(ranges):
+            if id(r.param) not in names:
+                raise ValueError("exchange by name: a trained parameter of shape "
+                                 f"{tuple(r.param.shape)} has no name in Megatron's sharded state dict")
+            mine.append((i, r, *names[id(r.param)]))
+        tables: list = [None] * self.world
+        dist.all_gather_object(tables, sorted({(k, g) for _, _, k, g, *_ in mine}), group=group)
+        shapes: dict[str, tuple[int, ...]] = {}
+        for key, shape in (entry for table in tables for entry in table):
+            if shapes.setdefault(key, tuple(shape)) != tuple(shape):
+                raise ValueError(f"exchange by name: {key!r} has global shapes {shapes[key]} and {tuple(shape)}")
+        #: (key, global shape) in canonical order: what the sites' handshake compares
+        self.table = tuple(sorted(shapes.items()))
+        offsets, n = {}, 0
+        for key, shape in self.table:
+            offsets[key], n = n, n + math.prod(shape)
+        self.numel_total, self.chunks = n, chunks
+        per = chunks // self.world
+        #: canonical ``[lo, hi)`` of each rank's staging (rank r: chunks r k .. r k + k - 1)
+        self.rank_ranges = [(r * per * n // chunks, (r + 1) * per * n // chunks) for r in range(self.world)]
+        self.lo, self.hi = self.rank_ranges[self.rank]
+        #: the chunks of this rank, each ``[lo, hi)`` in canonical indices
+        self.chunk_ranges = [(c * n // chunks, (c + 1) * n // chunks) for c in range(self.rank * per, (self.rank + 1) * per)]
+        self.staging = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=self.device)
+        segs = []
+        for i, r, key, shape, local, offset, owned in mine:
+            base, row_len, stride = block_rows(local, shape, offset)
+            segs += segments_of(i, r.param_start, r.end - r.start, offsets[key] + base, row_len, stride, owned)
+        for cut, _ in self.rank_ranges[1:]:
+            segs = [piece for s in segs for piece in _split(s, cut)]
+        #: this rank's segments by the rank whose staging holds them
+        self.out: list[list[Segment]] = [[] for _ in range(self.world)]
+        for s in segs:
+            self.out[self._holder(s.canon)].append(s)
+        wires: list = [None] * self.world
+        dist.all_gather_object(wires, [[s.wire() for s in to] for to in self.out], group=group)
+        #: per source rank, the (canon, rows, cols, stride, owned) of its segments this rank's staging holds
+        self.inc = [[tuple(w) for w in wires[src][self.rank]] for src in range(self.world)]
+        owned_total = sum(w[1] * w[2] for src in wires for to in src for w in to if w[4])
+        got = sum(w[1] * w[2] for src in self.inc for w in src if w[4])
+        if owned_total != n or got != self.hi - self.lo:
+            raise ValueError(f"exchange by name: the site's main copies cover {owned_total} of {n} canonical elements "
+                             f"(this rank's staging {got} of {self.hi - self.lo}): a parameter is held twice or not "
+                             "at all as Megatron marks its copies")
+
+    def _holder(self, canon: int) -> int:
+        """The rank whose staging holds canonical element ``canon``."""
+        return bisect.bisect_right([lo for lo, _ in self.rank_ranges], canon) - 1
+
+    def digest(self) -> str:
+        """sha256 of the key table and G: equal on every site of a run that can exchange by name."""
+        return hashlib.sha256(json.dumps([self.chunks, [[k, list(s)] for k, s in self.table]]).encode()).hexdigest()
+
+    def chunk_views(self) -> list[torch.Tensor]:
+        """Views of :attr:`staging`, one per chunk of this rank, in order."""
+        return [self.staging[a - self.lo:b - self.lo] for a, b in self.chunk_ranges]
+
+    def _staged(self, canon: int, rows: int, cols: int, stride: int) -> torch.Tensor:
+        return self.staging.as_strided((rows, cols), (stride, 1), self.staging.storage_offset() + canon - self.lo)
+
+    def _local(self, s: Segment) -> torch.Tensor:
+        return self.shards[s.main].detach().view(-1)[s.lo:s.lo + s.numel]
+
+    def pull(self) -> None:
+        """staging <- the main shards (each canonical element from its owner). Collective over the site's group."""
+        send = [self._local(s) for to in self.out for s in to if s.owned]
+        send_sizes = [sum(s.numel for s in to if s.owned) for to in self.out]
+        recv_sizes = [sum(w[1] * w[2] for w in src if w[4]) for src in self.inc]
+        recv = self._exchange(send, send_sizes, recv_sizes)
+        pos = 0
+        for src in self.inc:
+            for canon, rows, cols, stride, owned in src:
+                if owned:
+                    self._staged(canon, rows, cols, stride).copy_(recv[pos:pos + rows * cols].view(rows, cols))
+                    pos += rows * cols
+
+    def push(self) -> None:
+        """main shards <- staging (every copy of each element). Collective over the site's group."""
+        send = [self._staged(*w[:4]) for src in self.inc for w in src]
+        send_sizes = [sum(w[1] * w[2] for w in src) for src in self.inc]
+        recv_sizes = [sum(s.numel for s in to) for to in self.out]
+        recv = self._exchange(send, send_sizes, recv_sizes)
+        pos = 0
+        for to in self.out:
+            for s in to:
+                self._local(s).copy_(recv[pos:pos + s.numel])
+                pos += s.numel
+
+    def _exchange(self, parts: list[torch.Tensor], send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+        send = torch.cat([p.reshape(-1) for p in parts]) if parts else torch.zeros(0, device=self.device)
+        recv = torch.empty(sum(recv_sizes), dtype=torch.float32, device=self.device)
+        if self.world == 1:
+            recv.copy_(send)
+        else:
+            dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group)
+        return recv
