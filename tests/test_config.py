@@ -363,6 +363,27 @@ def test_exchange_slots_are_checked_before_training(tmp_path, slots, extra, cfg,
     validate_megatron_args(megatron_args(**jobs, diloco_x_exchange_slots=8), DiLoCoXConfig(replicas=2))
 
 
+@pytest.mark.parametrize("chunks, extra, cfg, phrase", [
+    (6, {}, {}, "not a multiple of this job's world size 4"),
+    (8, dict(diloco_x_exchange_slots=4), {}, "and --diloco-x-exchange-slots: give one"),
+    (8, dict(context_parallel_size=2), {}, "--context-parallel-size"),
+    (8, {}, dict(compression="lowrank"), "takes --diloco-x-compression none or a blockwise codec"),
+    (8, {}, None, "applies with --diloco-x-lighthouse only"),
+])
+def test_exchange_chunks_are_checked_before_training(tmp_path, chunks, extra, cfg, phrase):
+    """``--diloco-x-exchange-chunks`` (sites of different layout) that a site cannot hold, or with what it cannot
+    run, is refused naming the fix; G = 8 on a world of 4 with the package's defaults is accepted."""
+    secret = tmp_path / "run.secret"
+    secret.write_text("a test secret of the run, 32 bytes or more")
+    secret.chmod(0o600)
+    jobs = dict(diloco_x_lighthouse="127.0.0.1:29510", diloco_x_run="r", diloco_x_replica_index=0,
+                diloco_x_secret_file=str(secret), world_size=4)
+    args = megatron_args(**({} if cfg is None else jobs), diloco_x_exchange_chunks=chunks, **extra)
+    with pytest.raises(ValueError, match=re.escape(phrase)):
+        validate_megatron_args(args, DiLoCoXConfig(replicas=2, **(cfg or {})))
+    validate_megatron_args(megatron_args(**jobs, diloco_x_exchange_chunks=8), DiLoCoXConfig(replicas=2))
+
+
 def test_separate_jobs_flags_apply_with_the_lighthouse_only():
     args = megatron_args(diloco_x_run="r")
     with pytest.raises(ValueError, match="--diloco-x-run applies with --diloco-x-lighthouse only"):

@@ -463,3 +463,106 @@ def test_sites_of_different_speed_resume_from_their_own_checkpoints(tmp_path):
     assert _final(a)[0][1] == _final(b)[0][1] and a.summary()["rounds"] == b.summary()["rounds"]  # the last boundary
     assert (ends[1] == 72 if heals[1] == 0 else ends[1] < 72) and ends[0] > 72, (ends, heals)
     assert a.log().rsplit("learning rate: ", 1)[1].split()[0] == b.log().rsplit("learning rate: ", 1)[1].split()[0]
+
+
+def _chunks(job: Job) -> dict[int, list]:
+    """step -> theta's fingerprint chunk by chunk (every rank's chunks in rank order: the run's chunks in order),
+    at every boundary all the job's ranks recorded (``--diloco-x-exchange-chunks``)."""
+    recs = job.records()
+    at = [{r[0]: r[1] for r in rec["fed_rounds"]} for rec in recs]
+    return {s: [x for fps in at for x in fps[s]] for s in set(at[0]).intersection(*at[1:])}
+
+
+#: sites of other layouts: (ranks, flags) of job A, whether B starts with it; job B is on 2 ranks at TP 2, PP 1
+LAYOUTS = {"tp1_one_rank": (1, ["--pipeline-model-parallel-size", "1", "--make-vocab-size-divisible-by", "256"], False),
+           "pp2_together": (2, ["--pipeline-model-parallel-size", "2", "--make-vocab-size-divisible-by", "256"], True)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sites_of_different_layouts_exchange_by_name(tmp_path, layout):
+    """Job B on 2 ranks (TP 2, PP 1); job A on 1 rank (TP 1: A's rank holds both chunks, B's ranks one each) or on
+    2 ranks at PP 2 (each stage's rank holds a chunk of parameters spread over both of B's ranks);
+    ``--diloco-x-exchange-chunks 2`` on both, the package's defaults otherwise (partial overlap, int4, the auto
+    warm-up), the padded vocabulary alike (--make-vocab-size-divisible-by 256 at TP 1, 128 at TP 2). Their initial
+    weights differ (Megatron initializes each layout's shards from its own RNG streams): B starts once A trains and
+    joins by taking A's outer state, or (``together``) both start at once and, at the run's first meeting, one
+    takes the other's. From then on theta is bit-identical chunk by chunk at every boundary they share, each mean
+    weighs them 1 / 1 (the same tokens), and both end with the same x at iteration 40: each chunk pulled from the
+    main shards as they ended."""
+    nproc, flags, together = LAYOUTS[layout]
+    base = [*BASE, "--train-iters", "40", "--diloco-x-exchange-chunks", "2"]
+    b_flags = [*base, "--make-vocab-size-divisible-by", "128", "--tensor-model-parallel-size", "2",
+               "--pipeline-model-parallel-size", "1"]
+    with Lighthouse(tmp_path / "lighthouse.txt", min_replicas=2 if together else 1) as lh:
+        a = Job(tmp_path / "A", "A", 0, lh.address, [*base, *flags], nproc=nproc,
+                env=ENV if together else _slow(tmp_path, 0.4))
+        jobs = [a]
+        with _closing(jobs):
+            if together:
+                jobs.append(Job(tmp_path / "B", "B", 1, lh.address, b_flags, env=ENV))
+            else:
+                wait_until(lambda: a.rounds() >= 1, 240, "the first job's first round", jobs)
+                jobs.append(Job(tmp_path / "B", "B", 1, lh.address, b_flags, env=_slow(tmp_path)))
+                wait_until(lambda: "joined run 'test-run' under way at iteration" in jobs[1].log(), 300, "B's join",
+                           jobs)
+                _hurry(tmp_path)
+        _end(jobs)
+    b = jobs[1]
+    healed = [j for j in jobs if j.summary()["federation"]["heals"]]
+    assert [j.summary()["federation"]["heals"] for j in healed] == [1] and (together or healed == [b]), healed
+    joined = int(healed[0].log().split("joined run 'test-run' under way at iteration ")[1].split(":")[0])
+    assert joined == 0 if together else joined > 0, joined
+    ta, tb = _chunks(a), _chunks(b)
+    shared = sorted(s for s in set(ta) & set(tb) if s >= joined)
+    assert shared and max(shared) == 40, (joined, sorted(ta), sorted(tb))
+    for step in shared:
+        assert ta[step] == tb[step], (step, ta[step], tb[step])
+    members = {r[0]: r[2] for r in a.records()[0]["fed_rounds"]}
+    assert all(members[s] == 2 for s in shared[:-1]), members
+    weights = {r[0]: r[9] for r in a.records()[0]["fed_rounds"]}
+    assert all(weights[s] == 1.0 for s in shared[1:-1]), weights
+    ends = [[r["final_fp"] for r in job.records()] for job in (a, b)]
+    assert {e["steps"] for job in ends for e in job} == {40}
+    chunks = [[c for e in job for c in e["chunks"]] for job in ends]  # (each job's ranks in order: chunks 0, 1)
+    assert len(chunks[0]) == 2 and chunks[0] == chunks[1], ends
+    _losses_fall(b)
+
+
+def test_sites_of_different_layouts_resume_and_join(tmp_path):
+    """Job A on 1 rank (TP 1) and job B on 2 ranks (TP 2), ``--diloco-x-exchange-chunks 2``, start together (one
+    takes the other's outer state at the first meeting), save their own checkpoints (the outer state chunk by
+    chunk) and stop at iteration 24. A resumes from its latest, B from an older one of its own (iteration 12), once
+    A trains: B is behind and takes each chunk's outer state from A's one rank (each of B's ranks fetches its
+    chunk); from then on theta is bit-identical chunk by chunk at every boundary, and x at the end."""
+    base = [*BASE, "--train-iters", "48", "--no-load-rng", "--diloco-x-exchange-chunks", "2",
+            "--pipeline-model-parallel-size", "1"]
+    own = {"A": (["--make-vocab-size-divisible-by", "256"], 1),
+           "B": (["--make-vocab-size-divisible-by", "128", "--tensor-model-parallel-size", "2"], 2)}
+    ckpt = {n: tmp_path / f"ckpt{n}" for n in "AB"}
+    with Lighthouse(tmp_path / "lighthouse1.txt", min_replicas=2) as lh:
+        jobs = [Job(tmp_path / f"{n}1", n, i, lh.address, [*base, *own[n][0], "--save", str(ckpt[n]),
+                                                           "--save-interval", "12", "--exit-interval", "24"],
+                    nproc=own[n][1]) for i, n in enumerate("AB")]
+        _end(jobs)
+    assert (ckpt["B"] / "iter_0000012").is_dir(), sorted(p.name for p in ckpt["B"].iterdir())
+    (ckpt["B"] / "latest_checkpointed_iteration.txt").write_text("12")
+    slow = _slow(tmp_path, 0.8)
+    with Lighthouse(tmp_path / "lighthouse2.txt") as lh:
+        a = Job(tmp_path / "A2", "A", 0, lh.address, [*base, *own["A"][0], "--load", str(ckpt["A"])], env=slow,
+                nproc=1)
+        jobs = [a]
+        with _closing(jobs):
+            wait_until(lambda: "joined run 'test-run' at iteration 24" in a.log(), 240, "A's start", jobs)
+            b = Job(tmp_path / "B2", "B", 1, lh.address, [*base, *own["B"][0], "--load", str(ckpt["B"])], env=slow)
+            jobs.append(b)
+            wait_until(lambda: "joined run 'test-run' under way at iteration" in b.log(), 240, "B's join", jobs)
+            _hurry(tmp_path)
+        _end(jobs)
+    assert "inner optimizer state from this job's checkpoint at iteration 12" in b.log(), b.log()[-3000:]
+    assert b.summary()["federation"]["heals"] == 1 and [len(r["heals"]) for r in b.records()] == [1, 1]
+    ta, tb = _chunks(a), _chunks(b)
+    steps = sorted(set(ta) & set(tb))
+    assert steps and min(steps) > 24 and max(steps) == 48, steps
+    assert all(ta[s] == tb[s] for s in steps), [(s, ta[s], tb[s]) for s in steps]
+    chunks = [[c for r in job.records() for c in r["final_fp"]["chunks"]] for job in (a, b)]
+    assert len(chunks[0]) == 2 and chunks[0] == chunks[1], chunks

@@ -88,7 +88,7 @@ def test_secret_files_are_checked_naming_the_flag(tmp_path):
 DESCRIPTION = {"--diloco-x-outer-lr": 1.0, "--diloco-x-run": "run"}
 
 
-def _handshake(rank: int, world: int, out: str, secrets: list[bytes], hostile: int) -> None:
+def _handshake(rank: int, world: int, out: str, secrets: list[bytes], hostile: int, fresh: bool = False) -> None:
     from megatron_diloco.federation import handshake
 
     group = dist.new_group(list(range(world)), backend="gloo")
@@ -100,9 +100,10 @@ def _handshake(rank: int, world: int, out: str, secrets: list[bytes], hostile: i
         outcome = "sent"
     else:
         try:
-            got = handshake.agree(group, RunKey(secrets[rank], "run"), 7, progress=10 * (rank + 1),
+            got = handshake.agree(group, RunKey(secrets[rank], "run"), 7, progress=0 if fresh else 10 * (rank + 1),
                                   description=DESCRIPTION, slot=rank, name=f"job{rank}",
-                                  heal_url=f"http://h{rank}:1", first_meeting=True, timeout_s=30.0)
+                                  heal_url=f"http://h{rank}:1", first_meeting=True, timeout_s=30.0,
+                                  fresh_start_heals=fresh)
             outcome = f"agree={got.ok}"
             if got.ok:  # the most advanced verified member is the heal's source
                 outcome += f" source={got.source} {got.source_url} {got.source_progress} behind={got.behind}"
@@ -120,23 +121,26 @@ def _handshake(rank: int, world: int, out: str, secrets: list[bytes], hostile: i
     Path(out, f"rank{rank}").write_text(outcome)
 
 
-@pytest.mark.parametrize("case", ["same", "wrong-secret", "pickle"])
+@pytest.mark.parametrize("case", ["same", "wrong-secret", "pickle", "fresh-start"])
 def test_handshake_refuses_who_lacks_the_secret_and_never_unpickles(tmp_path, case):
     """The handshake, then the members' check that they landed the same mean (``means_agree``): a member
     without the secret, or sending a pickle, is refused unread; a member whose mean differs fails the round on
-    every member."""
+    every member. ``fresh-start``: every member at progress 0 with ``fresh_start_heals`` (sites of different
+    layouts): the others heal from the first."""
     secrets = [SECRET] * 3
     hostile = -1
     if case == "wrong-secret":
         secrets[2] = b"another secret entirely, 32 bytes"
     if case == "pickle":
         hostile = 1
-    run_world(_handshake, 3, str(tmp_path), secrets, hostile)
+    run_world(_handshake, 3, str(tmp_path), secrets, hostile, case == "fresh-start")
     got = [(tmp_path / f"rank{r}").read_text() for r in range(3)]
     assert not (tmp_path / "pwned").exists()
     meeting = [g.split("|")[0] for g in got]
     means = [g.split("|")[1:] for g in got]
-    if case == "same":
+    if case == "fresh-start":
+        assert meeting == ["agree=True source=0 http://h0:1 0 behind=(1, 2)"] * 3, got
+    elif case == "same":
         assert meeting == ["agree=True source=2 http://h2:1 30 behind=(1, 0)"] * 3, got
         assert means == [["True", "False differs"]] * 3, got  # the round is refused on every member alike
     elif case == "wrong-secret":

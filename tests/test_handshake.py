@@ -229,3 +229,23 @@ def test_the_documented_unequal_sites_have_the_same_rounds():
     a, b = described
     assert a == b, (a, b)
     assert list(a.values())[:2] == ["40", 30], a  # 40 rounds in all, the first 30 of the warm-up
+
+
+def test_jobs_exchanging_by_name_may_differ_in_layout_not_in_the_parameters():
+    """With ``--diloco-x-exchange-chunks`` jobs may differ in world size, TP, PP and DP (their chunks are the same
+    vectors), not in the parameters' names and global shapes (the by-name digest) nor in the chunk count; without
+    it a TP difference is refused naming the flag."""
+    def jobs(digest: str = "table-1", **args) -> dict:
+        return describe_launch(_args(**{"diloco_x_exchange_chunks": 4, **args}), CFG,
+                               [shard_digest(r) for r in LAYOUT], "0.19.2", True, by_name=digest)
+
+    other = dict(world_size=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, data_parallel_size=1)
+    assert differences(jobs(), jobs(**other), 1) == []
+    assert differences(jobs(), jobs("table-2", **other), 1) == [
+        "parameters by name (Megatron's checkpoint keys and global shapes) is table-1 here, table-2 in replica 1"]
+    assert differences(jobs(), jobs(diloco_x_exchange_chunks=8), 1) == [
+        "--diloco-x-exchange-chunks is 4 here, 8 in replica 1"]
+    plain = describe_launch(_args(), CFG, [shard_digest(r) for r in LAYOUT], "0.19.2", True)
+    assert "--tensor-model-parallel-size is 1 here, 2 in replica 1" in differences(
+        plain, describe_launch(_args(tensor_model_parallel_size=2, data_parallel_size=1), CFG,
+                               [shard_digest(r) for r in LAYOUT], "0.19.2", True), 1)

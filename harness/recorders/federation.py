@@ -15,7 +15,8 @@ class FederationRecorder(Recorder):
     theta fingerprint, members, failed, committed rounds, wall time, the meeting's seconds, the
     replica's exchange seconds of the round, the tokens and the weight of the job in the mean launched
     there]`` after the boundary (theta as every member
-    must hold it then); ``final_fp``: the fp32 main shards' fingerprint after the end of training;
+    must hold it then); ``final_fp``: the fp32 main shards' fingerprint after the end of training (``chunks``:
+    with the exchange by name, each chunk's);
     ``heals``: per heal received, its transfer's seconds and the bytes of the tensors in it.
     ``DILOCO_TEST_STEP_SLEEP_S=S``: every iteration S seconds longer (time to kill, stop and restart
     jobs mid-run without more compute); with ``DILOCO_TEST_STEP_SLEEP_UNTIL=PATH`` only until the file PATH
@@ -65,6 +66,9 @@ class FederationRecorder(Recorder):
         def finish(orig, opt):
             orig(opt)
             record["final_fp"] = {"main": fingerprint_ints(opt.view.shards), "steps": opt.step_calls}
+            if opt.by_name is not None:  # x by name, chunk by chunk, pulled from the main shards as they ended
+                opt.by_name.pull()       # (collective over the job: every rank finishes): comparable between sites
+                record["final_fp"]["chunks"] = [fingerprint_ints([c]) for c in opt.by_name.chunk_views()]
 
         record_losses(training, record["losses"])
 

@@ -104,9 +104,12 @@ def _valid_hello(hello: Any) -> bool:
 
 
 def agree(group: dist.ProcessGroup, key: RunKey, quorum: int, progress: int, description: dict[str, Any],
-          slot: int, name: str, heal_url: str, first_meeting: bool, timeout_s: float) -> Agreement:
+          slot: int, name: str, heal_url: str, first_meeting: bool, timeout_s: float,
+          fresh_start_heals: bool = False) -> Agreement:
     """Compare this job with every member of ``group`` (module doc; two all-gathers over it, bounded by
-    ``timeout_s``). ``heal_url``: where this rank offers its state when it is the heal's source. Returns
+    ``timeout_s``). ``heal_url``: where this rank offers its state when it is the heal's source.
+    ``fresh_start_heals``: when every member is at progress 0 (a run starting), the members after the reference
+    heal from it all the same (sites of different layouts initialize different weights). Returns
     the :class:`Agreement` (not ok when a member is refused or differs: it leaves; meet again); raises
     SystemExit when this job is the one to leave, and :class:`HandshakeBroken` when the group breaks."""
     size = dist.get_world_size(group)
@@ -170,6 +173,8 @@ def agree(group: dist.ProcessGroup, key: RunKey, quorum: int, progress: int, des
     if leaving or refused:
         return Agreement(False)
     behind = tuple(i for i in order if everyone[i]["progress"] < ref["progress"])
+    if fresh_start_heals and ref["progress"] == 0:  # (order: the most advanced first, so all are at 0)
+        behind = tuple(order[1:])
     if not behind:
         return Agreement(True)
     return Agreement(True, order[0], ref["heal_url"], ref["progress"], behind)

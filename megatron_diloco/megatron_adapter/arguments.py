@@ -167,6 +167,16 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "exchanges its shard as G / d slots, each with the ranks of the other sites that hold "
                             "the same slot. A power of two up to 128 and a multiple of this job's DP; above 40 "
                             "every job needs the same --ddp-bucket-size. Default: every job has the same DP.")
+    group.add_argument("--diloco-x-exchange-chunks", type=int, default=None, metavar="G",
+                       help="With --diloco-x-lighthouse, for sites of different tensor / pipeline / data parallelism "
+                            "(and world size): the model's parameters, by their names in Megatron's distributed "
+                            "checkpoint, cut into G chunks of equal size, the same on every job of the run; each "
+                            "rank holds G / its world size of them and exchanges each with the ranks of the other "
+                            "sites that hold the same chunk. Each rank gathers its chunks from the site's main "
+                            "shards (all-to-all over the site's fast network) at every boundary and scatters them "
+                            "back. A multiple of every job's world size. Every site needs the same padded "
+                            "vocabulary (--make-vocab-size-divisible-by x TP alike). Default: every job has the "
+                            "same layout.")
     group.add_argument("--diloco-x-site-pace", type=float, default=None, metavar="P",
                        help="With --diloco-x-lighthouse, for sites of different speed: each job runs, in every "
                             "round of the run, the inner steps that fit the slowest job's round, from the step "
@@ -404,6 +414,7 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
             if getattr(args, f"diloco_x_{flag}_timeout_minutes", 1.0) <= 0:
                 raise ValueError(f"--diloco-x-{flag}-timeout-minutes must be > 0")
     _validate_exchange_slots(args, config, dp, federated)
+    _validate_exchange_chunks(args, federated)
     if config.site_weights != "tokens" and not federated:
         raise ValueError("--diloco-x-site-weights applies with --diloco-x-lighthouse only (separate jobs; the "
                          "replicas of one world run the same steps on the same batch: every weight is 1)")
@@ -506,3 +517,23 @@ def _validate_exchange_slots(args: argparse.Namespace, config: DiLoCoXConfig, dp
     for codec in (config.compression, config.warmup_compression):
         if codec is not None:
             check_slot_codec(codec, slots // dp)
+
+
+def _validate_exchange_chunks(args: argparse.Namespace, federated: bool) -> None:
+    """``--diloco-x-exchange-chunks`` G (sites of different parallel layout): ValueError naming the fix (separate
+    jobs take no low-rank codec, whose factors the chunks would cut: refused with the lighthouse)."""
+    chunks = getattr(args, "diloco_x_exchange_chunks", None)
+    if chunks is None:
+        return
+    flag = f"--diloco-x-exchange-chunks {chunks}"
+    if not federated:
+        raise ValueError(f"{flag} applies with --diloco-x-lighthouse only (replicas of one world share their layout)")
+    if getattr(args, "diloco_x_exchange_slots", None) is not None:
+        raise ValueError(f"{flag} and --diloco-x-exchange-slots: give one (the chunks cover sites of different "
+                         "data-parallel size too)")
+    world = int(getattr(args, "world_size", 1))
+    if chunks < 1 or chunks % world:
+        raise ValueError(f"{flag} is not a multiple of this job's world size {world}: give every job of the run the "
+                         "same count, a multiple of every site's world size (e.g. the largest, when each divides it)")
+    if getattr(args, "context_parallel_size", 1) != 1:
+        raise ValueError(f"{flag} cannot be used with --context-parallel-size > 1 yet")

@@ -31,9 +31,13 @@ import dataclasses
 import hashlib
 import json
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_diloco.megatron_adapter.exchange_slots import ExchangePlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +147,17 @@ def _main_replica(replica_id) -> bool:
     return all(int(i) == 0 for i in ids[:-1]) if len(ids) > 1 else True
 
 
+def model_chunks(dist_opts: list) -> list:
+    """The model chunks of Megatron's distributed optimizers ``dist_opts``, each once, in order."""
+    seen, out = set(), []
+    for d in dist_opts:
+        for chunk in d.model_chunks:
+            if id(chunk) not in seen:
+                seen.add(id(chunk))
+                out.append(chunk)
+    return out
+
+
 def param_names(model_chunks: list) -> dict[int, tuple[str, tuple[int, ...], tuple[int, ...], bool]]:
     """Each parameter of ``model_chunks`` that Megatron's sharded state dict names: ``id(param)`` -> (key, its
     global shape, the local block's shape and offset, as one tuple of the global rank: prepended axes included,
@@ -241,6 +256,19 @@ class ByName:
             raise ValueError(f"exchange by name: the site's main copies cover {owned_total} of {n} canonical elements "
                              f"(this rank's staging {got} of {self.hi - self.lo}): a parameter is held twice or not "
                              "at all as Megatron marks its copies")
+
+    def plan(self) -> "ExchangePlan":
+        """This rank's part in the run as exchange slots (one per chunk): the staging's chunk views, the chunks'
+        indices as the run's virtual ranks (G of them, the same on every site) and, per chunk, its canonical range
+        (the handshake compares them with the key table, :meth:`digest`)."""
+        from megatron_diloco.megatron_adapter.exchange_slots import ExchangePlan
+
+        per = self.chunks // self.world
+        bounds = [0]
+        for a, b in self.chunk_ranges:
+            bounds.append(bounds[-1] + b - a)
+        return ExchangePlan(self.chunk_views(), tuple(bounds), tuple(range(self.rank * per, (self.rank + 1) * per)),
+                            self.chunks, [[((self.numel_total,), a, b - a)] for a, b in self.chunk_ranges])
 
     def _holder(self, canon: int) -> int:
         """The rank whose staging holds canonical element ``canon``."""

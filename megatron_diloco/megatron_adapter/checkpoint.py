@@ -93,9 +93,12 @@ class OuterCheckpoint:
     """
 
     def __init__(self, sync: OuterSync, view: ShardView, dist_opts: list[DistributedOptimizer],
-                 topology: Topology, layout: ShardLayout) -> None:
+                 topology: Topology, layout: ShardLayout, outer_layout: ShardLayout | None = None) -> None:
         self.sync, self.view, self.dist_opts = sync, view, dist_opts
-        self.topology, self.layout = topology, layout
+        #: ``layout``: the main shards' table (``param``, ``opt.*``); ``outer_layout``: the outer state's (theta,
+        #: momentum, the exchange in flight, ``residual``, ``anchor``, ``launch``): the same but with the exchange
+        #: by name, whose outer state lives over each rank's chunks
+        self.topology, self.layout, self.outer_layout = topology, layout, outer_layout or layout
         # loading: what the checkpoint being loaded holds (sharded_state_dict reads its metadata) and the
         # fresh buffer its main shards are read into (load_state_dict copies it over the live shards)
         self._loading_contents: _CheckpointContents | None = None
@@ -194,25 +197,28 @@ class OuterCheckpoint:
         with fp32 models they are views of the model parameters that Megatron's model entries load into
         in the same read; :meth:`load_state_dict` copies them over."""
         topo = self.topology
-        r, n = topo.replica_index, self.view.numel
+        r, n, m = topo.replica_index, self.view.numel, self.sync.view.numel
         offset, total = self.layout.checkpoint_span()
+        spans = {"main": (offset, total), "outer": self.outer_layout.checkpoint_span()}
         pos_shape, pos_offset = (topo.ranks_per_replica,), (topo.rank_in_replica,)
         loading = contents is not None
 
         def outer_entry(name: str, t: torch.Tensor) -> ShardedTensor:
-            return ShardedTensor(f"diloco_x.outer.{name}", t.detach(), t.dtype, (n,), (total,), (offset,),
+            at, whole = spans["outer"]
+            return ShardedTensor(f"diloco_x.outer.{name}", t.detach(), t.dtype, (m,), (whole,), (at,),
                                  axis_fragmentations=None, replica_id=r)
 
         def replica_entry(kind: str, t: torch.Tensor, at: int) -> ShardedTensor:
             row = t.detach().view(1, -1)
+            start, whole = spans["outer" if kind in OUTER_SIZED else "main"]
             return ShardedTensor(f"diloco_x.replica.{kind}", row, row.dtype, tuple(row.shape),
-                                 (topo.replicas, total), (r, offset + at), axis_fragmentations=None, replica_id=0)
+                                 (topo.replicas, whole), (r, start + at), axis_fragmentations=None, replica_id=0)
 
         if loading:
             live = {"theta": self.sync.theta, "momentum_buffer": self.sync.outer.momentum_buffer,
                     "pending_delta": self.sync.exchange_buffer}
             outer_tensors = {name: (live[name] if live.get(name) is not None else
-                                    torch.empty(n, dtype=torch.float32, device=self.view.device))
+                                    torch.empty(m, dtype=torch.float32, device=self.view.device))
                              for name in contents.outer}
             outer_meta = None
             kinds = self._replica_tensors()
@@ -229,9 +235,9 @@ class OuterCheckpoint:
             replica_meta = None
         else:
             state = self.sync.state_dict()
-            outer_tensors = {k: v for k, v in state.items() if _is_flat_shard(v, n)}
+            outer_tensors = {k: v for k, v in state.items() if _is_flat_shard(v, m)}
             outer_meta = {k: v for k, v in state.items() if k not in outer_tensors}
-            outer_meta.update(format=CHECKPOINT_FORMAT, numel=n, tensors=sorted(outer_tensors),
+            outer_meta.update(format=CHECKPOINT_FORMAT, numel=m, tensors=sorted(outer_tensors),
                               exchange_slots=list(self.sync.segments.bounds),
                               step_calls=counters.step_calls, totals=vars(counters.totals).copy(),
                               schedule=self.sync.schedule.state_dict())
@@ -243,10 +249,10 @@ class OuterCheckpoint:
                                           replica_id=0),
             "outer": {}, "replica": {},
         }
-        if n > 0:  # a rank without main shards contributes no tensor piece
+        if m > 0:  # a rank without main shards (or chunks) contributes no tensor piece
             entries["outer"] = {name: outer_entry(name, t) for name, t in outer_tensors.items()}
-            entries["replica"] = {kind: [replica_entry(kind, t, at) for at, t in items]
-                                  for kind, items in kinds.items()}
+        entries["replica"] = {kind: [replica_entry(kind, t, at) for at, t in items] for kind, items in kinds.items()
+                              if (m if kind in OUTER_SIZED else n) > 0}
         return entries
 
     def _megatron_entries_from_replica_zero(self, model_sharded_state_dict: dict, inner_sd: dict) -> None:
@@ -336,27 +342,26 @@ class OuterCheckpoint:
         outer_meta, replica_meta = ours["outer.meta"], ours["replica.meta"]
         if outer_meta.get("format") != CHECKPOINT_FORMAT:
             raise RuntimeError(f"unknown DiLoCoX checkpoint format {outer_meta.get('format')}")
-        n = self.view.numel
-        if int(outer_meta["numel"]) != n:
+        n, m = self.view.numel, self.sync.view.numel
+        if int(outer_meta["numel"]) != m:
             raise ValueError(f"DiLoCoX checkpoint holds an outer shard of {outer_meta['numel']} elements, this "
-                             f"rank owns {n}: resume with the same TP/PP/DP layout and --diloco-x-replicas")
+                             f"rank owns {m}: resume with the same TP/PP/DP layout and --diloco-x-replicas")
         self._check_slots(outer_meta.get("exchange_slots"))
         loaded_outer = ours.get("outer", {})
         sync_state = {k: v for k, v in outer_meta.items() if k not in (
             "format", "numel", "tensors", "step_calls", "totals", "schedule", "exchange_slots")}
         for name in outer_meta["tensors"]:
-            sync_state[name] = (loaded_outer[name] if n > 0 else
+            sync_state[name] = (loaded_outer[name] if m > 0 else
                                 torch.empty(0, dtype=torch.float32, device=self.view.device))
         self.sync.load_state_dict(sync_state)  # copies onto itself where read in place
         fresh, self._loading_main_params = self._loading_main_params, None
-        if n > 0:
-            loaded = ours["replica"]
-            for kind, entries in self._replica_tensors().items():
-                if kind == "param":
-                    continue
+        loaded = ours.get("replica", {})
+        for kind, entries in self._replica_tensors().items():
+            if kind != "param" and (m if kind in OUTER_SIZED else n) > 0:
                 for (_, t), src in zip(entries, loaded[kind]):
                     if src.data_ptr() != t.data_ptr():  # not read in place (e.g. state reallocated)
                         t.copy_(src.view_as(t))
+        if n > 0:
             if fresh is None:  # loaded through another path: copy the main shards piece by piece
                 for (_, p), src in zip(self._replica_tensors()["param"], loaded["param"]):
                     p.detach().copy_(src.view_as(p))
@@ -392,11 +397,11 @@ class OuterCheckpoint:
     def _check_slots(self, saved: list | None) -> None:
         """Refuse a checkpoint whose outer state is cut into other exchange slots (``--diloco-x-exchange-slots``:
         the outer vectors keep a rank's slots one after another, so another cut is another order)."""
-        saved = tuple(saved) if saved is not None else (0, self.view.numel)  # (older checkpoints: one slot)
+        saved = tuple(saved) if saved is not None else (0, self.sync.view.numel)  # (older checkpoints: one slot)
         if saved != self.sync.segments.bounds:
             raise ValueError(f"DiLoCoX checkpoint holds this rank's outer state as {len(saved) - 1} exchange slot(s), "
                              f"this job cuts it into {self.sync.segments.k}: resume with the "
-                             "--diloco-x-exchange-slots and data-parallel size it was written with")
+                             "--diloco-x-exchange-slots (or --diloco-x-exchange-chunks) and layout it was written with")
 
     def _load_replica_meta(self, meta: dict) -> int | None:
         """Restore :meth:`replica_meta` (after the inner optimizer's own load, which set replica 0's
@@ -436,6 +441,10 @@ CHECKPOINT_FORMAT = 2
 _EARLIER_FORMAT = ("{where} holds DiLoCoX state in the first checkpoint format (pickled objects, written by an "
                    "earlier megatron-diloco), which this version does not read: load it with --no-load-optim to "
                    "start a new outer loop from its weights, or resume with the version that wrote it")
+
+
+#: the per-replica kinds laid out as the outer state (over the rank's chunks with the exchange by name)
+OUTER_SIZED = ("residual", "anchor", "launch")
 
 
 def _is_flat_shard(value: Any, numel: int) -> bool:
@@ -512,9 +521,11 @@ def _read_checkpoint_contents(ckpt: OuterCheckpoint) -> _CheckpointContents:
             raise RuntimeError(_EARLIER_FORMAT.format(where=f"checkpoint {path}"))
     if outer:
         _, total = ckpt.layout.checkpoint_span()
-        want_outer, want_replica = (total,), (ckpt.topology.replicas, total)
+        _, outer_total = ckpt.outer_layout.checkpoint_span()  # (the exchange by name: every chunk's elements)
+        want_outer, want_replica = (outer_total,), (ckpt.topology.replicas, total)
         bad = {k: s for k, s in outer.items() if s != want_outer}
-        bad.update({k: s for k, s in replica.items() if s != want_replica})
+        bad.update({k: s for k, s in replica.items()
+                    if s != ((ckpt.topology.replicas, outer_total) if k in OUTER_SIZED else want_replica)})
         if bad:
             raise RuntimeError(
                 f"DiLoCoX checkpoint {path} was written with another layout: entries {bad} vs this run's outer "

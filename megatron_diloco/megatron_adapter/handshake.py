@@ -118,6 +118,9 @@ MUST_AGREE_MEGATRON: tuple[tuple[str, str], ...] = (
 
 #: what ``--diloco-x-exchange-slots`` lets jobs differ in (their shards are then compared slot by slot)
 SLOTS_REPLACE = ("world_size", "data_parallel_size")
+#: what ``--diloco-x-exchange-chunks`` lets jobs differ in (they compare the parameters' names and global shapes)
+CHUNKS_REPLACE = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "virtual_pipeline_model_parallel_size", "data_parallel_size")
 
 #: Megatron arguments separate jobs may set apiece (the mean weighs each job by its tokens, each reads its
 #: data slot at its own rate, each counts its own inner steps and LR schedule); launches of one run, and
@@ -177,12 +180,13 @@ def shard_digest(layout: Sequence[tuple[Sequence[int], int, int]]) -> list:
 
 
 def describe_launch(args: argparse.Namespace, config: DiLoCoXConfig, shards: list[list],
-                    megatron_version: str, separate_jobs: bool = False) -> dict[str, Any]:
+                    megatron_version: str, separate_jobs: bool = False, by_name: str | None = None) -> dict[str, Any]:
     """What must agree across launches, as a JSON-serializable dict (label -> value; the labels name
     the flags). ``shards``: per rank of this launch, :func:`shard_digest` of its fp32 main shards;
     ``megatron_version``: megatron-core's; ``separate_jobs``: jobs of a run (``--diloco-x-lighthouse``),
-    which may differ in :data:`PER_JOB_MEGATRON` unless the run is given in samples. Identical on every
-    rank of a launch."""
+    which may differ in :data:`PER_JOB_MEGATRON` unless the run is given in samples; ``by_name``: with
+    ``--diloco-x-exchange-chunks``, the digest of the parameters' names and global shapes
+    (:meth:`~megatron_diloco.megatron_adapter.by_name.ByName.digest`). Identical on every rank of a launch."""
     from megatron_diloco.version import __version__
 
     out: dict[str, Any] = {"handshake format": HANDSHAKE_FORMAT,
@@ -196,15 +200,19 @@ def describe_launch(args: argparse.Namespace, config: DiLoCoXConfig, shards: lis
     if per_job and not paced:
         out.update(describe_rounds(args, config))
     slots = getattr(args, "diloco_x_exchange_slots", None) if separate_jobs else None
+    chunks = getattr(args, "diloco_x_exchange_chunks", None) if separate_jobs else None
     # jobs of a run in iterations may differ in the global batch and (not paced) in their iterations
     shared = PER_JOB_MEGATRON if not per_job else PER_JOB_MEGATRON[1:] if paced else ()
     for flag, attr in MUST_AGREE_MEGATRON + shared:
-        if slots and attr in SLOTS_REPLACE:  # sites of different size: they agree on the slots instead
-            continue
+        if (slots and attr in SLOTS_REPLACE) or (chunks and attr in CHUNKS_REPLACE):  # they agree on the slots
+            continue                                                                  # or chunks instead
         value = getattr(args, attr, None)
         out[flag] = list(value) if isinstance(value, tuple) else value
     if slots:
         out["--diloco-x-exchange-slots"] = slots
+    if chunks:
+        out["--diloco-x-exchange-chunks"] = chunks
+        out["parameters by name (Megatron's checkpoint keys and global shapes)"] = by_name
     out[SHARDS] = shards
     return json.loads(json.dumps(out))  # the form the other launches read back
 

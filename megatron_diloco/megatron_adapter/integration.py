@@ -123,6 +123,12 @@ def _show_package_logs(args: argparse.Namespace) -> None:
     pkg.propagate = False
 
 
+def _data_slots(args) -> int | None:
+    """The data-parallel ranks every job reads as (:mod:`~megatron_diloco.megatron_adapter.data_split`):
+    ``--diloco-x-exchange-slots`` or ``--diloco-x-exchange-chunks`` (a multiple of every site's DP), else None."""
+    return getattr(args, "diloco_x_exchange_slots", None) or getattr(args, "diloco_x_exchange_chunks", None)
+
+
 class _Installation:
     """The state one ``install`` call wires into Megatron (kept in closures, not module globals)."""
 
@@ -259,7 +265,8 @@ class _Installation:
         if self.args.diloco_x_lighthouse is not None:  # this job is one replica of a run of separate jobs
             from megatron_diloco.megatron_adapter.topology import from_federation
 
-            topology = from_federation(getattr(self.args, "diloco_x_exchange_slots", None))
+            topology = from_federation(getattr(self.args, "diloco_x_exchange_slots", None),
+                                       getattr(self.args, "diloco_x_exchange_chunks", None))
             self.optimizer = opt = DiLoCoXOptimizer(inner, self.config, topology, on_round=self.log_round)
             self.membership = self.join_federation(opt, self.describe_launch(inner, separate_jobs=True))
             opt.federation.tokens_per_step = self.tokens_per_step
@@ -310,7 +317,8 @@ class _Installation:
         if opt.slots is not None:  # the theta agreement counts slots as the run's jobs do
             opt.sync.decision.virtual = (opt.slots.virtual_ranks, opt.slots.virtual_world)
         membership.handshake = lambda group, progress, quorum, heal_url, first: handshake.agree(
-            group, key, quorum, progress, description, args.diloco_x_replica_index, name, heal_url, first, timeout_s)
+            group, key, quorum, progress, description, args.diloco_x_replica_index, name, heal_url, first, timeout_s,
+            fresh_start_heals=opt.by_name is not None)  # (sites of other layouts start from other weights)
         membership.rounds = lambda: opt.sync.rounds  # (the fault drills' clock)
         fed.membership = membership
         return membership
@@ -365,7 +373,9 @@ class _Installation:
         dist.all_gather_object(shards, mine)
         if plan is not None:  # per exchange slot, in the order of the run's virtual ranks (every job's alike)
             shards = [digest for _, digest in sorted(slot for rank in shards for slot in rank)]
-        return describe_launch(self.args, self.config, shards, megatron_version(package_info), separate_jobs)
+        by_name = self.optimizer.by_name if separate_jobs and self.optimizer is not None else None
+        return describe_launch(self.args, self.config, shards, megatron_version(package_info), separate_jobs,
+                               by_name.digest() if by_name is not None else None)
 
     def run_length_known(self) -> None:
         """Megatron built the LR scheduler, so ``args.train_iters`` is set (under ``--train-samples`` it
@@ -390,13 +400,12 @@ class _Installation:
         """Replicas in separate worlds or jobs: each reads its share of the run's samples
         (:func:`~megatron_diloco.megatron_adapter.data_split.build_loader`)."""
         return data_split.build_loader(build, self.config.replicas, self.args.diloco_x_replica_index,
-                                       getattr(self.args, "diloco_x_exchange_slots", None))
+                                       _data_slots(self.args))
 
     def wrap_get_train_valid_test_num_samples(self, get_num_samples: Callable) -> Callable:
         """Replicas in separate worlds or jobs: the datasets sized for the run's samples
         (:func:`~megatron_diloco.megatron_adapter.data_split.num_samples`)."""
-        return data_split.num_samples(get_num_samples, self.config.replicas,
-                                      getattr(self.args, "diloco_x_exchange_slots", None),
+        return data_split.num_samples(get_num_samples, self.config.replicas, _data_slots(self.args),
                                       getattr(self.args, "data_parallel_size", 1), self.config.site_pace)
 
     def after_load(self) -> None:

@@ -21,6 +21,7 @@ the param gathers. Nothing else crosses replicas between boundaries.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -36,10 +37,11 @@ from megatron_diloco.algorithm.config import DiLoCoXConfig
 from megatron_diloco.algorithm.exchange import ExchangeStats
 from megatron_diloco.algorithm.link import host_copy
 from megatron_diloco.algorithm.shard_view import ShardView, fingerprint
-from megatron_diloco.megatron_adapter.exchange_slots import exchange_plan
 from megatron_diloco.algorithm.protocols import RoundReport
 from megatron_diloco.algorithm.sync import OuterSync
+from megatron_diloco.megatron_adapter.by_name import ByName, model_chunks
 from megatron_diloco.megatron_adapter.checkpoint import Counters, OuterCheckpoint
+from megatron_diloco.megatron_adapter.exchange_slots import exchange_plan, main_ranges
 from megatron_diloco.megatron_adapter.forwarding import FORWARDED, forward_to_inner, not_forwarded
 from megatron_diloco.megatron_adapter.restart import LRSchedulePosition, RestartPolicy
 from megatron_diloco.megatron_adapter.shard_layout import ShardLayout
@@ -118,14 +120,21 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         # the world's shard table: one all-gather over the world here (link sharers), kept for checkpoints
         self.layout = ShardLayout(topology.replica_index, topology.rank_in_replica, self.view.numel,
                                   self.view.device)
+        #: sites of different parallel layout: the parameters by name in chunks, staged (None: the shards themselves)
+        self.by_name = ByName(model_chunks(self.dist_opts), main_ranges(self.dist_opts), self.view.shards,
+                              topology.exchange_chunks) if topology.exchange_chunks else None
+        if self.by_name is not None:
+            self.by_name.pull()  # (the outer state starts from x)
         #: sites of different data-parallel size: the outer state slot by slot (None: the shards as they are)
-        self.slots = exchange_plan(self.dist_opts, self.view.shards, topology.exchange_slots) if (
-            topology.exchange_slots) else None
+        self.slots = self.by_name.plan() if self.by_name is not None else exchange_plan(
+            self.dist_opts, self.view.shards, topology.exchange_slots) if topology.exchange_slots else None
         self.sync = OuterSync(ShardView(self.slots.views) if self.slots else self.view, config, topology.outer_group,
                               None if self.slots else _shard_shapes(self.dist_opts),
                               gloo_group=topology.outer_gloo_group, decision_group=topology.decision_group,
                               link_sharers=self.layout.link_sharers(), segments=self.slots and self.slots.bounds)
-        self.checkpoint = OuterCheckpoint(self.sync, self.view, self.dist_opts, topology, self.layout)
+        self.checkpoint = OuterCheckpoint(self.sync, self.view, self.dist_opts, topology, self.layout, ShardLayout(
+            topology.replica_index, topology.rank_in_replica, self.sync.view.numel, self.view.device) if (
+            self.by_name is not None) else None)
         self.restarts = RestartPolicy(self.sync, config)
         self.lr_position = LRSchedulePosition()
         # the round's inner-step time: the sum of its iterations' spans, each from the start of the
@@ -221,7 +230,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         not yet reported, the round's timing; the start weights are checked again at the first
         boundary. Model params are left as they are (they hold x already). Logs one line with
         ``reason`` (global rank 0)."""
-        self.restarts.restart_sync()
+        with self._x_staged():
+            self.restarts.restart_sync()
         self.step_calls = 0
         self._round_step_s, self._round_timed_steps = 0.0, 0
         self._landed = None  # an exchange of the old loop that landed: not this loop's first round's
@@ -284,7 +294,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
     def join_federation(self) -> dict | None:
         """Separate jobs, before training (every rank): :meth:`FederatedRounds.join`; the position taken,
         or None. Collective over the job's world and the members' outer groups."""
-        position = self.federation.join()
+        with self._x_staged():
+            position = self.federation.join()
         self._start_checked = True  # the decision compares theta at every boundary
         if position is not None:
             self._publish_params()
@@ -298,6 +309,18 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         ``step()`` (the first one of a run or after a resume is then not timed)."""
         self._iteration_started = time.perf_counter()
 
+    @contextlib.contextmanager
+    def _x_staged(self):
+        """Outer work on x: with the exchange by name (:attr:`by_name`), x is pulled from the main shards into the
+        staging the outer state reads before it, and pushed back after (collectives over the job's world; every
+        rank does the same outer work). Nothing otherwise: the outer state reads the main shards in place."""
+        if self.by_name is None:
+            yield
+            return
+        self.by_name.pull()
+        yield
+        self.by_name.push()
+
     def _defer_inner_param_gather(self, defer: bool) -> None:
         """Whether the inner step skips its synchronous parameter all-gather (intra-replica DP group;
         without ``--overlap-param-gather``, where Megatron gathers in the next forward instead)."""
@@ -307,7 +330,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def _merge(self) -> None:
-        stats = self.sync.merge()
+        with self._x_staged():
+            stats = self.sync.merge()
         self._publish_params()
         self._account(stats)
         self._landed = stats  # reported with the round, at its boundary
@@ -324,7 +348,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         self.sync.before_boundary(total / timed if timed > 0 else None, steps=None if final else self.step_calls)
         if not self._start_checked:
             self._check_replicas_started_alike()
-        report = self.sync.boundary()
+        with self._x_staged():
+            report = self.sync.boundary()
         self._publish_params()
         self._account(report.completed)
         # the exchange this round applied: at the boundary, or (partial, tau < H) at its landing
@@ -388,45 +413,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
             setattr(self.totals, field, getattr(self.totals, field) + getattr(completed, field))
 
     def round_metrics(self, report: RoundReport) -> dict:
-        """This boundary's figures (:data:`megatron_diloco.summary.ROUND_METRICS` names and explains each); the ``replica_*``
-        ones and the pseudo-gradient norm are reduced over the replica (two small all-reduces over
-        the intra-replica groups: the fast network), the others are this rank's."""
-        done = report.completed  # the exchange applied in this round (launched one round ago when delayed)
-        sums = torch.tensor([report.pseudo_grad_sq, done.input_sq if done else 0.0,
-                             done.residual_sq if done else 0.0, done.bytes_sent if done else 0,
-                             done.bytes_received if done else 0], dtype=torch.float64, device=self.view.device)
-        maxes = torch.tensor([done.exchange_s if done else 0.0, done.exposed_s if done else 0.0],
-                             dtype=torch.float64, device=self.view.device)
-        for group in self.topology.replica_groups:
-            dist.all_reduce(sums, group=group)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-        sync = self.sync
-        tau = {"none": 0, "partial": sync.tau}.get(self.diloco_config.overlap, sync.next_round_steps)
-        return {
-            "round": report.round,
-            "step": self.step_calls,
-            "applied": report.applied,
-            "bytes_sent": done.bytes_sent if done else 0,
-            "bytes_received": done.bytes_received if done else 0,
-            "replica_bytes_sent": float(sums[3]),
-            "replica_bytes_received": float(sums[4]),
-            "exchange_s": done.exchange_s if done else 0.0,
-            "exposed_s": done.exposed_s if done else 0.0,
-            "replica_exchange_s": float(maxes[0]),
-            "replica_exposed_s": float(maxes[1]),
-            "pseudo_grad_norm": float(sums[0].sqrt()),
-            # ||not sent|| / ||encoded|| over the replica (this replica's payloads; 0 when lossless)
-            "compression_error": float((sums[2] / sums[1]).sqrt()) if sums[1] > 0 else 0.0,
-            "skipped": report.skipped,
-            "compression_ratio": (done.raw_bytes / done.payload_bytes
-                                  if done and done.payload_bytes else 0.0),
-            "overlap_steps": tau,
-            "round_steps": sync.next_round_steps,
-            "step_s": sync.step_time_s or 0.0,
-            "link_mbps": sync.link_mbps or 0.0,
-            "tokens": self.federation.round_tokens if self.federation is not None else 0,
-            "weight": self.federation.round_weight if self.federation is not None else 1.0,
-        }
+        """This boundary's figures (:func:`round_metrics`)."""
+        return round_metrics(self, report)
 
     def finish(self) -> None:
         """End of training: leave every replica with the one model they all agree on, theta.
@@ -440,7 +428,8 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         decision group."""
         if self.step_calls > 0 and not self.sync.schedule.is_boundary(self.step_calls):
             self._boundary(final=True)
-        stats = self.sync.drain()
+        with self._x_staged():
+            stats = self.sync.drain()
         # always: Megatron turned the forward pre-hooks off after its loop, so with
         # --overlap-param-gather nothing would gather the last boundary's params
         self._publish_params(gather_now=True)
@@ -462,9 +451,13 @@ class DiLoCoXOptimizer(MegatronOptimizer):
         the shared outer state (theta, momentum) is compared instead. After :meth:`finish` the params are compared. With
         ``--overlap-param-gather`` the model params are gathered by the next forward, not at the
         boundary: until then only the fp32 main shards are compared (the model's own shard is their
-        copy; the rest is the previous round's local params by design). Exchange slots: slot by slot."""
+        copy; the rest is the previous round's local params by design). Exchange slots: slot by slot; by name: x chunk by
+        chunk (pulled: collective over the job's world)."""
         if not self.sync.params_shared:  # theta and m, on the device (streamed when host-held)
             fp = self.sync.fingerprint(self.sync.outer.tensors())
+        elif self.by_name is not None:  # x by name, chunk by chunk (the model params' layouts differ by site)
+            self.by_name.pull()
+            fp = torch.stack([fingerprint(self.sync.view.pieces(a, b)) for a, b in self.sync.segments.ranges()])
         else:
             params = [p for d in self.dist_opts if self._params_gathered or not d.ddp_config.overlap_param_gather
                       for chunk in d.model_chunks for p in chunk.parameters()]
@@ -493,3 +486,45 @@ def same_across_groups(fps: torch.Tensor, groups: tuple) -> bool:
         dist.all_gather(gathered, fp, group=group)
         same = same and all(torch.equal(gathered[0], g) for g in gathered)
     return same
+
+
+def round_metrics(opt: DiLoCoXOptimizer, report: RoundReport) -> dict:
+    """``opt``'s figures of this boundary (:data:`megatron_diloco.summary.ROUND_METRICS` names and explains
+    each); the ``replica_*`` ones and the pseudo-gradient norm are reduced over the replica (two small
+    all-reduces over the intra-replica groups: the fast network), the others are this rank's."""
+    done = report.completed  # the exchange applied in this round (launched one round ago when delayed)
+    sums = torch.tensor([report.pseudo_grad_sq, done.input_sq if done else 0.0,
+                         done.residual_sq if done else 0.0, done.bytes_sent if done else 0,
+                         done.bytes_received if done else 0], dtype=torch.float64, device=opt.view.device)
+    maxes = torch.tensor([done.exchange_s if done else 0.0, done.exposed_s if done else 0.0],
+                         dtype=torch.float64, device=opt.view.device)
+    for group in opt.topology.replica_groups:
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+    sync = opt.sync
+    tau = {"none": 0, "partial": sync.tau}.get(opt.diloco_config.overlap, sync.next_round_steps)
+    return {
+        "round": report.round,
+        "step": opt.step_calls,
+        "applied": report.applied,
+        "bytes_sent": done.bytes_sent if done else 0,
+        "bytes_received": done.bytes_received if done else 0,
+        "replica_bytes_sent": float(sums[3]),
+        "replica_bytes_received": float(sums[4]),
+        "exchange_s": done.exchange_s if done else 0.0,
+        "exposed_s": done.exposed_s if done else 0.0,
+        "replica_exchange_s": float(maxes[0]),
+        "replica_exposed_s": float(maxes[1]),
+        "pseudo_grad_norm": float(sums[0].sqrt()),
+        # ||not sent|| / ||encoded|| over the replica (this replica's payloads; 0 when lossless)
+        "compression_error": float((sums[2] / sums[1]).sqrt()) if sums[1] > 0 else 0.0,
+        "skipped": report.skipped,
+        "compression_ratio": (done.raw_bytes / done.payload_bytes
+                              if done and done.payload_bytes else 0.0),
+        "overlap_steps": tau,
+        "round_steps": sync.next_round_steps,
+        "step_s": sync.step_time_s or 0.0,
+        "link_mbps": sync.link_mbps or 0.0,
+        "tokens": opt.federation.round_tokens if opt.federation is not None else 0,
+        "weight": opt.federation.round_weight if opt.federation is not None else 1.0,
+    }

@@ -49,6 +49,9 @@ class Topology:
     exchange_slots: int | None = None
     """Separate jobs of different data-parallel size (``--diloco-x-exchange-slots`` G): each rank exchanges its
     shard as G / DP slots (:mod:`~megatron_diloco.megatron_adapter.exchange_slots`); None: as one."""
+    exchange_chunks: int | None = None
+    """Separate jobs of different parallel layout (``--diloco-x-exchange-chunks`` G): the model's parameters by
+    name, cut into G chunks, G / world of them on each rank (:mod:`~megatron_diloco.megatron_adapter.by_name`)."""
 
 
 def host_mirror_of_outer_groups(replicas: int) -> dist.ProcessGroup | None:
@@ -191,7 +194,7 @@ def from_outer_store(replicas: int, replica_index: int, address: str, timeout_mi
                     separate_worlds=True)
 
 
-def from_federation(exchange_slots: int | None = None) -> Topology:
+def from_federation(exchange_slots: int | None = None, exchange_chunks: int | None = None) -> Topology:
     """The topology of a job that is one replica of a run of separate jobs (``--diloco-x-lighthouse``):
     to Megatron and the checkpoint, a world of one replica; its outer group is the members present
     at each boundary, set by the meeting (:mod:`megatron_diloco.federation.membership`). The skip
@@ -200,4 +203,4 @@ def from_federation(exchange_slots: int | None = None) -> Topology:
     world, rank = dist.get_world_size(), dist.get_rank()
     job = decision_group_of_world() if world > 1 else None
     return Topology(1, 0, world, rank, None, _replica_groups(), None, tuple(g for g in (job,) if g is not None),
-                    separate_worlds=True, exchange_slots=exchange_slots)
+                    separate_worlds=True, exchange_slots=exchange_slots, exchange_chunks=exchange_chunks)
