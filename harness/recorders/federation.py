@@ -17,7 +17,8 @@ class FederationRecorder(Recorder):
     there]`` after the boundary (theta as every member
     must hold it then); ``final_fp``: the fp32 main shards' fingerprint after the end of training (``chunks``:
     with the exchange by name, each chunk's);
-    ``heals``: per heal received, its transfer's seconds and the bytes of the tensors in it.
+    ``heals``: per heal received, its transfer's seconds and the bytes of the tensors in it; ``by_name_s``: with the
+    exchange by name, per ``pull`` / ``push`` the calls and their seconds (device-synchronized).
     ``DILOCO_TEST_STEP_SLEEP_S=S``: every iteration S seconds longer (time to kill, stop and restart
     jobs mid-run without more compute); with ``DILOCO_TEST_STEP_SLEEP_UNTIL=PATH`` only until the file PATH
     exists (a test creates it once it has done what the slow steps gave it time for: the rest of the run
@@ -25,7 +26,7 @@ class FederationRecorder(Recorder):
     (:mod:`megatron_diloco.algorithm.faults`)."""
 
     name = "federation"
-    keys = ("losses", "fed_rounds", "final_fp", "heals")
+    keys = ("losses", "fed_rounds", "final_fp", "heals", "by_name_s")
 
     def __init__(self, record: dict[str, Any]) -> None:
         super().__init__(record)
@@ -69,6 +70,23 @@ class FederationRecorder(Recorder):
             if opt.by_name is not None:  # x by name, chunk by chunk, pulled from the main shards as they ended
                 opt.by_name.pull()       # (collective over the job: every rank finishes): comparable between sites
                 record["final_fp"]["chunks"] = [fingerprint_ints([c]) for c in opt.by_name.chunk_views()]
+
+        import torch
+
+        from megatron_diloco.megatron_adapter.by_name import ByName
+
+        for name in ("pull", "push"):  # the exchange by name's intra-site all-to-alls: count, seconds (device-synced)
+            @wrap(ByName, name)
+            def timed(orig, layout, _name=name):
+                cuda = layout.device.type == "cuda"
+                if cuda:
+                    torch.cuda.synchronize(layout.device)
+                started = time.perf_counter()
+                orig(layout)
+                if cuda:
+                    torch.cuda.synchronize(layout.device)
+                spent = record.setdefault("by_name_s", {}).setdefault(_name, [0, 0.0])
+                spent[0], spent[1] = spent[0] + 1, spent[1] + time.perf_counter() - started
 
         record_losses(training, record["losses"])
 
