@@ -60,12 +60,18 @@ def run(work: Path, model: str, iters: int, gpus: int) -> dict:
     with Lighthouse(work / "lighthouse.txt", min_replicas=2) as lh:
         jobs = {}
         for i, (name, (ranks, own, devices)) in enumerate(_sites(gpus).items()):
-            env = {"CUDA_VISIBLE_DEVICES": devices} if gpus else {"OMP_NUM_THREADS": "1"}
+            # (Megatron's tensor parallelism on GPUs needs one connection per device: its own check)
+            env = {"CUDA_VISIBLE_DEVICES": devices, "CUDA_DEVICE_MAX_CONNECTIONS": "1"} if gpus else {
+                "OMP_NUM_THREADS": "1"}
             jobs[name] = Job(work / name, name, i, lh.address, [*common, *own], nproc=ranks, model=flags,
                              run="layouts", env=env, torchrun=bool(gpus))
-        try:
+        try:  # a job that fails ends the run at once (the other would wait for it at its first meeting)
+            while any(job.proc.poll() is None for job in jobs.values()):
+                failed = [job for job in jobs.values() if job.proc.poll() not in (None, 0)]
+                assert not failed, f"job {failed[0].name} failed:\n{failed[0].log()[-4000:]}"
+                time.sleep(1)
             for job in jobs.values():
-                assert job.wait(1800) == 0, job.log()[-4000:]
+                assert job.wait(60) == 0, job.log()[-4000:]
         finally:
             for job in jobs.values():
                 job.close()
