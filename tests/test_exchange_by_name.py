@@ -1,5 +1,6 @@
 """The exchange by name on real Megatron models (``megatron_diloco.megatron_adapter.by_name``): the same model built at
-TP 1 / PP 1 / DP 2, TP 2, PP 2 and TP 2 x PP 2 (gloo ranks, the distributed optimizer, bf16), the recorder ``by_name``
+TP 1 / PP 1 / DP 2, TP 2, PP 2 and TP 2 x PP 2, and with ``--swiglu`` at DP 2 and TP 2 (gloo ranks, the distributed
+optimizer, bf16), the recorder ``by_name``
 at the first step. At every layout a pull must bring every canonical element from its main shard (set to its index,
 computed densely from Megatron's sharded state dict) into the staging of the rank that holds its chunk, and a push
 must write every copy back; and every layout must name the same tensors with the same global shapes."""
@@ -12,12 +13,28 @@ from tests.megatron_utils import run_megatron
 
 pytestmark = pytest.mark.megatron
 
-LAYOUTS = {"dp2": (1, 1, 2), "tp2": (2, 1, 2), "pp2": (1, 2, 2), "tp2pp2": (2, 2, 4)}
+#: name -> (TP, PP, ranks, flags); ``swiglu*``: the fused gate and up projection (Megatron saves it through a
+#: factory, as two blocks of one global tensor)
+LAYOUTS = {"dp2": (1, 1, 2, []), "tp2": (2, 1, 2, []), "pp2": (1, 2, 2, []), "tp2pp2": (2, 2, 4, []),
+           "swiglu_dp2": (1, 1, 2, ["--swiglu"]), "swiglu_tp2": (2, 1, 2, ["--swiglu"])}
 
 
-def _layout(tmp_path, tp: int, pp: int, nproc: int, chunks: int = 8) -> list[dict]:
+def test_a_checkpoint_loaded_at_any_layout_gives_the_same_chunks(tmp_path):
+    """What "the same parameter" means across layouts is Megatron's own: a checkpoint saved at TP 1 / DP 2 (its
+    distributed format) and loaded at DP 2, TP 2, PP 2 and TP 2 x PP 2 (the weights only) gives, pulled, the same
+    values chunk by chunk, bit for bit."""
+    ckpt = tmp_path / "ckpt"
+    _layout(tmp_path, 1, 1, 2, ["--save", str(ckpt), "--save-interval", "3", "--train-iters", "3"])
+    loaded = {name: _layout(tmp_path, tp, pp, nproc, ["--load", str(ckpt), "--no-load-optim", "--no-load-rng"])
+              for name, (tp, pp, nproc, extra) in LAYOUTS.items() if not extra}
+    values = {name: [v for rec in ranks for v in rec["values"]] for name, ranks in loaded.items()}
+    assert all(len(v) == 8 for v in values.values()), values
+    assert all(v == values["dp2"] for v in values.values()), values
+
+
+def _layout(tmp_path, tp: int, pp: int, nproc: int, extra: list[str], chunks: int = 8) -> list[dict]:
     recs, _ = run_megatron(tmp_path, ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-                                      "--train-iters", "4", "--no-diloco-x", "--bf16",
+                                      "--train-iters", "4", "--no-diloco-x", "--bf16", *extra,
                                       # the embedding's rows padded alike: a multiple of 256 at every TP
                                       "--make-vocab-size-divisible-by", str(256 // tp)],
                            nproc=nproc, recorders=("by_name",), env={"DILOCO_TEST_CHUNKS": str(chunks)})
@@ -26,8 +43,8 @@ def _layout(tmp_path, tp: int, pp: int, nproc: int, chunks: int = 8) -> list[dic
 
 def test_every_layout_pulls_and_pushes_the_same_canonical_vector(tmp_path):
     got = {name: _layout(tmp_path, *shape) for name, shape in LAYOUTS.items()}
-    first = got["dp2"][0]
     for name, ranks in got.items():
+        first = got["swiglu_dp2" if name.startswith("swiglu") else "dp2"][0]
         for rank, rec in enumerate(ranks):
             assert rec["pulled"] and rec["pushed"], (name, rank)
             assert rec["digest"] == first["digest"] and rec["numel"] == first["numel"], (name, rank)

@@ -3,14 +3,15 @@ training step against an independent computation. Every fp32 main-shard element 
 computed densely from Megatron's sharded state dict (the local block's global multi-index, flattened row-major,
 plus its key's offset in key order); a pull must leave the staging buffer equal to its canonical range; then the
 staging buffer is set to ``-index - 0.5`` and a push must leave every main-shard element (every copy) equal to
-``-its index - 0.5``. The main shards are restored afterwards. ``DILOCO_TEST_CHUNKS``: G (default 8)."""
+``-its index - 0.5``. The main shards are restored afterwards. Before, ``values``: each chunk's fingerprint as the
+weights stand (pulled). ``DILOCO_TEST_CHUNKS``: G (default 8)."""
 
 from __future__ import annotations
 
 import math
 import os
 
-from .base import Recorder, wrap
+from .base import Recorder, fingerprint_ints, wrap
 
 
 class ByNameRecorder(Recorder):
@@ -21,7 +22,7 @@ class ByNameRecorder(Recorder):
         import torch
         from megatron.training import training
 
-        from megatron_diloco.megatron_adapter.by_name import ByName, param_names
+        from megatron_diloco.megatron_adapter.by_name import ByName, param_parts
         from megatron_diloco.megatron_adapter.exchange_slots import main_ranges
         from megatron_diloco.megatron_adapter.optimizer import _main_params, distributed_optimizers
 
@@ -43,16 +44,18 @@ class ByNameRecorder(Recorder):
                 ranges, shards = main_ranges(dist_opts), _main_params(dist_opts)
                 chunks = int(os.environ.get("DILOCO_TEST_CHUNKS", "8"))
                 layout = ByName(list(model), ranges, shards, chunks)
-                names = param_names(list(model))
+                layout.pull()  # the weights as they are: each chunk's fingerprint
+                values = [fingerprint_ints([c]) for c in layout.chunk_views()]
+                names = param_parts(list(model))
                 offsets, n = {}, 0
                 for key, shape in layout.table:
                     offsets[key], n = n, n + math.prod(shape)
                 saved = [s.detach().clone() for s in shards]
                 index = []
-                for r, s in zip(ranges, shards):
-                    key, shape, local, offset, _ = names[id(r.param)]
-                    flat = dense_index(local, shape, offset).view(-1)[r.param_start:r.param_start + s.numel()]
-                    index.append(flat + offsets[key])
+                for r, s in zip(ranges, shards):  # each parameter's parts (one; two for a fused --swiglu fc1)
+                    whole = torch.cat([dense_index(q.local, q.shape, q.offset).view(-1) + offsets[q.key]
+                                       for q in names[id(r.param)]])
+                    index.append(whole[r.param_start:r.param_start + s.numel()])
                     s.detach().view(-1).copy_(index[-1].to(torch.float32))
                 layout.pull()
                 want = torch.arange(layout.lo, layout.hi, dtype=torch.float32)
@@ -67,5 +70,5 @@ class ByNameRecorder(Recorder):
                                      "digest": layout.digest(), "range": [layout.lo, layout.hi],
                                      "chunks": [list(c) for c in layout.chunk_ranges],
                                      "segments": sum(len(x) for x in layout.out), "pulled": pulled, "pushed": pushed,
-                                     "main_numel": sum(s.numel() for s in shards)}
+                                     "main_numel": sum(s.numel() for s in shards), "values": values}
             return orig(*a, **k)

@@ -87,18 +87,20 @@ def _split(seg: Segment, at: int) -> list[Segment]:
 
 
 def segments_of(main: int, start: int, length: int, canon0: int, row_len: int, stride: int,
-                owned: bool) -> list[Segment]:
+                owned: bool, shard_lo: int = 0) -> list[Segment]:
     """The segments of a main shard ``main`` holding elements ``[start, start + length)`` of a local block whose
-    flat element i sits at canonical ``canon0 + (i // row_len) stride + i % row_len``."""
+    flat element i sits at canonical ``canon0 + (i // row_len) stride + i % row_len``, the first of them at element
+    ``shard_lo`` of the shard."""
     out, i, end = [], start, start + length
     while i < end:
         r, c = divmod(i, row_len)
         if c or end - i < row_len:  # a partial row
             n = min(row_len - c, end - i)
-            out.append(Segment(main, i - start, canon0 + r * stride + c, 1, n, n, owned))
+            out.append(Segment(main, shard_lo + i - start, canon0 + r * stride + c, 1, n, n, owned))
         else:  # whole rows
             n = (end - i) // row_len
-            out.append(Segment(main, i - start, canon0 + r * stride, n, row_len, stride if n > 1 else row_len, owned))
+            out.append(Segment(main, shard_lo + i - start, canon0 + r * stride, n, row_len,
+                               stride if n > 1 else row_len, owned))
             n *= row_len
         i += n
     return out
@@ -158,34 +160,64 @@ def model_chunks(dist_opts: list) -> list:
     return out
 
 
-def param_names(model_chunks: list) -> dict[int, tuple[str, tuple[int, ...], tuple[int, ...], bool]]:
-    """Each parameter of ``model_chunks`` that Megatron's sharded state dict names: ``id(param)`` -> (key, its
-    global shape, the local block's shape and offset, as one tuple of the global rank: prepended axes included,
-    whether this is the main copy). ValueError for a parameter Megatron builds through a factory (a fused layout,
-    e.g. ``--swiglu``'s gate and up projections, which the exchange by name does not reshard)."""
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Elements ``[start, start + numel)`` of a parameter's local tensor (flattened): one tensor of Megatron's
+    sharded state dict, the block ``local`` at ``offset`` of the global tensor ``key`` of shape ``shape`` (as many
+    axes as ``shape``: prepended ones included); ``owned``: this copy is the main one."""
+
+    start: int
+    numel: int
+    key: str
+    shape: tuple[int, ...]
+    local: tuple[int, ...]
+    offset: tuple[int, ...]
+    owned: bool
+
+
+def _part(st, start: int) -> Part:
+    key = st.key
+    while key.startswith("module."):  # (a precision wrapper's prefix: the same tensor in an fp32 model)
+        key = key[len("module."):]
+    local = (1,) * st.prepend_axis_num + tuple(st.local_shape)
+    return Part(start, math.prod(local), key, tuple(st.global_shape), local, tuple(st.global_offset),
+                _main_replica(st.replica_id))
+
+
+def param_parts(model_chunks: list) -> dict[int, list[Part]]:
+    """Each parameter of ``model_chunks`` that Megatron's sharded state dict names: ``id(param)`` -> its
+    :class:`Part` s, in order, covering it. One, or for a parameter saved through a factory (``--swiglu``'s fused
+    gate and up projections: two blocks of one global tensor) one per tensor the factory builds, each a contiguous
+    view of the parameter. ValueError for a factory whose tensors are not (a layout this cannot reshard)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     params = {id(p): p for chunk in model_chunks for p in chunk.parameters()}
     by_ptr = {(p.data_ptr(), p.numel()): p for p in params.values() if p.numel()}
-    out = {}
+    out: dict[int, list[Part]] = {}
     for chunk in model_chunks:
         for st in _sharded_tensors(chunk.sharded_state_dict(), []):
             data = st.data
-            if data is None:
-                continue
             p = by_ptr.get((data.data_ptr(), data.numel())) if isinstance(data, torch.Tensor) and data.numel() else None
-            if p is None:
+            if p is None or st.flattened_range is not None:
                 continue
-            if isinstance(st, ShardedTensorFactory):
-                raise ValueError(f"exchange by name: parameter {st.key!r} is saved through a factory (a fused layout "
-                                 "such as --swiglu); sites of different layout cannot exchange it by name")
-            if st.flattened_range is not None:
+            if not isinstance(st, ShardedTensorFactory):
+                out[id(p)] = [_part(st, 0)]
                 continue
-            local = (1,) * st.prepend_axis_num + tuple(st.local_shape)
-            key = st.key
-            while key.startswith("module."):  # (a precision wrapper's prefix: the same tensor in an fp32 model)
-                key = key[len("module."):]
-            out[id(p)] = (key, tuple(st.global_shape), local, tuple(st.global_offset), _main_replica(st.replica_id))
+            parts = []
+            for sub in _sharded_tensors(st.build(), []):
+                t = sub.data
+                at, rest = divmod(t.data_ptr() - p.data_ptr(), p.element_size())
+                if isinstance(sub, ShardedTensorFactory) or not t.is_contiguous() or rest or sub.flattened_range:
+                    raise ValueError(f"exchange by name: parameter {st.key!r} is saved through a factory whose "
+                                     "tensors are not contiguous pieces of it; sites of different layout cannot "
+                                     "exchange it by name")
+                parts.append(_part(sub, at))
+            parts.sort(key=lambda q: q.start)
+            if [q.start for q in parts] != [0, *(q.start + q.numel for q in parts[:-1])] or \
+                    parts[-1].start + parts[-1].numel != p.numel():
+                raise ValueError(f"exchange by name: the tensors Megatron saves parameter {st.key!r} as do not "
+                                 "cover it once")
+            out[id(p)] = parts
     return out
 
 
@@ -210,15 +242,15 @@ class ByName:
                              f"{self.world} (every job of the run gives the same count, a multiple of each site's)")
         self.shards = shards
         self.device = shards[0].device if shards else torch.device("cpu")
-        names = param_names(model_chunks)
-        mine = []
+        names = param_parts(model_chunks)
+        mine = []  # (main shard, its range, a part of its parameter)
         for i, r in enumerate(ranges):
             if id(r.param) not in names:
                 raise ValueError("exchange by name: a trained parameter of shape "
                                  f"{tuple(r.param.shape)} has no name in Megatron's sharded state dict")
-            mine.append((i, r, *names[id(r.param)]))
+            mine += [(i, r, part) for part in names[id(r.param)]]
         tables: list = [None] * self.world
-        dist.all_gather_object(tables, sorted({(k, g) for _, _, k, g, *_ in mine}), group=group)
+        dist.all_gather_object(tables, sorted({(q.key, q.shape) for _, _, q in mine}), group=group)
         shapes: dict[str, tuple[int, ...]] = {}
         for key, shape in (entry for table in tables for entry in table):
             if shapes.setdefault(key, tuple(shape)) != tuple(shape):
@@ -237,9 +269,12 @@ class ByName:
         self.chunk_ranges = [(c * n // chunks, (c + 1) * n // chunks) for c in range(self.rank * per, (self.rank + 1) * per)]
         self.staging = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=self.device)
         segs = []
-        for i, r, key, shape, local, offset, owned in mine:
-            base, row_len, stride = block_rows(local, shape, offset)
-            segs += segments_of(i, r.param_start, r.end - r.start, offsets[key] + base, row_len, stride, owned)
+        for i, r, q in mine:  # the part's elements in the shard: [a, b) of the parameter
+            a, b = max(r.param_start, q.start), min(r.param_start + r.end - r.start, q.start + q.numel)
+            if a < b:
+                base, row_len, stride = block_rows(q.local, q.shape, q.offset)
+                segs += segments_of(i, a - q.start, b - a, offsets[q.key] + base, row_len, stride, q.owned,
+                                    a - r.param_start)
         for cut, _ in self.rank_ranges[1:]:
             segs = [piece for s in segs for piece in _split(s, cut)]
         #: this rank's segments by the rank whose staging holds them
