@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from harness.runner import free_port
 from megatron_diloco.algorithm.config import DiLoCoXConfig
-from megatron_diloco.megatron_adapter.handshake import describe_launch, differences, join_launches, shard_digest
+from megatron_diloco.megatron_adapter.handshake import (BY_NAME, describe_launch, differences, join_launches,
+                                                       shard_digest)
 
 #: per rank of a 2-rank launch: (param shape, start, size) of its fp32 main shards
 LAYOUT = [[((64, 32), 0, 1024), ((64,), 0, 32)], [((64, 32), 1024, 1024), ((64,), 32, 32)]]
@@ -242,7 +243,7 @@ def test_jobs_exchanging_by_name_may_differ_in_layout_not_in_the_parameters():
     other = dict(world_size=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, data_parallel_size=1)
     assert differences(jobs(), jobs(**other), 1) == []
     assert differences(jobs(), jobs("table-2", **other), 1) == [
-        "parameters by name (Megatron's checkpoint keys and global shapes) is table-1 here, table-2 in replica 1"]
+        f"{BY_NAME} is table-1 here, table-2 in replica 1"]
     assert differences(jobs(), jobs(diloco_x_exchange_chunks=8), 1) == [
         "--diloco-x-exchange-chunks is 4 here, 8 in replica 1"]
     plain = describe_launch(_args(), CFG, [shard_digest(r) for r in LAYOUT], "0.19.2", True)

@@ -36,6 +36,10 @@ as A and C: 0.2 s more per step), into ``results/fault_matrix_pace.json`` by def
 of the run's rounds, so a survivor ends at the run's last boundary (its own iteration), and theta is compared by
 the rounds committed.
 
+``--chunks``: sites of different layouts exchanging by name (``--diloco-x-exchange-chunks 2``): A and B at TP 2 on 2
+ranks, C at TP 1 on 1 (its one rank holds both chunks), into ``results/fault_matrix_chunks.json`` by default; theta
+compared chunk by chunk, and x at the end chunk by chunk.
+
 Per cell: ``survived`` (every job not faulted ends at --train-iters with exit 0), ``survivors_identical``
 (their final fp32 main shards and theta at every boundary they share are bit-identical), ``aborted`` (a
 survivor ended by a signal, SIGABRT included), ``max_wait_s`` (the longest meeting, and the longest
@@ -77,6 +81,10 @@ SLOT_RANKS = {"A": 2, "B": 2, "C": 1}
 SLOTS = False
 #: --pace: every job paced at run time, B slower
 PACE = False
+#: --chunks: sites of different layouts exchanging by name (A and B at TP 2 on 2 ranks, C at TP 1 on 1)
+CHUNKS = False
+CHUNK_FLAGS = {n: ["--diloco-x-exchange-chunks", "2", "--tensor-model-parallel-size", str(tp),
+                   "--make-vocab-size-divisible-by", str(256 // tp)] for n, tp in (("A", 2), ("B", 2), ("C", 1))}
 
 
 def _action(kind: str) -> str:
@@ -93,9 +101,11 @@ def _identical(jobs: list[Job]) -> bool:
     finals = [[r.get("final_fp") for r in j.records()] for j in jobs]
     if not finals or any(None in f or not f for f in finals):
         return False
-    if SLOTS:  # jobs of other DP hold other main shards: the same end, theta compared slot by slot below
+    if SLOTS or CHUNKS:  # jobs of other layouts hold other main shards: theta compared slot by slot below
         if len({f["steps"] for job in finals for f in job}) != 1:
             return False
+        if CHUNKS and len({str([c for f in job for c in f["chunks"]]) for job in finals}) != 1:
+            return False  # (x at the end, chunk by chunk, pulled from each job's main shards)
     elif PACE and any([r["main"] for r in f] != [r["main"] for r in finals[0]] for f in finals):
         return False  # (paced jobs end at their own steps: the same parameters)
     elif not PACE and any(f != finals[0] for f in finals):
@@ -130,8 +140,10 @@ def cell(tmp: Path, kind: str, point: str) -> dict:
     started = time.time()
     with Lighthouse(tmp / "lighthouse.txt", join_timeout_ms=10000, heartbeat_timeout_ms=3000) as lh:
         def job(n: str, i: int) -> Job:
-            slots = ["--diloco-x-exchange-slots", "2"] if SLOTS else ["--diloco-x-site-pace", "4"] if PACE else []
-            return Job(tmp / n, n, i, lh.address, [*FLAGS, *slots, *extra[n]], nproc=SLOT_RANKS[n] if SLOTS else 1,
+            slots = ["--diloco-x-exchange-slots", "2"] if SLOTS else ["--diloco-x-site-pace", "4"] if PACE else (
+                CHUNK_FLAGS[n] if CHUNKS else [])
+            return Job(tmp / n, n, i, lh.address, [*FLAGS, *slots, *extra[n]],
+                       nproc=SLOT_RANKS[n] if SLOTS or CHUNKS else 1,
                        env=env[n], run="fault-matrix", torchrun=True)
 
         jobs = {"A": job("A", 0), "B": job("B", 1)}
@@ -205,17 +217,20 @@ def main() -> None:
                     "results/fault_matrix_slots.json)")
     ap.add_argument("--slots", action="store_true", help="A and B at DP 2, C at DP 1 (--diloco-x-exchange-slots 2)")
     ap.add_argument("--pace", action="store_true", help="every job --diloco-x-site-pace 4, B twice as slow")
+    ap.add_argument("--chunks", action="store_true", help="A and B at TP 2 (2 ranks), C at TP 1 (1 rank), "
+                    "--diloco-x-exchange-chunks 2")
     ap.add_argument("--redo", default="", help="kind:point,... cells to run again (the others already in --out are kept)")
     args = ap.parse_args()
-    global SLOTS, PACE
-    SLOTS, PACE = args.slots, args.pace
-    name = "_slots" if SLOTS else "_pace" if PACE else ""
+    global SLOTS, PACE, CHUNKS
+    SLOTS, PACE, CHUNKS = args.slots, args.pace, args.chunks
+    name = "_slots" if SLOTS else "_pace" if PACE else "_chunks" if CHUNKS else ""
     args.out = args.out or REPO / f"benchmarks/results/fault_matrix{name}.json"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     result = {"commit": commit, "commits": "per cell", "machine": "CPU, 2 cores, gloo over loopback", "iters": ITERS, "H": H,
               "jobs": "A, B: 2 ranks (DP 2), C: 1 rank (DP 1), --diloco-x-exchange-slots 2" if SLOTS else
               "one rank each, --diloco-x-site-pace 4, B 0.2 s per step more (A and C 0.1 s)" if PACE else
+              "A, B: 2 ranks (TP 2), C: 1 rank (TP 1), --diloco-x-exchange-chunks 2" if CHUNKS else
               "one rank each", "cells": []}
     redo = {tuple(x.split(":")) for x in args.redo.split(",") if x}
     if args.out.exists():  # cells already measured are kept (each names its commit), but those to redo

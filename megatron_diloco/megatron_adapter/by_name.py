@@ -310,8 +310,10 @@ class ByName:
         return bisect.bisect_right([lo for lo, _ in self.rank_ranges], canon) - 1
 
     def digest(self) -> str:
-        """sha256 of the key table and G: equal on every site of a run that can exchange by name."""
-        return hashlib.sha256(json.dumps([self.chunks, [[k, list(s)] for k, s in self.table]]).encode()).hexdigest()
+        """The key table and G, as the handshake compares them: equal on every site of a run that can exchange by
+        name (its elements and tensors, read by a user, and a sha256 of the whole)."""
+        h = hashlib.sha256(json.dumps([self.chunks, [[k, list(s)] for k, s in self.table]]).encode()).hexdigest()
+        return f"{self.numel_total} elements in {len(self.table)} tensors (sha256 {h[:16]})"
 
     def chunk_views(self) -> list[torch.Tensor]:
         """Views of :attr:`staging`, one per chunk of this rank, in order."""

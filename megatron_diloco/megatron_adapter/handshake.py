@@ -118,6 +118,9 @@ MUST_AGREE_MEGATRON: tuple[tuple[str, str], ...] = (
 
 #: what ``--diloco-x-exchange-slots`` lets jobs differ in (their shards are then compared slot by slot)
 SLOTS_REPLACE = ("world_size", "data_parallel_size")
+#: the parameters' names and global shapes (the exchange by name), as a refusal names them
+BY_NAME = ("parameters by name (Megatron's checkpoint keys and global shapes; sites of different TP need the same "
+           "padded vocabulary: --make-vocab-size-divisible-by x TP alike)")
 #: what ``--diloco-x-exchange-chunks`` lets jobs differ in (they compare the parameters' names and global shapes)
 CHUNKS_REPLACE = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "virtual_pipeline_model_parallel_size", "data_parallel_size")
@@ -212,7 +215,7 @@ def describe_launch(args: argparse.Namespace, config: DiLoCoXConfig, shards: lis
         out["--diloco-x-exchange-slots"] = slots
     if chunks:
         out["--diloco-x-exchange-chunks"] = chunks
-        out["parameters by name (Megatron's checkpoint keys and global shapes)"] = by_name
+        out[BY_NAME] = by_name
     out[SHARDS] = shards
     return json.loads(json.dumps(out))  # the form the other launches read back
 
