@@ -14,9 +14,11 @@ so chunk c is the same vector on its holder at every site.
   a tied output layer have other copies). One ``all_to_all_single`` over the site's world group.
 - :meth:`ByName.push`: main shards <- staging, to every rank whose main shard holds the element (every copy).
 
-A main shard is a contiguous range of its parameter's local (tensor-parallel) block; in the global tensor that
-block is rows of equal length at a fixed stride, so a shard is at most three **segments** (a partial row, full
-rows, a partial row), cut again where a rank's staging range ends. A segment is one strided copy on each side.
+A main shard is a contiguous range of its parameter's local (tensor-parallel) block, or of the blocks Megatron's
+checkpoint cuts it into (a factory: ``--swiglu``'s fused gate and up projection is two blocks of one global tensor,
+:func:`param_parts`); in the global tensor a block is rows of equal length at a fixed stride, so a shard is at most
+three **segments** per block (a partial row, full rows, a partial row), cut again where a rank's staging range ends.
+A segment is one strided copy on each side.
 
 Collectives: :class:`ByName` construction (an all-gather of the site's key tables and segments, objects within the
 job: nothing crosses to another job), :meth:`pull` and :meth:`push` (``all_to_all_single``, tensors), all over
