@@ -15,6 +15,7 @@ import contextlib
 import math
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -359,6 +360,21 @@ def test_sites_of_different_data_parallel_size(tmp_path):
     _losses_fall(jobs[1])
 
 
+def _saved_with_b_behind(tmp_path, base: list[str], own: dict[str, tuple[list[str], int]]) -> dict[str, Path]:
+    """Jobs A and B (``own``: name -> (flags, ranks)) train together from iteration 0, each saving its own
+    checkpoints every 12 iterations, and stop at 24; B's latest is then set back to 12 (a site resuming behind the
+    run). Their checkpoint folders by name."""
+    ckpt = {n: tmp_path / f"ckpt{n}" for n in "AB"}
+    with Lighthouse(tmp_path / "lighthouse1.txt", min_replicas=2) as lh:  # (both from iteration 0: B saves at 12)
+        jobs = [Job(tmp_path / f"{n}1", n, i, lh.address, [*base, *own[n][0], "--save", str(ckpt[n]),
+                                                           "--save-interval", "12", "--exit-interval", "24"],
+                    nproc=own[n][1]) for i, n in enumerate("AB")]
+        _end(jobs)
+    assert (ckpt["B"] / "iter_0000012").is_dir(), sorted(p.name for p in ckpt["B"].iterdir())
+    (ckpt["B"] / "latest_checkpointed_iteration.txt").write_text("12")
+    return ckpt
+
+
 def test_sites_of_different_data_parallel_size_resume_and_join(tmp_path):
     """The jobs of the test above (A at DP 2, B at DP 1, ``--diloco-x-exchange-slots 2``) save their own
     checkpoints, the outer state slot by slot; the run stops at iteration 24. A resumes from its latest; B from an
@@ -368,14 +384,7 @@ def test_sites_of_different_data_parallel_size_resume_and_join(tmp_path):
     base = [*BASE, "--train-iters", "48", "--no-load-rng", "--diloco-x-exchange-slots", "2",
             "--pipeline-model-parallel-size", "1"]
     own = {"A": ([], 2), "B": (["--global-batch-size", "2"], 1)}
-    ckpt = {n: tmp_path / f"ckpt{n}" for n in "AB"}
-    with Lighthouse(tmp_path / "lighthouse1.txt", min_replicas=2) as lh:  # (both from iteration 0: B saves at 12)
-        jobs = [Job(tmp_path / f"{n}1", n, i, lh.address, [*base, *own[n][0], "--save", str(ckpt[n]),
-                                                           "--save-interval", "12", "--exit-interval", "24"],
-                    nproc=own[n][1]) for i, n in enumerate("AB")]
-        _end(jobs)
-    assert (ckpt["B"] / "iter_0000012").is_dir(), sorted(p.name for p in ckpt["B"].iterdir())
-    (ckpt["B"] / "latest_checkpointed_iteration.txt").write_text("12")
+    ckpt = _saved_with_b_behind(tmp_path, base, own)
     # (0.8 s per step until B has joined: A's 24 steps left, ~20 s, outlast B's start on two busy cores)
     slow = _slow(tmp_path, 0.8)
     with Lighthouse(tmp_path / "lighthouse2.txt") as lh:
@@ -538,14 +547,7 @@ def test_sites_of_different_layouts_resume_and_join(tmp_path):
             "--pipeline-model-parallel-size", "1"]
     own = {"A": (["--make-vocab-size-divisible-by", "256"], 1),
            "B": (["--make-vocab-size-divisible-by", "128", "--tensor-model-parallel-size", "2"], 2)}
-    ckpt = {n: tmp_path / f"ckpt{n}" for n in "AB"}
-    with Lighthouse(tmp_path / "lighthouse1.txt", min_replicas=2) as lh:
-        jobs = [Job(tmp_path / f"{n}1", n, i, lh.address, [*base, *own[n][0], "--save", str(ckpt[n]),
-                                                           "--save-interval", "12", "--exit-interval", "24"],
-                    nproc=own[n][1]) for i, n in enumerate("AB")]
-        _end(jobs)
-    assert (ckpt["B"] / "iter_0000012").is_dir(), sorted(p.name for p in ckpt["B"].iterdir())
-    (ckpt["B"] / "latest_checkpointed_iteration.txt").write_text("12")
+    ckpt = _saved_with_b_behind(tmp_path, base, own)
     slow = _slow(tmp_path, 0.8)
     with Lighthouse(tmp_path / "lighthouse2.txt") as lh:
         a = Job(tmp_path / "A2", "A", 0, lh.address, [*base, *own["A"][0], "--load", str(ckpt["A"])], env=slow,

@@ -4,7 +4,8 @@ computed densely from Megatron's sharded state dict (the local block's global mu
 plus its key's offset in key order); a pull must leave the staging buffer equal to its canonical range; then the
 staging buffer is set to ``-index - 0.5`` and a push must leave every main-shard element (every copy) equal to
 ``-its index - 0.5``. The main shards are restored afterwards. Before, ``values``: each chunk's fingerprint as the
-weights stand (pulled). ``DILOCO_TEST_CHUNKS``: G (default 8)."""
+weights stand (pulled). ``DILOCO_TEST_CHUNKS``: G (default 8); ``DILOCO_TEST_PIECE``: the elements per peer of one
+all-to-all (default the package's)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ class ByNameRecorder(Recorder):
                 ranges, shards = main_ranges(dist_opts), _main_params(dist_opts)
                 chunks = int(os.environ.get("DILOCO_TEST_CHUNKS", "8"))
                 layout = ByName(list(model), ranges, shards, chunks)
+                if os.environ.get("DILOCO_TEST_PIECE"):  # (pulls and pushes in several all-to-alls)
+                    layout.piece = int(os.environ["DILOCO_TEST_PIECE"])
                 layout.pull()  # the weights as they are: each chunk's fingerprint
                 values = [fingerprint_ints([c]) for c in layout.chunk_views()]
                 names = param_parts(list(model))

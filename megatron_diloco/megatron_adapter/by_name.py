@@ -22,8 +22,8 @@ A segment is one strided copy on each side.
 
 Collectives: :class:`ByName` construction (an all-gather of the site's key tables and segments, objects within the
 job: nothing crosses to another job), :meth:`pull` and :meth:`push` (``all_to_all_single``, tensors), all over
-the site's world group. Memory: the staging buffer (about a main shard's size) and one send and one receive buffer
-of the same size during a pull or push.
+the site's world group. Memory: the staging buffer (about a main shard's size) and, during a pull or push, a send
+and a receive buffer of at most :data:`PIECE_ELEMENTS` fp32 elements (a larger shard moves in several all-to-alls).
 """
 
 from __future__ import annotations
@@ -40,6 +40,11 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from megatron_diloco.megatron_adapter.exchange_slots import ExchangePlan
+
+
+#: the elements one pull or push moves from a rank in one all-to-all, over all its peers (64 Mi: 256 MB send and
+#: receive buffers); more takes several all-to-alls
+PIECE_ELEMENTS = 1 << 26
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +81,9 @@ def _split(seg: Segment, at: int) -> list[Segment]:
 
     def add(lo_row: int, rows: int, c0: int, c1: int) -> None:
         if rows > 0 and c1 > c0:
-            out.append(dataclasses.replace(seg, lo=seg.lo + lo_row * seg.cols + c0, canon=seg.canon + lo_row * seg.stride
-                                           + c0, rows=rows, cols=c1 - c0, stride=seg.stride if rows > 1 else c1 - c0))
+            out.append(dataclasses.replace(seg, lo=seg.lo + lo_row * seg.cols + c0,
+                                           canon=seg.canon + lo_row * seg.stride + c0, rows=rows, cols=c1 - c0,
+                                           stride=seg.stride if rows > 1 else c1 - c0))
 
     add(0, row, 0, seg.cols)  # whole rows before
     if col:  # the row the cut goes through
@@ -268,7 +274,8 @@ class ByName:
         self.rank_ranges = [(r * per * n // chunks, (r + 1) * per * n // chunks) for r in range(self.world)]
         self.lo, self.hi = self.rank_ranges[self.rank]
         #: the chunks of this rank, each ``[lo, hi)`` in canonical indices
-        self.chunk_ranges = [(c * n // chunks, (c + 1) * n // chunks) for c in range(self.rank * per, (self.rank + 1) * per)]
+        self.chunk_ranges = [(c * n // chunks, (c + 1) * n // chunks)
+                             for c in range(self.rank * per, (self.rank + 1) * per)]
         self.staging = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=self.device)
         segs = []
         for i, r, q in mine:  # the part's elements in the shard: [a, b) of the parameter
@@ -287,6 +294,12 @@ class ByName:
         dist.all_gather_object(wires, [[s.wire() for s in to] for to in self.out], group=group)
         #: per source rank, the (canon, rows, cols, stride, owned) of its segments this rank's staging holds
         self.inc = [[tuple(w) for w in wires[src][self.rank]] for src in range(self.world)]
+        #: elements a pull or push moves per peer in one all-to-all (its buffers: world x this x 4 B at most)
+        self.piece = max(1, PIECE_ELEMENTS // self.world)
+        streams = [[sum(w[1] * w[2] for w in to if w[4] or not owned_only) for src in wires for to in src]
+                   for owned_only in (True, False)]
+        #: the longest stream between two ranks of a pull and of a push (every rank runs as many all-to-alls)
+        self._longest = tuple(max(lens, default=0) for lens in streams)
         owned_total = sum(w[1] * w[2] for src in wires for to in src for w in to if w[4])
         got = sum(w[1] * w[2] for src in self.inc for w in src if w[4])
         if owned_total != n or got != self.hi - self.lo:
@@ -329,34 +342,57 @@ class ByName:
 
     def pull(self) -> None:
         """staging <- the main shards (each canonical element from its owner). Collective over the site's group."""
-        send = [self._local(s) for to in self.out for s in to if s.owned]
-        send_sizes = [sum(s.numel for s in to if s.owned) for to in self.out]
-        recv_sizes = [sum(w[1] * w[2] for w in src if w[4]) for src in self.inc]
-        recv = self._exchange(send, send_sizes, recv_sizes)
-        pos = 0
-        for src in self.inc:
-            for canon, rows, cols, stride, owned in src:
-                if owned:
-                    self._staged(canon, rows, cols, stride).copy_(recv[pos:pos + rows * cols].view(rows, cols))
-                    pos += rows * cols
+        self._transfer([[self._local(s).view(s.rows, s.cols) for s in to if s.owned] for to in self.out],
+                       [[self._staged(*w[:4]) for w in src if w[4]] for src in self.inc], self._longest[0])
 
     def push(self) -> None:
         """main shards <- staging (every copy of each element). Collective over the site's group."""
-        send = [self._staged(*w[:4]) for src in self.inc for w in src]
-        send_sizes = [sum(w[1] * w[2] for w in src) for src in self.inc]
-        recv_sizes = [sum(s.numel for s in to) for to in self.out]
-        recv = self._exchange(send, send_sizes, recv_sizes)
-        pos = 0
-        for to in self.out:
-            for s in to:
-                self._local(s).copy_(recv[pos:pos + s.numel])
-                pos += s.numel
+        self._transfer([[self._staged(*w[:4]) for w in src] for src in self.inc],
+                       [[self._local(s).view(s.rows, s.cols) for s in to] for to in self.out], self._longest[1])
 
-    def _exchange(self, parts: list[torch.Tensor], send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
-        send = torch.cat([p.reshape(-1) for p in parts]) if parts else torch.zeros(0, device=self.device)
-        recv = torch.empty(sum(recv_sizes), dtype=torch.float32, device=self.device)
-        if self.world == 1:
-            recv.copy_(send)
-        else:
-            dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group)
-        return recv
+    def _transfer(self, send: list[list[torch.Tensor]], recv: list[list[torch.Tensor]], longest: int) -> None:
+        """Move each peer's stream (``send[p]``: the 2-D views whose elements, row-major, in order, go to peer p;
+        ``recv[p]``: where those of peer p land) in all-to-alls of at most :attr:`piece` elements per peer each, as
+        many as the site's ``longest`` stream needs (the same on every rank): the buffers stay bounded."""
+        lengths = [[sum(v.numel() for v in views) for views in side] for side in (send, recv)]
+        for r in range(-(-longest // self.piece)):
+            a = r * self.piece
+            spans = [[(min(a, n), min(a + self.piece, n)) for n in side] for side in lengths]
+            out = [v for views, (lo, hi) in zip(send, spans[0]) for v in _stream_range(views, lo, hi)]
+            buf = torch.cat([v.reshape(-1) for v in out]) if out else torch.zeros(0, device=self.device)
+            got = torch.empty(sum(hi - lo for lo, hi in spans[1]), dtype=torch.float32, device=self.device)
+            if self.world == 1:
+                got.copy_(buf)
+            else:
+                dist.all_to_all_single(got, buf, [hi - lo for lo, hi in spans[1]], [hi - lo for lo, hi in spans[0]],
+                                       group=self.group)
+            pos = 0
+            for views, (lo, hi) in zip(recv, spans[1]):
+                for v in _stream_range(views, lo, hi):
+                    v.copy_(got[pos:pos + v.numel()].view_as(v))
+                    pos += v.numel()
+
+
+def _stream_range(views: list[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+    """Views of elements ``[lo, hi)`` of the stream that is ``views`` (2-D, each read row-major) one after the
+    other: per view it cuts, at most a partial row, whole rows and a partial row."""
+    out, start = [], 0
+    for v in views:
+        rows, cols = v.shape
+        a, b = max(lo, start) - start, min(hi, start + rows * cols) - start
+        start += rows * cols
+        if a >= b:
+            continue
+        r0, c0 = divmod(a, cols)
+        r1, c1 = divmod(b, cols)
+        if r0 == r1:
+            out.append(v[r0:r0 + 1, c0:c1])
+            continue
+        if c0:
+            out.append(v[r0:r0 + 1, c0:])
+            r0 += 1
+        if r1 > r0:
+            out.append(v[r0:r1])
+        if c1:
+            out.append(v[r1:r1 + 1, :c1])
+    return out
