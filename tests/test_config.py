@@ -368,6 +368,8 @@ def test_exchange_slots_are_checked_before_training(tmp_path, slots, extra, cfg,
     (8, dict(diloco_x_exchange_slots=4), {}, "and --diloco-x-exchange-slots: give one"),
     (8, dict(context_parallel_size=2), {}, "--context-parallel-size"),
     (8, {}, dict(compression="lowrank"), "takes --diloco-x-compression none or a blockwise codec"),
+    (8, dict(diloco_x_data_slots=6), {}, "--diloco-x-data-slots 6 is not a multiple of this job's data-parallel size 4"),
+    (None, dict(diloco_x_data_slots=4), {}, "--diloco-x-data-slots applies with --diloco-x-exchange-chunks only"),
     (8, {}, None, "applies with --diloco-x-lighthouse only"),
 ])
 def test_exchange_chunks_are_checked_before_training(tmp_path, chunks, extra, cfg, phrase):
@@ -382,6 +384,8 @@ def test_exchange_chunks_are_checked_before_training(tmp_path, chunks, extra, cf
     with pytest.raises(ValueError, match=re.escape(phrase)):
         validate_megatron_args(args, DiLoCoXConfig(replicas=2, **(cfg or {})))
     validate_megatron_args(megatron_args(**jobs, diloco_x_exchange_chunks=8), DiLoCoXConfig(replicas=2))
+    validate_megatron_args(megatron_args(**jobs, diloco_x_exchange_chunks=8, diloco_x_data_slots=4),
+                           DiLoCoXConfig(replicas=2))
 
 
 def test_separate_jobs_flags_apply_with_the_lighthouse_only():

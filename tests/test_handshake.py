@@ -245,7 +245,9 @@ def test_jobs_exchanging_by_name_may_differ_in_layout_not_in_the_parameters():
     assert differences(jobs(), jobs("table-2", **other), 1) == [
         f"{BY_NAME} is table-1 here, table-2 in replica 1"]
     assert differences(jobs(), jobs(diloco_x_exchange_chunks=8), 1) == [
-        "--diloco-x-exchange-chunks is 4 here, 8 in replica 1"]
+        "--diloco-x-exchange-chunks is 4 here, 8 in replica 1", "--diloco-x-data-slots is 4 here, 8 in replica 1"]
+    assert differences(jobs(diloco_x_data_slots=2), jobs(diloco_x_data_slots=2, **other), 1) == []
+    assert differences(jobs(), jobs(diloco_x_data_slots=2), 1) == ["--diloco-x-data-slots is 4 here, 2 in replica 1"]
     plain = describe_launch(_args(), CFG, [shard_digest(r) for r in LAYOUT], "0.19.2", True)
     assert "--tensor-model-parallel-size is 1 here, 2 in replica 1" in differences(
         plain, describe_launch(_args(tensor_model_parallel_size=2, data_parallel_size=1), CFG,

@@ -276,17 +276,20 @@ def test_separate_worlds_resume_their_own_samples(monkeypatch, own_batches):
     assert len(seen) == len(set(seen))  # no sample read twice, by any rank of any replica
 
 
-def test_sites_of_different_data_parallel_size_read_disjoint_samples(monkeypatch):
-    """``--diloco-x-exchange-slots 2``: job 0 at DP 2 (global batch 8) and job 1 at DP 1 (global batch 4), micro-batch
-    4, under Megatron's own sampler: no sample is read twice by any rank of either job, and a job resumed at
-    iteration i reads what its uninterrupted self reads from i + 1 on. (Without the slots' scaling the DP-1 job
-    reads the DP-2 job's samples.)"""
+@pytest.mark.parametrize("flags", [dict(diloco_x_exchange_slots=2),
+                                   dict(diloco_x_exchange_chunks=8, diloco_x_data_slots=2)], ids=["slots", "chunks"])
+def test_sites_of_different_data_parallel_size_read_disjoint_samples(monkeypatch, flags):
+    """``--diloco-x-exchange-slots 2`` (or ``--diloco-x-exchange-chunks 8 --diloco-x-data-slots 2``): job 0 at DP 2
+    (global batch 8) and job 1 at DP 1 (global batch 4), micro-batch 4, under Megatron's own sampler: no sample is
+    read twice by any rank of either job, and a job resumed at iteration i reads what its uninterrupted self reads
+    from i + 1 on; the datasets are sized by the data count, 2, not the chunks. (Without the slots' scaling the
+    DP-1 job reads the DP-2 job's samples.)"""
     from megatron.core import parallel_state as ps
     from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
 
     from megatron_diloco.megatron_adapter.integration import _Installation
 
-    mbs, total, iters, resume_at, G = 4, 4096, 12, 5, 2
+    mbs, total, iters, resume_at = 4, 4096, 12, 5
 
     def build(dataset, consumed_samples):
         from megatron.core import mpu
@@ -298,7 +301,7 @@ def test_sites_of_different_data_parallel_size_read_disjoint_samples(monkeypatch
         monkeypatch.setattr(ps, "get_data_parallel_rank", lambda *a, **k: dp_rank)
         monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda *a, **k: dp)
         inst = _Installation(argparse.Namespace(replicas=2),
-                             _args(diloco_x_replica_index=replica, diloco_x_exchange_slots=G, data_parallel_size=dp))
+                             _args(diloco_x_replica_index=replica, data_parallel_size=dp, **flags))
         loader = inst.wrap_build_pretraining_data_loader(build)("data", start_iter * gbs)
         per_iter = gbs // (mbs * dp)
         return [sum((next(loader) for _ in range(per_iter)), []) for _ in range(iters - start_iter)]
@@ -311,5 +314,9 @@ def test_sites_of_different_data_parallel_size_read_disjoint_samples(monkeypatch
             seen += [i for batch in whole for i in batch]
     assert len(seen) == len(set(seen)) == 12 * 12  # every rank its own samples (12 per iteration: 8 + 4)
     inst = _Installation(argparse.Namespace(replicas=2, site_pace=None),
-                         _args(diloco_x_replica_index=1, diloco_x_exchange_slots=G, data_parallel_size=1))
+                         _args(diloco_x_replica_index=1, data_parallel_size=1, **flags))
     assert inst.wrap_get_train_valid_test_num_samples(lambda: (10, None, 3))() == (40, None, 12)
+    if "diloco_x_exchange_chunks" in flags:  # (without --diloco-x-data-slots: the chunks, 8 / 1 times)
+        inst = _Installation(argparse.Namespace(replicas=2, site_pace=None),
+                             _args(diloco_x_replica_index=1, data_parallel_size=1, diloco_x_exchange_chunks=8))
+        assert inst.wrap_get_train_valid_test_num_samples(lambda: (10, None, 3))() == (160, None, 48)

@@ -177,6 +177,11 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "back. A multiple of every job's world size. Every site needs the same padded "
                             "vocabulary (--make-vocab-size-divisible-by x TP alike). Default: every job has the "
                             "same layout.")
+    group.add_argument("--diloco-x-data-slots", type=int, default=None, metavar="D",
+                       help="With --diloco-x-exchange-chunks: every job reads its samples as D data-parallel ranks "
+                            "would, D the largest site's data-parallel size, the same on every job (a rank of a "
+                            "site of DP d reads as the first of its D / d). Default: G, which sizes each job's "
+                            "datasets (and Megatron's sample index) G / DP times its own samples.")
     group.add_argument("--diloco-x-site-pace", type=float, default=None, metavar="P",
                        help="With --diloco-x-lighthouse, for sites of different speed: each job runs, in every "
                             "round of the run, the inner steps that fit the slowest job's round, from the step "
@@ -524,6 +529,9 @@ def _validate_exchange_chunks(args: argparse.Namespace, federated: bool) -> None
     jobs take no low-rank codec, whose factors the chunks would cut: refused with the lighthouse)."""
     chunks = getattr(args, "diloco_x_exchange_chunks", None)
     if chunks is None:
+        if getattr(args, "diloco_x_data_slots", None) is not None:
+            raise ValueError("--diloco-x-data-slots applies with --diloco-x-exchange-chunks only (with "
+                             "--diloco-x-exchange-slots G every job reads as G data-parallel ranks)")
         return
     flag = f"--diloco-x-exchange-chunks {chunks}"
     if not federated:
@@ -537,3 +545,8 @@ def _validate_exchange_chunks(args: argparse.Namespace, federated: bool) -> None
                          "same count, a multiple of every site's world size (e.g. the largest, when each divides it)")
     if getattr(args, "context_parallel_size", 1) != 1:
         raise ValueError(f"{flag} cannot be used with --context-parallel-size > 1 yet")
+    data = getattr(args, "diloco_x_data_slots", None)
+    dp = int(getattr(args, "data_parallel_size", 1))
+    if data is not None and (data < 1 or data % dp):
+        raise ValueError(f"--diloco-x-data-slots {data} is not a multiple of this job's data-parallel size {dp}: give "
+                         "every job the largest site's data-parallel size")

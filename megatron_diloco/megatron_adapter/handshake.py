@@ -215,6 +215,7 @@ def describe_launch(args: argparse.Namespace, config: DiLoCoXConfig, shards: lis
         out["--diloco-x-exchange-slots"] = slots
     if chunks:
         out["--diloco-x-exchange-chunks"] = chunks
+        out["--diloco-x-data-slots"] = getattr(args, "diloco_x_data_slots", None) or chunks  # (the data split's)
         out[BY_NAME] = by_name
     out[SHARDS] = shards
     return json.loads(json.dumps(out))  # the form the other launches read back

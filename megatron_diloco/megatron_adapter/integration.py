@@ -124,9 +124,11 @@ def _show_package_logs(args: argparse.Namespace) -> None:
 
 
 def _data_slots(args) -> int | None:
-    """The data-parallel ranks every job reads as (:mod:`~megatron_diloco.megatron_adapter.data_split`):
-    ``--diloco-x-exchange-slots`` or ``--diloco-x-exchange-chunks`` (a multiple of every site's DP), else None."""
-    return getattr(args, "diloco_x_exchange_slots", None) or getattr(args, "diloco_x_exchange_chunks", None)
+    """The data-parallel ranks every job reads as (:mod:`~megatron_diloco.megatron_adapter.data_split`), a multiple
+    of every site's DP: ``--diloco-x-exchange-slots``, or with ``--diloco-x-exchange-chunks`` its
+    ``--diloco-x-data-slots`` (default the chunks), else None."""
+    return getattr(args, "diloco_x_exchange_slots", None) or getattr(args, "diloco_x_data_slots", None) or getattr(
+        args, "diloco_x_exchange_chunks", None)
 
 
 class _Installation:
