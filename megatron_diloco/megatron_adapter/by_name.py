@@ -273,6 +273,7 @@ class ByName:
         #: canonical ``[lo, hi)`` of each rank's staging (rank r: chunks r k .. r k + k - 1)
         self.rank_ranges = [(r * per * n // chunks, (r + 1) * per * n // chunks) for r in range(self.world)]
         self.lo, self.hi = self.rank_ranges[self.rank]
+        self._starts = [lo for lo, _ in self.rank_ranges]
         #: the chunks of this rank, each ``[lo, hi)`` in canonical indices
         self.chunk_ranges = [(c * n // chunks, (c + 1) * n // chunks)
                              for c in range(self.rank * per, (self.rank + 1) * per)]
@@ -300,6 +301,12 @@ class ByName:
                    for owned_only in (True, False)]
         #: the longest stream between two ranks of a pull and of a push (every rank runs as many all-to-alls)
         self._longest = tuple(max(lens, default=0) for lens in streams)
+        # the views each transfer reads and writes, per peer, built once (the shards and the staging stay put)
+        local = [[self._local(s).view(s.rows, s.cols) for s in to] for to in self.out]
+        staged = [[self._staged(*w[:4]) for w in src] for src in self.inc]
+        self._pull_views = ([[v for v, s in zip(views, to) if s.owned] for views, to in zip(local, self.out)],
+                            [[v for v, w in zip(views, src) if w[4]] for views, src in zip(staged, self.inc)])
+        self._push_views = (staged, local)
         owned_total = sum(w[1] * w[2] for src in wires for to in src for w in to if w[4])
         got = sum(w[1] * w[2] for src in self.inc for w in src if w[4])
         if owned_total != n or got != self.hi - self.lo:
@@ -322,7 +329,7 @@ class ByName:
 
     def _holder(self, canon: int) -> int:
         """The rank whose staging holds canonical element ``canon``."""
-        return bisect.bisect_right([lo for lo, _ in self.rank_ranges], canon) - 1
+        return bisect.bisect_right(self._starts, canon) - 1
 
     def digest(self) -> str:
         """The key table and G, as the handshake compares them: equal on every site of a run that can exchange by
@@ -342,13 +349,11 @@ class ByName:
 
     def pull(self) -> None:
         """staging <- the main shards (each canonical element from its owner). Collective over the site's group."""
-        self._transfer([[self._local(s).view(s.rows, s.cols) for s in to if s.owned] for to in self.out],
-                       [[self._staged(*w[:4]) for w in src if w[4]] for src in self.inc], self._longest[0])
+        self._transfer(*self._pull_views, self._longest[0])
 
     def push(self) -> None:
         """main shards <- staging (every copy of each element). Collective over the site's group."""
-        self._transfer([[self._staged(*w[:4]) for w in src] for src in self.inc],
-                       [[self._local(s).view(s.rows, s.cols) for s in to] for to in self.out], self._longest[1])
+        self._transfer(*self._push_views, self._longest[1])
 
     def _transfer(self, send: list[list[torch.Tensor]], recv: list[list[torch.Tensor]], longest: int) -> None:
         """Move each peer's stream (``send[p]``: the 2-D views whose elements, row-major, in order, go to peer p;
