@@ -69,29 +69,34 @@ class Segment:
         return self.canon, self.rows, self.cols, self.stride, int(self.owned)
 
 
+def _row_pieces(rows: int, cols: int, a: int, b: int) -> list[tuple[int, int, int, int]]:
+    """Elements ``[a, b)`` of a row-major ``rows x cols`` block as at most three pieces ``(row, nrows, c0, c1)``:
+    a partial row, whole rows, a partial row."""
+    if a >= b:
+        return []
+    (r0, c0), (r1, c1) = divmod(a, cols), divmod(b, cols)
+    if r0 == r1:
+        return [(r0, 1, c0, c1)]
+    out = []
+    if c0:
+        out.append((r0, 1, c0, cols))
+        r0 += 1
+    if r1 > r0:
+        out.append((r0, r1 - r0, 0, cols))
+    if c1:
+        out.append((r1, 1, 0, c1))
+    return out
+
+
 def _split(seg: Segment, at: int) -> list[Segment]:
     """``seg`` cut at canonical index ``at`` (pieces before it, then from it), each a segment."""
-    end = seg.canon + (seg.rows - 1) * seg.stride + seg.cols
-    if not seg.canon < at < end:
-        return [seg]
     row, col = divmod(at - seg.canon, seg.stride)
-    if col >= seg.cols:  # between two rows
-        row, col = row + 1, 0
-    out = []
-
-    def add(lo_row: int, rows: int, c0: int, c1: int) -> None:
-        if rows > 0 and c1 > c0:
-            out.append(dataclasses.replace(seg, lo=seg.lo + lo_row * seg.cols + c0,
-                                           canon=seg.canon + lo_row * seg.stride + c0, rows=rows, cols=c1 - c0,
-                                           stride=seg.stride if rows > 1 else c1 - c0))
-
-    add(0, row, 0, seg.cols)  # whole rows before
-    if col:  # the row the cut goes through
-        add(row, 1, 0, col)
-        add(row, 1, col, seg.cols)
-        row += 1
-    add(row, seg.rows - row, 0, seg.cols)  # whole rows from it
-    return out
+    cut = row * seg.cols + min(col, seg.cols)  # elements of seg before ``at`` (a cut between rows: whole rows)
+    if not 0 < cut < seg.numel:
+        return [seg]
+    return [dataclasses.replace(seg, lo=seg.lo + r * seg.cols + c0, canon=seg.canon + r * seg.stride + c0, rows=n,
+                                cols=c1 - c0, stride=seg.stride if n > 1 else c1 - c0)
+            for a, b in ((0, cut), (cut, seg.numel)) for r, n, c0, c1 in _row_pieces(seg.rows, seg.cols, a, b)]
 
 
 def segments_of(main: int, start: int, length: int, canon0: int, row_len: int, stride: int,
@@ -386,18 +391,5 @@ def _stream_range(views: list[torch.Tensor], lo: int, hi: int) -> list[torch.Ten
         rows, cols = v.shape
         a, b = max(lo, start) - start, min(hi, start + rows * cols) - start
         start += rows * cols
-        if a >= b:
-            continue
-        r0, c0 = divmod(a, cols)
-        r1, c1 = divmod(b, cols)
-        if r0 == r1:
-            out.append(v[r0:r0 + 1, c0:c1])
-            continue
-        if c0:
-            out.append(v[r0:r0 + 1, c0:])
-            r0 += 1
-        if r1 > r0:
-            out.append(v[r0:r1])
-        if c1:
-            out.append(v[r1:r1 + 1, :c1])
+        out += [v[r:r + n, c0:c1] for r, n, c0, c1 in _row_pieces(rows, cols, a, b)]
     return out
