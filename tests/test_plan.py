@@ -405,6 +405,16 @@ def test_sites_of_different_gpu_counts():
     sharded = p.memory_gib["inner_optimizer"] + p.memory_gib["outer"]
     rows = dict(_site_rows(p))
     assert "shard" not in rows["site 0"] and f"{p.memory_gib['total'] + sharded:.1f} GiB per GPU" in rows["site 1"]
+    # exchanging by name: a staging buffer of 4 B per parameter of the GPU's share (the model over the site's GPUs)
+    share = [4 * p.params / gpus / 2**30 for gpus in (8, 4)]
+    assert f"site 0 {share[0]:.2f} GiB, site 1 {share[1]:.2f} GiB" in rows["exchange by name"], rows
+
+
+def test_the_planners_transfer_buffers_are_the_exchange_by_names():
+    from megatron_diloco.megatron_adapter.by_name import PIECE_ELEMENTS
+    from megatron_diloco.plan.sites import BY_NAME_TRANSFER_GIB
+
+    assert BY_NAME_TRANSFER_GIB * 2**30 == 2 * 4 * PIECE_ELEMENTS  # a send and a receive buffer, fp32
     full = plan(cfg(dp=8, sites="1:1000:8,1:1000:4", boundary_s=0.5, local_steps=10)).sites
     assert full.step_s == [1.0, 2.0] and full.per_site_h.local_steps == [20, 10]
     assert plan(cfg(dp=8, sites="1,1:1000:8")).sites.step_s == [1.0, 1.0]  # GPUS defaults to TP x PP x DP

@@ -10,6 +10,7 @@ from typing import Any
 
 from megatron_diloco.plan.config import PlanConfig
 from megatron_diloco.plan.model import Plan, plan
+from megatron_diloco.plan.sites import BY_NAME_TRANSFER_GIB
 
 
 def _fmt_bytes(b: float) -> str:
@@ -101,6 +102,13 @@ def _site_rows(p: Plan) -> list[tuple[str, str]]:
                           f"{s.balanced_batch.weights[m]:.3f}; H per site: --diloco-x-local-steps "
                           f"{s.per_site_h.local_steps[m]}, idle {100 * s.per_site_h.idle_fraction[m]:.1f}%{memory(m)}")
             for m, (t, solo) in enumerate(zip(s.step_s, s.solo_tokens_per_s))]
+    g = p.config.gpus_per_replica
+    staging = [4 * p.params * (s.shard_ratio[m] if s.shard_ratio else 1.0) / g / 2**30 for m in range(len(s.step_s))]
+    rows.append(("exchange by name", "for sites of other TP / PP (--diloco-x-exchange-chunks) each GPU adds a staging "
+                 "buffer, 4 B per parameter of its share: " + ", ".join(f"site {m} {gib:.2f} GiB" for m, gib in
+                                                                      enumerate(staging))
+                 + f", and up to {BY_NAME_TRANSFER_GIB:g} GiB while it pulls or pushes at a boundary; its parameters, "
+                 "gradients and inner optimizer follow its own TP x PP"))
     for name, pol in (("sites as given (equal H)", s.equal_h),
                       ("sites, batch by speed", s.balanced_batch), ("sites, H per site", s.per_site_h)):
         rows.append((name, f"round {_fmt_s(pol.round_s)}, {pol.tokens_per_s:,.0f} tokens/s = "

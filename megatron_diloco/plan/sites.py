@@ -38,6 +38,11 @@ import dataclasses
 import math
 
 
+#: GiB a rank of a site exchanging by name holds in transfer buffers while it pulls or pushes (send and receive,
+#: fp32, ``megatron_adapter.by_name.PIECE_ELEMENTS`` each)
+BY_NAME_TRANSFER_GIB = 2 * 4 * (1 << 26) / 2**30
+
+
 @dataclasses.dataclass(frozen=True)
 class Site:
     """One site as ``--sites`` gives it."""
