@@ -31,7 +31,7 @@ Writes ``DIR/convergence.json`` (the shape issue 12 gives) and, with matplotlib,
 Runs longer than one device call (issue 39): with ``--call-s S`` every run saves into and loads from
 ``DIR/<run>/ckpt`` and stops, saved, before S seconds from this script's start are up; the same command
 again into DIR continues the runs not finished (``DIR/manifest.json``; each call's logs in
-``DIR/<run>/call<k>/``, read in order by the report). One world only (``--one-world``, or allreduce /
+``DIR/<run>/call<k>/``, read in order by the report; only each run's latest checkpoint is kept). One world only (``--one-world``, or allreduce /
 single): separate worlds cannot checkpoint. How, and a machine given back between calls:
 ``harness/continued.py``; the device calls: ``benchmarks/README.md``.
 """
@@ -50,7 +50,7 @@ _STARTED = time.monotonic()  # what --call-s counts from
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout, uninstalled
-from harness.continued import Call, Manifest, call_dirs, checkpoint_flags, last_done  # noqa: E402
+from harness.continued import Call, Manifest, call_dirs, checkpoint_flags, last_done, pruning  # noqa: E402
 from harness.runner import FAST_PATH, VALIDATION_LINE, ExampleJob, Job, replica_worlds_job, run_jobs  # noqa: E402
 from megatron_diloco.algorithm.config import BLOCKWISE  # noqa: E402
 from megatron_diloco.summary import parse_summaries  # noqa: E402
@@ -513,8 +513,9 @@ def continue_runs(runs: list[tuple[str, int]], a: argparse.Namespace, data: str)
     finished = lambda d: analyze(d, 1).get("final_val_loss") is not None  # noqa: E731
     todo = manifest.begin(call, {f"{n}_seed{s}": (run_args(n, s, a, data)[1], a.steps) for n, s in runs}, finished)
     try:
-        run_jobs([jobs[r] for r in todo], a.out, parallel=a.parallel, budget_s=call.budget_s, resume=False,
-                 jobs_per_gpu=a.jobs_per_gpu)
+        with pruning([a.out / r for r in todo]):
+            run_jobs([jobs[r] for r in todo], a.out, parallel=a.parallel, budget_s=call.budget_s, resume=False,
+                     jobs_per_gpu=a.jobs_per_gpu)
     finally:
         manifest.end(finished)
 

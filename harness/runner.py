@@ -253,9 +253,16 @@ def done(out: Path, name: str) -> dict | None:
 
 
 def load_ranks(out: Path, name: str) -> list[dict]:
-    """The ``rank{R}.json`` records of a finished job, in rank order."""
+    """The ``rank{R}.json`` records of a finished job, in rank order; a file a rank left unwritten or cut short
+    (it died while writing) is left out, named on stdout, so that the job reads as failed, not the harness."""
     files = sorted((out / name).glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-    return [json.loads(p.read_text()) for p in files]
+    records = []
+    for p in files:
+        try:
+            records.append(json.loads(p.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            print(f"[runner] {p}: not a whole record ({p.stat().st_size} bytes), left out", flush=True)
+    return records
 
 
 def last_summary(text: str) -> dict:

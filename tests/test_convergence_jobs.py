@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -126,8 +127,10 @@ def _fake_megatron(launched: list[str], per_call: dict[str, int], train_iters: i
             (out / ej.name).mkdir(parents=True)
             (out / ej.name / "log.txt").write_text("\n".join(lines) + "\n")
             (out / ej.name / "done.json").write_text(json.dumps({"ok": True, **ej.fingerprint}))
-            tracker.parent.mkdir(parents=True, exist_ok=True)
+            for it in [*range((start // eval_interval + 1) * eval_interval, end + 1, eval_interval), end]:
+                (tracker.parent / f"iter_{it:07d}").mkdir(parents=True, exist_ok=True)  # Megatron keeps every save
             tracker.write_text(str(end))
+            (tracker.parent / f"iter_{end + 1:07d}").mkdir()  # a save that did not complete
     return run_jobs
 
 
@@ -148,6 +151,9 @@ def test_the_next_call_continues_only_unfinished_runs_and_the_report_reads_every
         convergence.continue_runs(runs, a, "/data/corpus")
         manifest = json.loads((tmp_path / "manifest.json").read_text())
         states.append({r: (st["saved_iteration"], st["finished"]) for r, st in manifest["runs"].items()})
+        for run, st in manifest["runs"].items():  # only the latest checkpoint is kept
+            assert sorted(p.name for p in (tmp_path / run / "ckpt").glob("iter_*")) == [
+                f"iter_{st['saved_iteration']:07d}"]
     assert launched == ["allreduce_seed1/call1", "default_seed1/call1", "allreduce_seed1/call2", "default_seed1/call2",
                         "default_seed1/call3"]
     assert states == [{"allreduce_seed1": (600, False), "default_seed1": (400, False)},
@@ -165,6 +171,27 @@ def test_the_next_call_continues_only_unfinished_runs_and_the_report_reads_every
     with pytest.raises(SystemExit, match="--train-iters"):
         convergence.continue_runs(runs, a, "/data/corpus")
     assert len(launched) == 5
+
+
+def test_checkpoints_older_than_the_latest_are_deleted_while_the_runs_go_on(tmp_path):
+    """:func:`harness.continued.pruning`: a run's saves older than the one its tracker names go while it runs;
+    one past the tracker (a save being written) stays until nothing runs (``failed_saves``)."""
+    from harness.continued import prune_checkpoints, pruning
+
+    ckpt = tmp_path / "run" / "ckpt"
+    assert prune_checkpoints(tmp_path / "run") == []  # nothing saved yet
+    for it in (500, 1000, 1500):
+        (ckpt / f"iter_{it:07d}").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("1000")
+    with pruning([tmp_path / "run"], every_s=0.01):
+        deadline = time.monotonic() + 10
+        while (ckpt / "iter_0000500").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not (ckpt / "iter_0000500").exists() and (ckpt / "iter_0001500").exists()
+        (ckpt / "latest_checkpointed_iteration.txt").write_text("1500")
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0001500"]  # and once more at the end
+    (ckpt / "iter_0002000").mkdir()
+    assert prune_checkpoints(tmp_path / "run") == [] and prune_checkpoints(tmp_path / "run", failed_saves=True) == [2000]
 
 
 def test_separate_worlds_are_refused_a_continued_run_before_anything_starts(tmp_path, monkeypatch):

@@ -36,6 +36,17 @@ def test_a_job_of_several_commands_writes_records_logs_and_done(tmp_path: Path):
     assert len((out / "two" / "cmd.txt").read_text().splitlines()) == 4  # a line and its env per command
 
 
+def test_a_rank_that_died_writing_its_record_fails_the_job_not_the_harness(tmp_path: Path):
+    """A rank killed while writing ``rank1.json`` leaves it empty (seen: a checkpoint save that failed on a full
+    disk): the job is reported failed, with the record it has, and the harness goes on."""
+    out = tmp_path / "out"
+    died = "import os, sys; open(os.path.join(os.environ['OUT'], 'rank1.json'), 'w'); sys.exit(1)"
+    job = Job("cut", [py(WRITE_RECORD, X="0"), py(died)], env={"OUT": str(out / "cut")})
+    info = run_job(job, out)
+    assert not info["ok"] and info["returncodes"] == [0, 1] and info["rank_files"] == 1
+    assert [r["x"] for r in load_ranks(out, "cut")] == [0]
+
+
 def test_done_jobs_are_skipped_with_the_same_flags_only(tmp_path: Path):
     marker = tmp_path / "ran"
     code = f"open({str(marker)!r}, 'a').write('x')"
