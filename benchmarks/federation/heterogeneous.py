@@ -78,6 +78,11 @@ MODELS = {
              "--seq-length", "512", "--max-position-embeddings", "512", "--micro-batch-size", "64", "--bf16",
              "--attention-sdpa", "--no-create-attention-mask-in-dataloader", "--lr", "1e-3", "--min-lr", "1e-4"],
             512, 30, 60, 64),
+    # 302M: large enough that a TP-2 rank's pull and push take several all-to-alls (by_name.PIECE_ELEMENTS)
+    "302M": (["--num-layers", "24", "--hidden-size", "1024", "--ffn-hidden-size", "4096", "--num-attention-heads",
+              "16", "--seq-length", "512", "--max-position-embeddings", "512", "--micro-batch-size", "32", "--bf16",
+              "--attention-sdpa", "--no-create-attention-mask-in-dataloader", "--lr", "1e-3", "--min-lr", "1e-4"],
+             512, 30, 30, 32),
 }
 #: ``paced`` runs: --diloco-x-site-pace (a job's round at most this many times the run's)
 PACE = 4
