@@ -506,10 +506,11 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
-def continue_runs(runs: list[tuple[str, int]], a: argparse.Namespace, data: str) -> None:
+def continue_runs(runs: list[tuple[str, int]], a: argparse.Namespace, data: str) -> dict[str, dict]:
     """One call of continued runs (``--call-s``, ``harness/continued.py``): the runs (method, seed) not
     finished in ``a.out`` (no evaluation after training in their logs), each from its last checkpoint,
-    all stopping within the call; the manifest written before and after."""
+    all stopping within the call; the manifest written before and after. Returns the runner's
+    ``{job: done info}`` of the launches."""
     manifest = Manifest(a.out)
     call = manifest.next_call(a.call_s - (time.monotonic() - _STARTED), a.exit_interval)
     jobs = {f"{n}_seed{s}": job_for(n, s, a, data, call) for n, s in runs}  # (refusals before any launch)
@@ -517,8 +518,8 @@ def continue_runs(runs: list[tuple[str, int]], a: argparse.Namespace, data: str)
     todo = manifest.begin(call, {f"{n}_seed{s}": (run_args(n, s, a, data)[1], a.steps) for n, s in runs}, finished)
     try:
         with pruning([a.out / r for r in todo]):
-            run_jobs([jobs[r] for r in todo], a.out, parallel=a.parallel, budget_s=call.budget_s, resume=False,
-                     jobs_per_gpu=a.jobs_per_gpu)
+            return run_jobs([jobs[r] for r in todo], a.out, parallel=a.parallel, budget_s=call.budget_s,
+                            resume=False, jobs_per_gpu=a.jobs_per_gpu)
     finally:
         manifest.end(finished)
 
@@ -591,6 +592,7 @@ def main() -> None:
         import torch
 
         a.card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (gloo)"
+    launched: dict[str, dict] = {}
     if not a.report_only:
         names = [m.strip() for m in a.methods.split(",") if m.strip()]
         unknown = [n for n in names if n not in METHODS]
@@ -598,10 +600,10 @@ def main() -> None:
             raise SystemExit(f"unknown method(s) {unknown}; choose among {', '.join(METHODS)}")
         runs = [(n, int(s)) for s in a.seeds.split(",") for n in names]
         if a.call_s is None:
-            run_jobs([job_for(n, s, a, data) for n, s in runs], a.out, parallel=a.parallel, budget_s=a.budget_s,
-                     jobs_per_gpu=a.jobs_per_gpu)
+            launched = run_jobs([job_for(n, s, a, data) for n, s in runs], a.out, parallel=a.parallel,
+                                budget_s=a.budget_s, jobs_per_gpu=a.jobs_per_gpu)
         else:
-            continue_runs(runs, a, data)
+            launched = continue_runs(runs, a, data)
     result = report([a.out, *a.more], a)
     a.out.mkdir(parents=True, exist_ok=True)  # --report-only into a new folder
     (a.out / "convergence.json").write_text(json.dumps(result, indent=1))
@@ -611,6 +613,10 @@ def main() -> None:
         print(f"{name:24s} final {row.get('final_val_loss')} gap {row.get('gap_vs_allreduce')} "
               f"bytes {row.get('bytes_total')} fewer {row.get('fewer_bytes_than_allreduce')} "
               f"incomplete {row.get('incomplete')}", flush=True)
+    failed = sorted(name for name, info in launched.items() if not info["ok"])
+    if failed:  # the report is written; the exit status says that a launch of this invocation failed
+        raise SystemExit(f"failed: {', '.join(failed)} (their logs: {a.out}/<run>/...); a continued run goes on from "
+                         "its last checkpoint at the next call")
 
 
 if __name__ == "__main__":

@@ -173,6 +173,23 @@ def test_the_next_call_continues_only_unfinished_runs_and_the_report_reads_every
     assert len(launched) == 5
 
 
+def test_a_failed_launch_is_reported_then_the_exit_status_says_so(tmp_path, monkeypatch):
+    """A run that fails in a call (seen: a checkpoint save on a full disk): the report is still written, and the
+    script exits non-zero naming it, so that whoever drives the calls does not read the call as a success."""
+    fake = _fake_megatron([], {"default": 4}, 8, 4)
+
+    def run_jobs(jobs, out, **kw):
+        fake(jobs, out, **kw)
+        return {ej.name: {"ok": False, "returncode": 1} for ej in jobs}
+
+    monkeypatch.setattr(convergence, "run_jobs", run_jobs)
+    monkeypatch.setattr(sys, "argv", ["convergence.py", "--out", str(tmp_path), "--cpu-smoke", "--one-world",
+                                      "--methods", "default", "--call-s", "1e4", "--card", "cpu"])
+    with pytest.raises(SystemExit, match="failed: default_seed1/call1"):
+        convergence.main()
+    assert (tmp_path / "convergence.json").exists()
+
+
 def test_checkpoints_older_than_the_latest_are_deleted_while_the_runs_go_on(tmp_path):
     """:func:`harness.continued.pruning`: a run's saves older than the one its tracker names go while it runs;
     one past the tracker (a save being written) stays until nothing runs (``failed_saves``)."""
