@@ -388,6 +388,29 @@ def test_exchange_chunks_are_checked_before_training(tmp_path, chunks, extra, cf
                            DiLoCoXConfig(replicas=2))
 
 
+@pytest.mark.parametrize("unit, extra, jobs, phrase", [
+    (3, {}, True, "--diloco-x-data-micro-batch 3 does not divide --micro-batch-size 4"),
+    (0, {}, True, "--diloco-x-data-micro-batch 0 does not divide --micro-batch-size 4"),
+    (2, dict(eval_micro_batch_size=3), True, "does not divide --eval-micro-batch-size 3"),
+    (2, dict(dataloader_type="cyclic"), True, "needs Megatron's default sampler (--dataloader-type single"),
+    (2, {}, False, "applies to separate jobs only (--diloco-x-lighthouse)"),
+])
+def test_data_micro_batch_is_checked_before_training(tmp_path, unit, extra, jobs, phrase):
+    """``--diloco-x-data-micro-batch`` U (sites of different micro-batch) that does not divide a loader's
+    micro-batch, with another sampler, or in one world, is refused naming the fix; U 2 under micro-batch 4 (and
+    an evaluation micro-batch of 2) is accepted."""
+    secret = tmp_path / "run.secret"
+    secret.write_text("a test secret of the run, 32 bytes or more")
+    secret.chmod(0o600)
+    fed = dict(diloco_x_lighthouse="127.0.0.1:29510", diloco_x_run="r", diloco_x_replica_index=0,
+               diloco_x_secret_file=str(secret))
+    args = megatron_args(**(fed if jobs else {}), micro_batch_size=4, diloco_x_data_micro_batch=unit, **extra)
+    with pytest.raises(ValueError, match=re.escape(phrase)):
+        validate_megatron_args(args, DiLoCoXConfig(replicas=2))
+    validate_megatron_args(megatron_args(**fed, micro_batch_size=4, eval_micro_batch_size=2,
+                                         diloco_x_data_micro_batch=2), DiLoCoXConfig(replicas=2))
+
+
 def test_separate_jobs_flags_apply_with_the_lighthouse_only():
     args = megatron_args(diloco_x_run="r")
     with pytest.raises(ValueError, match="--diloco-x-run applies with --diloco-x-lighthouse only"):

@@ -360,6 +360,27 @@ def test_sites_of_different_data_parallel_size(tmp_path):
     _losses_fall(jobs[1])
 
 
+def test_sites_of_different_micro_batch(tmp_path):
+    """Job A at micro-batch 4 and job B at micro-batch 2 (two per step), the same global batch 4, both with
+    ``--diloco-x-data-micro-batch 2`` (the samples dealt in 2s: disjoint, ``test_megatron_patches.py``): the
+    handshake takes them, Megatron's own loaders read through the package's sampler, and the two are identical at
+    every boundary and at the end, at weights 1 / 1."""
+    base = [*BASE, "--train-iters", "24", "--diloco-x-data-micro-batch", "2"]
+    with Lighthouse(tmp_path / "lighthouse.txt", min_replicas=2) as lh:
+        jobs = [Job(tmp_path / n, n, i, lh.address, [*base, "--micro-batch-size", str(m)])
+                for i, (n, m) in enumerate((("A", 4), ("B", 2)))]
+        _end(jobs)
+    a, b = jobs
+    for job, m in ((a, 4), (b, 2)):
+        assert (f"this job's micro-batches of {m} read {m // 2} of the run's micro-batches of 2 each "
+                "(--diloco-x-data-micro-batch 2)") in job.log(), job.log()[-3000:]
+    _assert_identical_at_every_boundary([a, b])
+    assert _final(a) == _final(b) and _final(a)[0][0] == 24
+    wa = _weights(a)
+    assert wa and all(w[1] == 1.0 for w in wa.values()), wa
+    _losses_fall(b)
+
+
 def _saved_with_b_behind(tmp_path, base: list[str], own: dict[str, tuple[list[str], int]]) -> dict[str, Path]:
     """Jobs A and B (``own``: name -> (flags, ranks)) train together from iteration 0, each saving its own
     checkpoints every 12 iterations, and stop at 24; B's latest is then set back to 12 (a site resuming behind the

@@ -104,7 +104,12 @@ def test_separate_jobs_may_differ_in_global_batch_given_iterations():
     assert found == ["--global-batch-size is 4 here, 8 in replica 1"], found
     assert differences(_describe(CFG), _describe(CFG, global_batch_size=8), 1) == [
         "--global-batch-size is 4 here, 8 in replica 1"]
-    assert differences(jobs(), jobs(micro_batch_size=1), 1) == ["--micro-batch-size is 2 here, 1 in replica 1"]
+    label = "--micro-batch-size (or, where the sites' differ, --diloco-x-data-micro-batch)"
+    assert differences(jobs(), jobs(micro_batch_size=1), 1) == [f"{label} is 2 here, 1 in replica 1"]
+    # sites of different micro-batch deal the samples in the same one (data_split): 2 here, 4 there, both in 2
+    assert differences(jobs(), jobs(micro_batch_size=4, diloco_x_data_micro_batch=2), 1) == []
+    assert differences(jobs(micro_batch_size=4, diloco_x_data_micro_batch=4),
+                       jobs(micro_batch_size=4, diloco_x_data_micro_batch=2), 1) == [f"{label} is 4 here, 2 in replica 1"]
 
 
 def test_separate_jobs_may_differ_in_round_lengths_with_the_same_rounds():

@@ -105,7 +105,8 @@ def test_every_megatron_attribute_the_package_replaces_is_catalogued():
                             missing.append(f"{path.relative_to(PACKAGE)}: {target}")
     assert missing == []
     # and each entry that another module applies is assigned there (install's go through patches.replace)
-    install = {p.target for p in (*patches.INSTALL, patches.DATA_PARALLEL_RANK, patches.DATA_PARALLEL_SIZE)}
+    install = {p.target for p in (*patches.INSTALL, patches.DATA_PARALLEL_RANK, patches.DATA_PARALLEL_SIZE,
+                                  patches.PRETRAINING_SAMPLER)}
     elsewhere = {p.target for p in CATALOGUE if p.target not in install and p not in patches.INSTANCE}
     assert seen == elsewhere | {"megatron.training.training.setup_model_and_optimizer"}  # (also the launcher's)
 
@@ -187,6 +188,10 @@ def test_the_entries_a_run_applies():
         "build_pretraining_data_loader", "get_train_valid_test_num_samples"}
     assert "setup_model_and_optimizer" in names(_args(diloco_x_lighthouse="h:2"))
     assert "distopt_sgd" in {p.name for p in patches.applying_to(_args(optimizer="sgd"))}
+    data = {"data_parallel_rank", "data_parallel_world_size", "pretraining_sampler"}
+    assert data & {p.name for p in patches.applying_to(_args(diloco_x_outer_store="h:1"))} == data - {
+        "pretraining_sampler"}
+    assert data <= {p.name for p in patches.applying_to(_args(diloco_x_lighthouse="h:2", diloco_x_data_micro_batch=2))}
     assert "distopt_sgd" not in {p.name for p in patches.applying_to(_args())}
 
 
@@ -320,3 +325,52 @@ def test_sites_of_different_data_parallel_size_read_disjoint_samples(monkeypatch
         inst = _Installation(argparse.Namespace(replicas=2, site_pace=None),
                              _args(diloco_x_replica_index=1, data_parallel_size=1, diloco_x_exchange_chunks=8))
         assert inst.wrap_get_train_valid_test_num_samples(lambda: (10, None, 3))() == (160, None, 48)
+
+
+@pytest.mark.parametrize("units", [(None, 2), (None, None)], ids=["dealt-in-2", "own-micro-batches"])
+def test_sites_of_different_micro_batch_read_disjoint_samples(monkeypatch, units):
+    """Job 0 at micro-batch 2 (no flag: it deals in its own) and job 1 at micro-batch 4 with
+    ``--diloco-x-data-micro-batch 2``, both DP 2 and global batch 8, under Megatron's own sampler as Megatron's
+    loader builds it (a module global, by keyword): no sample is read twice by any rank of either job, a job resumed
+    at iteration i reads what its uninterrupted self reads from i + 1 on, and each job reads its whole global batch
+    per iteration. Without the flag on job 1 (each job its own micro-batch) the jobs read each other's samples."""
+    from megatron.core import parallel_state as ps
+    from megatron.training.datasets import data_samplers
+
+    from megatron_diloco.megatron_adapter.integration import _Installation
+
+    dp, gbs, total, iters, resume_at = 2, 8, 4096, 12, 5
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda *a, **k: dp)
+
+    def read(replica: int, mbs: int, unit: int | None, start_iter: int, dp_rank: int) -> list[list[int]]:
+        monkeypatch.setattr(ps, "get_data_parallel_rank", lambda *a, **k: dp_rank)
+
+        def build(dataset, consumed_samples):  # as build_pretraining_data_loader makes its sampler
+            from megatron.core import mpu
+
+            return iter(data_samplers.MegatronPretrainingSampler(
+                total_samples=total, consumed_samples=consumed_samples, micro_batch_size=mbs,
+                data_parallel_rank=mpu.get_data_parallel_rank(), data_parallel_size=mpu.get_data_parallel_world_size()))
+
+        inst = _Installation(argparse.Namespace(replicas=2),
+                             _args(diloco_x_replica_index=replica, diloco_x_data_micro_batch=unit))
+        loader = inst.wrap_build_pretraining_data_loader(build)("data", start_iter * gbs)
+        assert data_samplers.MegatronPretrainingSampler.__name__ == "MegatronPretrainingSampler"  # restored
+        per_iter = gbs // (mbs * dp)
+        batches = [[next(loader) for _ in range(per_iter)] for _ in range(iters - start_iter)]
+        assert all(len(b) == mbs for it in batches for b in it)
+        return [sum(it, []) for it in batches]
+
+    seen: list[int] = []
+    for replica, (mbs, unit) in enumerate(zip((2, 4), units)):
+        for dp_rank in range(dp):
+            whole = read(replica, mbs, unit, 0, dp_rank)
+            assert read(replica, mbs, unit, resume_at, dp_rank) == whole[resume_at:]
+            seen += [i for batch in whole for i in batch]
+    assert len(seen) == 2 * iters * gbs
+    if units[1] is None:
+        assert len(set(seen)) < len(seen)  # the reason for the flag
+    else:
+        assert len(set(seen)) == len(seen)
+        with pytest.raises(ValueError, match="--diloco-x-data-micro-batch 2 does not divide the micro-batch 3"):
+            read(1, 3, 2, 0, 0)

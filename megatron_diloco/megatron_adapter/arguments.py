@@ -182,6 +182,12 @@ def add_diloco_x_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "would, D the largest site's data-parallel size, the same on every job (a rank of a "
                             "site of DP d reads as the first of its D / d). Default: G, which sizes each job's "
                             "datasets (and Megatron's sample index) G / DP times its own samples.")
+    group.add_argument("--diloco-x-data-micro-batch", type=int, default=None, metavar="U",
+                       help="With --diloco-x-lighthouse, for sites of different micro-batch: the samples are dealt "
+                            "out in micro-batches of U, the same on every job, and each of this job's micro-batches "
+                            "(--micro-batch-size, --eval-micro-batch-size: multiples of U) is that many of them in "
+                            "a row, so that jobs of any micro-batch read disjoint samples. Default: this job's "
+                            "--micro-batch-size (every job the same).")
     group.add_argument("--diloco-x-site-pace", type=float, default=None, metavar="P",
                        help="With --diloco-x-lighthouse, for sites of different speed: each job runs, in every "
                             "round of the run, the inner steps that fit the slowest job's round, from the step "
@@ -420,6 +426,7 @@ def validate_megatron_args(args: argparse.Namespace, config: DiLoCoXConfig) -> N
                 raise ValueError(f"--diloco-x-{flag}-timeout-minutes must be > 0")
     _validate_exchange_slots(args, config, dp, federated)
     _validate_exchange_chunks(args, federated)
+    _validate_data_micro_batch(args, separate)
     if config.site_weights != "tokens" and not federated:
         raise ValueError("--diloco-x-site-weights applies with --diloco-x-lighthouse only (separate jobs; the "
                          "replicas of one world run the same steps on the same batch: every weight is 1)")
@@ -550,3 +557,23 @@ def _validate_exchange_chunks(args: argparse.Namespace, federated: bool) -> None
     if data is not None and (data < 1 or data % dp):
         raise ValueError(f"--diloco-x-data-slots {data} is not a multiple of this job's data-parallel size {dp}: give "
                          "every job the largest site's data-parallel size")
+
+
+def _validate_data_micro_batch(args: argparse.Namespace, separate: bool) -> None:
+    """``--diloco-x-data-micro-batch`` U (sites of different micro-batch): ValueError naming the fix."""
+    unit = getattr(args, "diloco_x_data_micro_batch", None)
+    if unit is None:
+        return
+    flag = f"--diloco-x-data-micro-batch {unit}"
+    if not separate:
+        raise ValueError(f"{flag} applies to separate jobs only (--diloco-x-lighthouse): the replicas of one world "
+                         "read one micro-batch")
+    batches = {"--micro-batch-size": args.micro_batch_size,
+               "--eval-micro-batch-size": getattr(args, "eval_micro_batch_size", None)}
+    for name, m in batches.items():
+        if m is not None and (unit < 1 or m % unit):
+            raise ValueError(f"{flag} does not divide {name} {m}: give every job of the run the same U, a divisor of "
+                             "each job's micro-batch (e.g. the smallest site's)")
+    if getattr(args, "dataloader_type", "single") != "single" or getattr(args, "hybrid_context_parallel", False):
+        raise ValueError(f"{flag} needs Megatron's default sampler (--dataloader-type single, no "
+                         "--hybrid-context-parallel): the others cut the samples by the micro-batch in other ways")

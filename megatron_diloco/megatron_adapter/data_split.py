@@ -17,6 +17,12 @@ ranks would, ``R x G`` in all, so that the slots of jobs of any DP never overlap
 as the first of its G / d (the others' samples are left unread: a site of fewer ranks takes fewer samples per
 round of micro-batches) and its position scales by G / d.
 
+Sites of different micro-batch (``--diloco-x-data-micro-batch`` U, the same on every job): Megatron's sampler hands
+data-parallel rank v of N the samples ``[v m, (v + 1) m)`` of every ``m N`` in a row, so jobs whose micro-batches m
+differ would cut the stream differently and read each other's samples. Each job's sampler is built at micro-batch
+U instead, the stream cut alike everywhere, and each of its micro-batches of m is m / U of its U-sample pieces in a
+row (:class:`Dealt`): disjoint for any m that U divides, and a job's position is the same count of samples.
+
 The datasets are sized for the run's samples (:func:`num_samples`): datasets sized for one launch would run out
 at 1/R of the run (seen: the validation iterator ended at iteration 2100 of 3000).
 """
@@ -25,26 +31,71 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from typing import Callable, Iterable, Iterator
+
+import torch.distributed as dist
 
 from megatron_diloco.megatron_adapter import patches
 
 
-def build_loader(build: Callable, replicas: int, index: int, slots: int | None) -> Callable:
+class Dealt:
+    """A batch sampler whose batches are ``k`` of ``inner``'s in a row, concatenated (a partial group at the end
+    is dropped, as Megatron's sampler drops a partial batch)."""
+
+    def __init__(self, inner: Iterable[list[int]], k: int) -> None:
+        self.inner, self.k = inner, k
+
+    def __len__(self) -> int:
+        return len(self.inner)  # Megatron's sampler's length: its total samples
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batch, count = [], 0
+        for piece in self.inner:
+            batch, count = batch + list(piece), count + 1
+            if count == self.k:
+                yield batch
+                batch, count = [], 0
+
+
+def dealt_in(unit: int, told: set[int] | None = None) -> Callable[[type], Callable[..., Dealt]]:
+    """The replacement of Megatron's ``MegatronPretrainingSampler`` (while a loader is built) that deals the
+    samples in micro-batches of ``unit`` (module doc): the sampler of micro-batch m becomes m / unit of them.
+    ``told``: the micro-batches said on stdout already (rank 0 says each once)."""
+    def wrap(sampler: type) -> Callable[..., Dealt]:
+        def make(**kwargs) -> Dealt:
+            m = kwargs["micro_batch_size"]
+            if m % unit:
+                raise ValueError(f"--diloco-x-data-micro-batch {unit} does not divide the micro-batch {m} of a data "
+                                 "loader (--micro-batch-size, --eval-micro-batch-size): give a divisor of both")
+            if told is not None and m not in told:
+                told.add(m)
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    print(f"megatron-diloco: this job's micro-batches of {m} read {m // unit} of the run's "
+                          f"micro-batches of {unit} each (--diloco-x-data-micro-batch {unit})", flush=True)
+            return Dealt(sampler(**{**kwargs, "micro_batch_size": unit}), m // unit)
+        return make
+    return wrap
+
+
+def build_loader(build: Callable, replicas: int, index: int, slots: int | None, unit: int | None = None) -> Callable:
     """Megatron's ``build_pretraining_data_loader`` for replica ``index`` of ``replicas`` (module doc); ``slots``:
-    ``--diloco-x-exchange-slots`` (None: every job the same DP)."""
+    ``--diloco-x-exchange-slots`` (None: every job the same DP); ``unit``: ``--diloco-x-data-micro-batch`` (None:
+    every job the same micro-batch)."""
     from megatron.core import parallel_state as ps
 
     R, r, G = replicas, index, slots
+    told: set[int] = set()
 
     @functools.wraps(build)
     def build_pretraining_data_loader(dataset, consumed_samples):
         size = ps.get_data_parallel_world_size
         per = (lambda *a, **k: G // size(*a, **k)) if G else (lambda *a, **k: 1)  # data slots per rank
-        with patches.swapped(
-                (patches.DATA_PARALLEL_RANK,
-                 lambda rank: lambda *a, **k: (r * size(*a, **k) + rank(*a, **k)) * per(*a, **k)),
-                (patches.DATA_PARALLEL_SIZE, lambda size_: lambda *a, **k: R * size_(*a, **k) * per(*a, **k))):
+        swaps = [(patches.DATA_PARALLEL_RANK,
+                  lambda rank: lambda *a, **k: (r * size(*a, **k) + rank(*a, **k)) * per(*a, **k)),
+                 (patches.DATA_PARALLEL_SIZE, lambda size_: lambda *a, **k: R * size_(*a, **k) * per(*a, **k))]
+        if unit is not None:
+            swaps.append((patches.PRETRAINING_SAMPLER, dealt_in(unit, told)))
+        with patches.swapped(*swaps):
             return build(dataset, R * consumed_samples * per())
 
     return build_pretraining_data_loader

@@ -88,7 +88,6 @@ MUST_AGREE_MEGATRON: tuple[tuple[str, str], ...] = (
     # run length: the number of boundaries, the end
     ("--train-samples", "train_samples"),
     # the batch per launch and the data split (each launch reads its share of one world's samples)
-    ("--micro-batch-size", "micro_batch_size"),
     ("--rampup-batch-size", "rampup_batch_size"),
     ("--seq-length", "seq_length"),
     ("--seed", "seed"),
@@ -116,6 +115,8 @@ MUST_AGREE_MEGATRON: tuple[tuple[str, str], ...] = (
     ("padded vocabulary size (tokenizer, --make-vocab-size-divisible-by)", "padded_vocab_size"),
 )
 
+#: the micro-batch the samples are dealt in (``data_split``): a job's own, unless the sites' differ
+DATA_MICRO_BATCH = "--micro-batch-size (or, where the sites' differ, --diloco-x-data-micro-batch)"
 #: what ``--diloco-x-exchange-slots`` lets jobs differ in (their shards are then compared slot by slot)
 SLOTS_REPLACE = ("world_size", "data_parallel_size")
 #: the parameters' names and global shapes (the exchange by name), as a refusal names them
@@ -211,6 +212,7 @@ def describe_launch(args: argparse.Namespace, config: DiLoCoXConfig, shards: lis
             continue                                                                  # or chunks instead
         value = getattr(args, attr, None)
         out[flag] = list(value) if isinstance(value, tuple) else value
+    out[DATA_MICRO_BATCH] = getattr(args, "diloco_x_data_micro_batch", None) or getattr(args, "micro_batch_size", None)
     if slots:
         out["--diloco-x-exchange-slots"] = slots
     if chunks:

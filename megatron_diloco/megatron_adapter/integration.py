@@ -402,7 +402,7 @@ class _Installation:
         """Replicas in separate worlds or jobs: each reads its share of the run's samples
         (:func:`~megatron_diloco.megatron_adapter.data_split.build_loader`)."""
         return data_split.build_loader(build, self.config.replicas, self.args.diloco_x_replica_index,
-                                       _data_slots(self.args))
+                                       _data_slots(self.args), getattr(self.args, "diloco_x_data_micro_batch", None))
 
     def wrap_get_train_valid_test_num_samples(self, get_num_samples: Callable) -> Callable:
         """Replicas in separate worlds or jobs: the datasets sized for the run's samples

@@ -135,6 +135,8 @@ CONDITIONS: dict[str, Callable[[argparse.Namespace], bool]] = {
     "sgd": lambda args: getattr(args, "optimizer", None) == "sgd",
     "separate worlds or jobs": _separate_worlds,
     "separate jobs": _separate_jobs,
+    "data micro-batch": lambda args: (_separate_worlds(args)
+                                      and getattr(args, "diloco_x_data_micro_batch", None) is not None),
     "cpu": _cpu,
     "launcher": _launcher,
     "wheel or cpu": _helpers_not_built,
@@ -360,6 +362,13 @@ DATA_PARALLEL_SIZE = Patch(
     (CallSite(_SAMPLERS.module, _SAMPLERS.function, "mpu.get_data_parallel_world_size"),),
     "while a separate world builds its data loaders, its data-parallel size is R x dp",
     "wrap_build_pretraining_data_loader", _INSTALL, when="separate worlds or jobs", temporary=True)
+PRETRAINING_SAMPLER = Patch(
+    "pretraining_sampler", _SAMPLERS.module, "MegatronPretrainingSampler",
+    (CallSite(_SAMPLERS.module, _SAMPLERS.function, "MegatronPretrainingSampler"),),
+    "with --diloco-x-data-micro-batch U, while a separate world builds its data loaders, its sampler deals the "
+    "samples in micro-batches of U and each of its own micro-batches is m / U of them in a row",
+    "wrap_build_pretraining_data_loader", _INSTALL, when="data micro-batch", temporary=True,
+    keywords=("total_samples", "consumed_samples", "micro_batch_size", "data_parallel_rank", "data_parallel_size"))
 
 #: the replica-local collectives (``replica_local.install_replica_local_collectives``, at the optimizer's build)
 REPLICA_LOCAL: tuple[Patch, ...] = (
@@ -476,5 +485,5 @@ FUSED_ROPE = Patch(
     "fused_rope.fused_apply_rotary_pos_emb", "megatron_diloco.megatron_adapter.fused_rope.install",
     when="rope fusion on CUDA without Transformer Engine")
 
-CATALOGUE: tuple[Patch, ...] = (*INSTALL, DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, *REPLICA_LOCAL, *LAUNCHER,
-                                *COMPAT, *INSTANCE, FUSED_ROPE)
+CATALOGUE: tuple[Patch, ...] = (*INSTALL, DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, PRETRAINING_SAMPLER, *REPLICA_LOCAL,
+                                *LAUNCHER, *COMPAT, *INSTANCE, FUSED_ROPE)
