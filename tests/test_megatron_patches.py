@@ -327,23 +327,28 @@ def test_sites_of_different_data_parallel_size_read_disjoint_samples(monkeypatch
         assert inst.wrap_get_train_valid_test_num_samples(lambda: (10, None, 3))() == (160, None, 48)
 
 
-@pytest.mark.parametrize("units", [(None, 2), (None, None)], ids=["dealt-in-2", "own-micro-batches"])
-def test_sites_of_different_micro_batch_read_disjoint_samples(monkeypatch, units):
-    """Job 0 at micro-batch 2 (no flag: it deals in its own) and job 1 at micro-batch 4 with
-    ``--diloco-x-data-micro-batch 2``, both DP 2 and global batch 8, under Megatron's own sampler as Megatron's
-    loader builds it (a module global, by keyword): no sample is read twice by any rank of either job, a job resumed
-    at iteration i reads what its uninterrupted self reads from i + 1 on, and each job reads its whole global batch
-    per iteration. Without the flag on job 1 (each job its own micro-batch) the jobs read each other's samples."""
+@pytest.mark.parametrize("sites, flags, disjoint", [
+    (((2, 2, None, 8), (2, 4, 2, 8)), {}, True),
+    (((2, 2, None, 8), (2, 4, None, 8)), {}, False),
+    (((2, 2, None, 8), (1, 4, 2, 4)), dict(diloco_x_exchange_slots=2), True),
+], ids=["dealt-in-2", "own-micro-batches", "with-slots"])
+def test_sites_of_different_micro_batch_read_disjoint_samples(monkeypatch, sites, flags, disjoint):
+    """Per job (DP, micro-batch, ``--diloco-x-data-micro-batch``, global batch): job 0 at micro-batch 2 (no flag: it
+    deals in its own) and job 1 at micro-batch 4 dealt in 2 read, under Megatron's own sampler as Megatron's loader
+    builds it (a module global, by keyword), no sample twice by any rank of either job, also beside exchange slots
+    (job 1 at DP 1); a job resumed at iteration i reads what its uninterrupted self reads from i + 1 on, each
+    micro-batch of its own size. Without the flag on job 1 (each job its own micro-batch) the jobs read each
+    other's samples."""
     from megatron.core import parallel_state as ps
     from megatron.training.datasets import data_samplers
 
     from megatron_diloco.megatron_adapter.integration import _Installation
 
-    dp, gbs, total, iters, resume_at = 2, 8, 4096, 12, 5
-    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda *a, **k: dp)
+    total, iters, resume_at = 4096, 12, 5
 
-    def read(replica: int, mbs: int, unit: int | None, start_iter: int, dp_rank: int) -> list[list[int]]:
+    def read(replica: int, dp: int, mbs: int, unit: int | None, gbs: int, start_iter: int, dp_rank: int) -> list:
         monkeypatch.setattr(ps, "get_data_parallel_rank", lambda *a, **k: dp_rank)
+        monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda *a, **k: dp)
 
         def build(dataset, consumed_samples):  # as build_pretraining_data_loader makes its sampler
             from megatron.core import mpu
@@ -352,8 +357,8 @@ def test_sites_of_different_micro_batch_read_disjoint_samples(monkeypatch, units
                 total_samples=total, consumed_samples=consumed_samples, micro_batch_size=mbs,
                 data_parallel_rank=mpu.get_data_parallel_rank(), data_parallel_size=mpu.get_data_parallel_world_size()))
 
-        inst = _Installation(argparse.Namespace(replicas=2),
-                             _args(diloco_x_replica_index=replica, diloco_x_data_micro_batch=unit))
+        inst = _Installation(argparse.Namespace(replicas=2), _args(
+            diloco_x_replica_index=replica, diloco_x_data_micro_batch=unit, data_parallel_size=dp, **flags))
         loader = inst.wrap_build_pretraining_data_loader(build)("data", start_iter * gbs)
         assert data_samplers.MegatronPretrainingSampler.__name__ == "MegatronPretrainingSampler"  # restored
         per_iter = gbs // (mbs * dp)
@@ -362,15 +367,13 @@ def test_sites_of_different_micro_batch_read_disjoint_samples(monkeypatch, units
         return [sum(it, []) for it in batches]
 
     seen: list[int] = []
-    for replica, (mbs, unit) in enumerate(zip((2, 4), units)):
+    for replica, (dp, mbs, unit, gbs) in enumerate(sites):
         for dp_rank in range(dp):
-            whole = read(replica, mbs, unit, 0, dp_rank)
-            assert read(replica, mbs, unit, resume_at, dp_rank) == whole[resume_at:]
+            whole = read(replica, dp, mbs, unit, gbs, 0, dp_rank)
+            assert read(replica, dp, mbs, unit, gbs, resume_at, dp_rank) == whole[resume_at:]
             seen += [i for batch in whole for i in batch]
-    assert len(seen) == 2 * iters * gbs
-    if units[1] is None:
-        assert len(set(seen)) < len(seen)  # the reason for the flag
-    else:
-        assert len(set(seen)) == len(seen)
+    assert len(seen) == iters * sum(gbs for *_, gbs in sites)
+    assert (len(set(seen)) == len(seen)) == disjoint  # without the flag: the reason for it
+    if disjoint:
         with pytest.raises(ValueError, match="--diloco-x-data-micro-batch 2 does not divide the micro-batch 3"):
-            read(1, 3, 2, 0, 0)
+            read(1, 2, 3, 2, 6, 0, 0)
