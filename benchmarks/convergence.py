@@ -56,7 +56,7 @@ from megatron_diloco.algorithm.config import BLOCKWISE  # noqa: E402
 from megatron_diloco.summary import parse_summaries  # noqa: E402
 
 H = 30
-REPLICAS = 2
+REPLICAS = 2  # the default of --replicas
 #: ``--model``: the GPTs' shapes (RESULTS §2.4, §9): 85.2M (the default) and 302.4M parameters
 SHAPES = {"85M": "--num-layers 12 --hidden-size 768 --ffn-hidden-size 3072 --num-attention-heads 12".split(),
           "302M": "--num-layers 24 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 16".split()}
@@ -219,14 +219,14 @@ def communicates(method: dict) -> bool:
     return "overlap" in method or bool(method.get("default"))
 
 
-def method_flags(name: str) -> list[str]:
+def method_flags(name: str, replicas: int = REPLICAS) -> list[str]:
     m = METHODS[name]
     if not communicates(m):
         return ["--no-diloco-x", *m.get("flags", [])]
     if m.get("default"):  # H comes with the common flags (--local-steps)
-        return ["--diloco-x", "--diloco-x-replicas", str(REPLICAS), "--diloco-x-bandwidth-mbps", str(LINK_MBPS),
+        return ["--diloco-x", "--diloco-x-replicas", str(replicas), "--diloco-x-bandwidth-mbps", str(LINK_MBPS),
                 *m.get("flags", [])]
-    flags = ["--diloco-x", "--diloco-x-replicas", str(REPLICAS), "--diloco-x-overlap", m["overlap"],
+    flags = ["--diloco-x", "--diloco-x-replicas", str(replicas), "--diloco-x-overlap", m["overlap"],
              "--diloco-x-compression", m["codec"], "--diloco-x-outer-lr", str(m["eta"]),
              "--diloco-x-outer-momentum", str(m["mu"])]
     named = [f for f in m.get("flags", []) if f.startswith("--diloco-x-warmup")]
@@ -262,8 +262,9 @@ def run_args(name: str, seed: int, a: argparse.Namespace, data: str) -> tuple[li
               *(["--distributed-backend", "gloo"] if a.cpu_smoke else [])]
     if a.call_s is not None:
         common += checkpoint_flags(a.out / f"{name}_seed{seed}", a.eval_interval, load_rng=not a.cpu_smoke)
-    replicas = REPLICAS if a.one_world or not (communicates(method) or method.get("alone")) else 1
-    return common, [*common, "--global-batch-size", str(a.micro_batch * a.accum * replicas), *method_flags(name)]
+    replicas = a.replicas if a.one_world or not (communicates(method) or method.get("alone")) else 1
+    return common, [*common, "--global-batch-size", str(a.micro_batch * a.accum * replicas),
+                    *method_flags(name, a.replicas)]
 
 
 def job_for(name: str, seed: int, a: argparse.Namespace, data: str, call: Call | None = None) -> Job | ExampleJob:
@@ -282,9 +283,9 @@ def job_for(name: str, seed: int, a: argparse.Namespace, data: str, call: Call |
     if call is not None:
         job, args, estimate_s, timeout_s = call.job_name(run), [*args, *call.flags()], call.run_s, call.timeout_s
     if a.one_world:
-        return ExampleJob(job, args, REPLICAS, estimate_s=estimate_s, timeout_s=timeout_s, record=["losses"],
+        return ExampleJob(job, args, a.replicas, estimate_s=estimate_s, timeout_s=timeout_s, record=["losses"],
                           meta={"method": method, "common": common})
-    return replica_worlds_job(job, a.out, args, REPLICAS if communicates(method) else 1, ["losses"],
+    return replica_worlds_job(job, a.out, args, a.replicas if communicates(method) else 1, ["losses"],
                               diloco=communicates(method), estimate_s=estimate_s, timeout_s=timeout_s,
                               fingerprint={"method": method, "common": common})
 
@@ -353,7 +354,7 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
             if m is not None:
                 m = _canonical(m)
                 defs.setdefault(name, m)
-                tokens_per_step = a.tokens_per_step // (REPLICAS if m.get("alone") else 1)
+                tokens_per_step = a.tokens_per_step // (a.replicas if m.get("alone") else 1)
                 per_seed.setdefault(name, {})[int(seed)] = analyze(run, tokens_per_step)
     params = next((r["params"] for runs in per_seed.values() for r in runs.values() if r.get("params")), None)
     methods = {}
@@ -390,7 +391,7 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
             elif m.get("alone"):
                 row["bytes_total"] = 0.0
             elif params:
-                row["bytes_total"] = a.steps * params * (REPLICAS - 1) / REPLICAS * (4 + 2)
+                row["bytes_total"] = a.steps * params * (a.replicas - 1) / a.replicas * (4 + 2)
         methods[name] = row
     ref = methods.get("allreduce", {})
     ran = {n: defs[n] for n, row in methods.items() if row.get("final_val_loss")}
@@ -409,10 +410,11 @@ def report(dirs: list[Path], a: argparse.Namespace) -> dict:
     tokens = a.steps * a.tokens_per_step
     return {"regime": {"params": params, "tokens": tokens, "epochs": tokens / a.corpus_train_tokens
                        if a.corpus_train_tokens else None, "rounds": a.steps // a.local_steps,
-                       "local_steps": a.local_steps, "replicas": REPLICAS, "seeds": sorted({s for r in per_seed.values() for s in r}),
+                       "local_steps": a.local_steps, "replicas": a.replicas,
+                       "seeds": sorted({s for r in per_seed.values() for s in r}),
                        "tokens_per_step": a.tokens_per_step, "corpus": a.corpus_desc,
                        "fast_path": FAST_PATH if getattr(a, "fast_path", False) else None,
-                       "launch": f"one torchrun world of {REPLICAS} ranks, one GPU each (NCCL)" if a.one_world
+                       "launch": f"one torchrun world of {a.replicas} ranks, one GPU each (NCCL)" if a.one_world
                        else "one single-rank world per replica, sharing one GPU"},
             "card": a.card, "default_method": a.default_method, "methods": methods}
 
@@ -548,6 +550,10 @@ def main() -> None:
     p.add_argument("--from", dest="more", type=Path, nargs="*", default=[])
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--card", default=None, help="report-only: the card the runs were measured on")
+    p.add_argument("--replicas", type=int, default=REPLICAS,
+                   help="R, the replicas of every DiLoCo run (AllReduce: data parallelism over R, as R x the batch); "
+                        "without --one-world the R replicas share one GPU as separate worlds (R = 4 on one GPU: the "
+                        "4-replica point without 4 GPUs)")
     p.add_argument("--one-world", action="store_true",
                    help="each run one torchrun world of R ranks on R GPUs (NCCL; the multi-GPU user's path)")
     p.add_argument("--call-s", type=float, default=None,
@@ -564,6 +570,8 @@ def main() -> None:
         p.error("--model: GPU runs only (--cpu-smoke trains its own small model)")
     if a.fast_path and a.cpu_smoke:
         p.error("--fast-path: GPU only (its fused RoPE needs a GPU); drop it with --cpu-smoke")
+    if a.replicas < 2:
+        p.error("--replicas: at least 2 (one replica alone is the method 'single')")
     if a.exit_interval is not None and a.call_s is None:
         p.error("--exit-interval: only with --call-s (it stops a continued run, which saves)")
     for key, full, smoke in (("steps", 3000, 8), ("local_steps", H, 4), ("eval_interval", 300, 4), ("corpus_mb", 40, 8)):
@@ -574,7 +582,7 @@ def main() -> None:
                      ",".join(HEADLINE_METHODS))
     a.out = a.out.resolve()
     seq = 64 if a.cpu_smoke else 512
-    a.tokens_per_step = REPLICAS * a.micro_batch * a.accum * seq
+    a.tokens_per_step = a.replicas * a.micro_batch * a.accum * seq
     earlier = [json.loads(p.read_text())["regime"] for d in [a.out, *a.more]
                for p in [d / "convergence.json"] if p.exists()]
     if a.report_only and earlier:  # the corpus of the machine that ran them

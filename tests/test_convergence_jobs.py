@@ -18,7 +18,8 @@ from benchmarks import convergence
 def _a(tmp_path: Path) -> argparse.Namespace:
     return argparse.Namespace(micro_batch=16, accum=1, cpu_smoke=False, eval_iters=32, steps=3000,
                               eval_interval=300, local_steps=30, out=tmp_path, estimate_s=400.0, timeout_s=520.0,
-                              one_world=False, call_s=None, exit_interval=None, parallel=4, jobs_per_gpu=1)
+                              one_world=False, call_s=None, exit_interval=None, parallel=4, jobs_per_gpu=1,
+                              replicas=2)
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -29,10 +30,15 @@ def _example_args(cmd) -> list[str]:
     return cmd.argv[cmd.argv.index("--") + 1:]
 
 
-@pytest.mark.parametrize("name, launches, batch", [("allreduce", 1, 32), ("single", 1, 16),
-                                                   ("partial_auto_int4", 2, 16), ("diloco_int4", 2, 16)])
-def test_each_method_launches_its_worlds_with_its_batch(tmp_path, name, launches, batch):
-    job = convergence.job_for(name, 2, _a(tmp_path), "/data/corpus")
+@pytest.mark.parametrize("name, launches, batch, replicas", [
+    ("allreduce", 1, 32, 2), ("single", 1, 16, 2), ("partial_auto_int4", 2, 16, 2), ("diloco_int4", 2, 16, 2),
+    ("allreduce", 1, 64, 4), ("default", 4, 16, 4)])
+def test_each_method_launches_its_worlds_with_its_batch(tmp_path, name, launches, batch, replicas):
+    """R single-rank worlds on one GPU per DiLoCo run, each at its own batch; AllReduce one world of R x the batch
+    (data parallelism over R); ``--replicas 4``: four worlds, ``--diloco-x-replicas 4``."""
+    a = _a(tmp_path)
+    a.replicas = replicas
+    job = convergence.job_for(name, 2, a, "/data/corpus")
     assert job.name == f"{name}_seed2" and job.gpus == 1 and len(job.commands) == launches
     argvs = [_example_args(c) for c in job.commands]
     for r, argv in enumerate(argvs):
@@ -43,12 +49,14 @@ def test_each_method_launches_its_worlds_with_its_batch(tmp_path, name, launches
         assert argvs[0][-1] == "--no-diloco-x" and "--diloco-x-outer-store" not in argvs[0]
     else:  # R single-rank worlds joined by one outer store, each with its replica index
         assert {_flag(a, "--diloco-x-outer-store") for a in argvs} == {_flag(argvs[0], "--diloco-x-outer-store")}
-        assert [_flag(a, "--diloco-x-replica-index") for a in argvs] == ["0", "1"]
+        assert [_flag(a, "--diloco-x-replica-index") for a in argvs] == [str(r) for r in range(replicas)]
+        assert {_flag(a, "--diloco-x-replicas") for a in argvs} == {str(replicas)}
         m = convergence.METHODS[name]
-        assert _flag(argvs[0], "--diloco-x-overlap") == m["overlap"]
-        assert _flag(argvs[0], "--diloco-x-compression") == m["codec"]
-        assert float(_flag(argvs[0], "--diloco-x-outer-lr")) == m["eta"]
-        assert ("--diloco-x-overlap-steps" in argvs[0]) == ("tau" in m)
+        if not m.get("default"):  # (the default gives only --diloco-x, its H and the link)
+            assert _flag(argvs[0], "--diloco-x-overlap") == m["overlap"]
+            assert _flag(argvs[0], "--diloco-x-compression") == m["codec"]
+            assert float(_flag(argvs[0], "--diloco-x-outer-lr")) == m["eta"]
+            assert ("--diloco-x-overlap-steps" in argvs[0]) == ("tau" in m)
     # the definition is stored with the run (done.json), so later reports use what ran
     assert job.fingerprint["method"] == convergence.METHODS[name]
 
