@@ -317,6 +317,20 @@ def test_settings_that_do_nothing_are_named(kwargs, phrase):
     assert ineffective_settings(DiLoCoXConfig(replicas=2, **acting[field])) == []
 
 
+def test_an_outer_step_of_high_gain_is_warned_of_with_what_it_measured():
+    """eta / (1 - mu) above 1.5 (the papers' 0.7 / 0.9: 7) gets a warning naming both flags and the measurements;
+    the default and momentum at unit gain get none."""
+    from megatron_diloco.algorithm.config import outer_step_warning
+
+    said = outer_step_warning(DiLoCoXConfig(replicas=2, outer_lr=0.7, outer_momentum=0.9))
+    assert said is not None and "--diloco-x-outer-lr 0.7 with --diloco-x-outer-momentum 0.9" in said
+    assert "7 times over" in said and "diverged" in said
+    assert outer_step_warning(DiLoCoXConfig(replicas=2, outer_lr=1.0, outer_momentum=0.5)) is not None  # gain 2
+    assert outer_step_warning(DiLoCoXConfig()) is None
+    assert outer_step_warning(DiLoCoXConfig(replicas=2, outer_lr=0.1, outer_momentum=0.9)) is None  # unit gain
+    assert outer_step_warning(DiLoCoXConfig(replicas=2, outer_lr=1.4)) is None  # within 1.5
+
+
 def test_defaults_have_no_ineffective_settings():
     assert ineffective_settings(DiLoCoXConfig()) == []
 

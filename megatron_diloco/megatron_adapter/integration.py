@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megatron_diloco.megatron_adapter import data_split, patches
 from megatron_diloco.megatron_adapter.arguments import config_from_args, validate_megatron_args
-from megatron_diloco.algorithm.config import CODECS, DiLoCoXConfig, ineffective_settings
+from megatron_diloco.algorithm.config import CODECS, DiLoCoXConfig, ineffective_settings, outer_step_warning
 from megatron_diloco.summary import format_round_line, format_summary, params_digest, warmup_exposure_warning
 from megatron_diloco.megatron_adapter.replica_local import install_replica_local_collectives, replica_local_loss_reduction
 
@@ -95,7 +95,7 @@ def install(args: argparse.Namespace) -> DiLoCoXConfig | None:
     _show_package_logs(args)
     args._diloco_x_config = config
     if os.environ.get("RANK", "0") == "0":
-        for warning in ineffective_settings(config):
+        for warning in [*ineffective_settings(config), *filter(None, [outer_step_warning(config)])]:
             print(f"megatron-diloco: warning: {warning}", flush=True)
         print(f"megatron-diloco: DiLoCoX on: {config}; set --use-distributed-optimizer, "
               f"--num-distributed-optimizer-instances {config.replicas}, --use-tp-pp-dp-mapping "
