@@ -1,7 +1,6 @@
 """The exchange by name on real Megatron models (``megatron_diloco.megatron_adapter.by_name``): the same model built at
-TP 1 / PP 1 / DP 2, TP 2, PP 2 and TP 2 x PP 2, and with ``--swiglu`` at DP 2 and TP 2 (gloo ranks, the distributed
-optimizer, bf16), the recorder ``by_name``
-at the first step. At every layout a pull must bring every canonical element from its main shard (set to its index,
+TP 1 / PP 1 / DP 2, TP 2, PP 2, TP 2 x PP 2 and PP 2 with two virtual stages per rank, and with ``--swiglu`` at DP 2
+and TP 2 (gloo ranks, the distributed optimizer, bf16), the recorder ``by_name`` at the first step. At every layout a pull must bring every canonical element from its main shard (set to its index,
 computed densely from Megatron's sharded state dict) into the staging of the rank that holds its chunk, and a push
 must write every copy back; and every layout must name the same tensors with the same global shapes."""
 
@@ -16,17 +15,18 @@ pytestmark = pytest.mark.megatron
 #: name -> (TP, PP, ranks, flags); ``swiglu*``: the fused gate and up projection (Megatron saves it through a
 #: factory, as two blocks of one global tensor)
 LAYOUTS = {"dp2": (1, 1, 2, []), "tp2": (2, 1, 2, []), "pp2": (1, 2, 2, []), "tp2pp2": (2, 2, 4, []),
-           "swiglu_dp2": (1, 1, 2, ["--swiglu"]), "swiglu_tp2": (2, 1, 2, ["--swiglu"])}
+           "swiglu_dp2": (1, 1, 2, ["--swiglu"]), "swiglu_tp2": (2, 1, 2, ["--swiglu"]),
+           "vpp2": (1, 2, 2, ["--num-layers-per-virtual-pipeline-stage", "1"])}
 
 
 def test_a_checkpoint_loaded_at_any_layout_gives_the_same_chunks(tmp_path):
     """What "the same parameter" means across layouts is Megatron's own: a checkpoint saved at TP 1 / DP 2 (its
-    distributed format) and loaded at DP 2, TP 2, PP 2 and TP 2 x PP 2 (the weights only) gives, pulled, the same
-    values chunk by chunk, bit for bit."""
+    distributed format) and loaded at DP 2, TP 2, PP 2, TP 2 x PP 2 and PP 2 with two virtual stages per rank (the
+    weights only) gives, pulled, the same values chunk by chunk, bit for bit."""
     ckpt = tmp_path / "ckpt"
     _layout(tmp_path, 1, 1, 2, ["--save", str(ckpt), "--save-interval", "3", "--train-iters", "3"])
-    loaded = {name: _layout(tmp_path, tp, pp, nproc, ["--load", str(ckpt), "--no-load-optim", "--no-load-rng"])
-              for name, (tp, pp, nproc, extra) in LAYOUTS.items() if not extra}
+    loaded = {name: _layout(tmp_path, tp, pp, nproc, [*extra, "--load", str(ckpt), "--no-load-optim", "--no-load-rng"])
+              for name, (tp, pp, nproc, extra) in LAYOUTS.items() if not name.startswith("swiglu")}
     values = {name: [v for rec in ranks for v in rec["values"]] for name, ranks in loaded.items()}
     assert all(len(v) == 8 for v in values.values()), values
     assert all(v == values["dp2"] for v in values.values()), values
