@@ -50,7 +50,7 @@ _STARTED = time.monotonic()  # what --call-s counts from
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout, uninstalled
-from harness.continued import Call, Manifest, call_dirs, checkpoint_flags, last_done, pruning  # noqa: E402
+from harness.continued import Call, Manifest, call_dirs, checkpoint_flags, last_done  # noqa: E402
 from harness.runner import FAST_PATH, VALIDATION_LINE, ExampleJob, Job, replica_worlds_job, run_jobs  # noqa: E402
 from megatron_diloco.algorithm.config import BLOCKWISE  # noqa: E402
 from megatron_diloco.summary import parse_summaries  # noqa: E402
@@ -261,7 +261,7 @@ def run_args(name: str, seed: int, a: argparse.Namespace, data: str) -> tuple[li
               "--diloco-x-local-steps", str(a.local_steps), "--lr-decay-style", "cosine",
               *(["--distributed-backend", "gloo"] if a.cpu_smoke else [])]
     if a.call_s is not None:
-        common += checkpoint_flags(a.out / f"{name}_seed{seed}", a.eval_interval, load_rng=not a.cpu_smoke)
+        common += checkpoint_flags(a.out / f"{name}_seed{seed}", a.eval_interval, a.steps, load_rng=not a.cpu_smoke)
     replicas = a.replicas if a.one_world or not (communicates(method) or method.get("alone")) else 1
     return common, [*common, "--global-batch-size", str(a.micro_batch * a.accum * replicas),
                     *method_flags(name, a.replicas)]
@@ -519,9 +519,8 @@ def continue_runs(runs: list[tuple[str, int]], a: argparse.Namespace, data: str)
     finished = lambda d: analyze(d, 1).get("final_val_loss") is not None  # noqa: E731
     todo = manifest.begin(call, {f"{n}_seed{s}": (run_args(n, s, a, data)[1], a.steps) for n, s in runs}, finished)
     try:
-        with pruning([a.out / r for r in todo]):
-            return run_jobs([jobs[r] for r in todo], a.out, parallel=a.parallel, budget_s=call.budget_s,
-                            resume=False, jobs_per_gpu=a.jobs_per_gpu)
+        return run_jobs([jobs[r] for r in todo], a.out, parallel=a.parallel, budget_s=call.budget_s, resume=False,
+                        jobs_per_gpu=a.jobs_per_gpu)
     finally:
         manifest.end(finished)
 

@@ -15,8 +15,9 @@ over several calls of the same command into the same folder ``DIR``:
   import of ``megatron.training.training``: the call's seconds left less :data:`STOP_S`, rounded down.
   A run that has not ended :data:`END_S` before the call's end is killed (its steps since its last save
   are lost, not its checkpoint); a run that cannot start at once (no free GPUs) waits for the next call;
-* a run keeps only its latest checkpoint: the older ones are deleted while it runs
-  (:func:`pruning`), and a save that did not complete at the next start or end of a call;
+* a run keeps only its latest checkpoint: Megatron deletes the one before each save as the save completes
+  (``--save-retain-interval``, :func:`checkpoint_flags`), and a save that did not complete is deleted at the next
+  start or end of a call (:func:`prune_checkpoints`);
 * each call's logs and records go to ``DIR/<run>/call<k>/`` (:meth:`Call.job_name`), kept, so that a
   report reads every call's logs of a run in order (:func:`call_dirs`);
 * ``DIR/manifest.json`` (:class:`Manifest`): the calls made into ``DIR`` and, per run, its flags,
@@ -31,15 +32,13 @@ starts every run from iteration 0, as a first call does: its output says ``call 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import shlex
 import shutil
-import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from harness.runner import done
 
@@ -49,8 +48,6 @@ from harness.runner import done
 STOP_S = 60.0
 #: Seconds a call keeps after its last run was ended: the manifest and the report.
 END_S = 15.0
-#: Seconds between two looks for checkpoints older than a run's latest, to delete (:func:`pruning`).
-PRUNE_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +97,17 @@ class Call:
         return f"{run}/call{self.index}"
 
 
-def checkpoint_flags(run_dir: Path, save_interval: int, load_rng: bool = True) -> list[str]:
+def checkpoint_flags(run_dir: Path, save_interval: int, train_iters: int, load_rng: bool = True) -> list[str]:
     """The example's flags that make a run continue across calls: ``--save`` / ``--load`` of
-    ``run_dir/ckpt`` and ``--save-interval``. ``load_rng`` False: ``--no-load-rng`` (the CPU shim's RNG
-    tracker has no state to restore)."""
+    ``run_dir/ckpt``, ``--save-interval`` and ``--save-retain-interval`` past ``train_iters`` (a multiple of the
+    save interval that no save reaches, so that Megatron deletes every checkpoint once the next is saved: a
+    continued run loads only its latest, and each save of one world of 2 DiLoCoX replicas holds both replicas'
+    weights, inner optimizer and outer state, about 20 GB at 302M: kept, they filled a lent machine's disk).
+    ``load_rng`` False: ``--no-load-rng`` (the CPU shim's RNG tracker has no state to restore)."""
     ckpt = str(run_dir / "ckpt")
+    retain = save_interval * (train_iters // save_interval + 1)
     return ["--save", ckpt, "--load", ckpt, "--save-interval", str(save_interval),
-            *([] if load_rng else ["--no-load-rng"])]
+            "--save-retain-interval", str(retain), *([] if load_rng else ["--no-load-rng"])]
 
 
 def saved_iteration(run_dir: Path) -> int | None:
@@ -115,45 +116,20 @@ def saved_iteration(run_dir: Path) -> int | None:
     return int(tracker.read_text().strip()) if tracker.exists() else None
 
 
-def prune_checkpoints(run_dir: Path, failed_saves: bool = False) -> list[int]:
-    """Delete a run's checkpoints older than its latest (``ckpt/iter_NNNNNNN`` below the iteration of
-    ``latest_checkpointed_iteration.txt``, which Megatron writes once a save is complete): a continued run
-    loads only its latest, and Megatron keeps every save (with its optimizer and outer state, several GB
-    each at 302M: a run's saves can fill a lent machine's disk). ``failed_saves``: also those past the latest,
-    left by a save that did not complete (only when no run is writing: at the start or end of a call).
-    Returns the iterations deleted."""
+def prune_checkpoints(run_dir: Path) -> list[int]:
+    """Delete a run's checkpoints other than its latest (``ckpt/iter_NNNNNNN`` but the iteration of
+    ``latest_checkpointed_iteration.txt``, which Megatron writes once a save is complete): a save that did not
+    complete, or one kept from before ``--save-retain-interval``. Only while none of the run's ranks writes (at
+    the start and end of a call). Returns the iterations deleted."""
     latest = saved_iteration(run_dir)
     if latest is None:
         return []
     gone = []
     for d in (run_dir / "ckpt").glob("iter_*"):
-        it = int(d.name[5:]) if d.name[5:].isdigit() else None
-        if it is not None and (it < latest or (failed_saves and it > latest)):
+        if d.name[5:].isdigit() and int(d.name[5:]) != latest:
             shutil.rmtree(d, ignore_errors=True)
-            gone.append(it)
+            gone.append(int(d.name[5:]))
     return sorted(gone)
-
-
-@contextlib.contextmanager
-def pruning(run_dirs: list[Path], every_s: float = PRUNE_S) -> Iterator[None]:
-    """While the block runs, :func:`prune_checkpoints` of ``run_dirs`` every ``every_s`` seconds (a thread),
-    and once more at its end."""
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.wait(every_s):
-            for d in run_dirs:
-                prune_checkpoints(d)
-
-    thread = threading.Thread(target=loop, name="prune-checkpoints", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        for d in run_dirs:
-            prune_checkpoints(d)
 
 
 def call_dirs(run_dir: Path) -> list[Path]:
@@ -214,7 +190,7 @@ class Manifest:
         """Every run's last saved iteration and whether it finished, from the disk (at the start and the
         end of a call), written; returns the runs."""
         for run, state in self.data["runs"].items():
-            prune_checkpoints(self.out / run, failed_saves=True)
+            prune_checkpoints(self.out / run)
             state.update(saved_iteration=saved_iteration(self.out / run), finished=finished(self.out / run))
         self.write()
         return self.data["runs"]

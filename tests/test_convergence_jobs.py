@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -103,6 +102,7 @@ def test_a_continued_run_checkpoints_and_stops_within_its_call(tmp_path):
     ckpt = str(tmp_path / "default_seed1" / "ckpt")
     assert ej.name == "default_seed1/call2" and _flag(ej.args, "--save") == _flag(ej.args, "--load") == ckpt
     assert _flag(ej.args, "--save-interval") == "300" and "--no-load-rng" not in ej.args
+    assert _flag(ej.args, "--save-retain-interval") == "3300"  # past the run's 3000 iterations: only the latest kept
     assert ej.args == [*convergence.run_args("default", 1, a, "/data/corpus")[1], "--exit-duration-in-mins", "7"]
     assert ej.estimate_s == 420.0 and ej.timeout_s == 420.0 + STOP_S - END_S
     (cmd,) = ej.job(tmp_path).commands
@@ -198,25 +198,34 @@ def test_a_failed_launch_is_reported_then_the_exit_status_says_so(tmp_path, monk
     assert (tmp_path / "convergence.json").exists()
 
 
-def test_checkpoints_older_than_the_latest_are_deleted_while_the_runs_go_on(tmp_path):
-    """:func:`harness.continued.pruning`: a run's saves older than the one its tracker names go while it runs;
-    one past the tracker (a save being written) stays until nothing runs (``failed_saves``)."""
-    from harness.continued import prune_checkpoints, pruning
+def test_at_a_calls_start_and_end_only_the_latest_checkpoint_is_kept(tmp_path):
+    """:func:`harness.continued.prune_checkpoints` (nothing running): a save that did not complete (past the
+    tracker) and one kept from before go; the tracker's stays; a run that saved nothing is left alone."""
+    from harness.continued import prune_checkpoints
 
     ckpt = tmp_path / "run" / "ckpt"
-    assert prune_checkpoints(tmp_path / "run") == []  # nothing saved yet
+    assert prune_checkpoints(tmp_path / "run") == []
     for it in (500, 1000, 1500):
         (ckpt / f"iter_{it:07d}").mkdir(parents=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("1000")
-    with pruning([tmp_path / "run"], every_s=0.01):
-        deadline = time.monotonic() + 10
-        while (ckpt / "iter_0000500").exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not (ckpt / "iter_0000500").exists() and (ckpt / "iter_0001500").exists()
-        (ckpt / "latest_checkpointed_iteration.txt").write_text("1500")
-    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0001500"]  # and once more at the end
-    (ckpt / "iter_0002000").mkdir()
-    assert prune_checkpoints(tmp_path / "run") == [] and prune_checkpoints(tmp_path / "run", failed_saves=True) == [2000]
+    assert prune_checkpoints(tmp_path / "run") == [500, 1500]
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0001000"]
+
+
+@pytest.mark.megatron
+def test_megatron_deletes_each_checkpoint_once_the_next_is_saved(tmp_path):
+    """The continued runs' flags (:func:`harness.continued.checkpoint_flags`) on real Megatron (CPU, gloo, the
+    example with DiLoCoX in one world): saves at 2, 4, 6 and 8 of 8 iterations leave only the last, by Megatron's
+    ``--save-retain-interval`` (seen without it: a 302M run's saves filled a machine's disk)."""
+    from harness.continued import checkpoint_flags
+    from tests.megatron_utils import run_megatron
+
+    flags = checkpoint_flags(tmp_path / "run", 2, 8, load_rng=False)
+    assert _flag(flags, "--save-retain-interval") == "10"  # a multiple of the interval past the run
+    run_megatron(tmp_path, [*flags, "--train-iters", "8"])
+    ckpt = tmp_path / "run" / "ckpt"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000008"]
 
 
 def test_separate_worlds_are_refused_a_continued_run_before_anything_starts(tmp_path, monkeypatch):
