@@ -437,22 +437,21 @@ def plot_gap_vs_size(scale: dict, path: Path, stamp: str) -> None:
         left.plot([x for x, _ in pts], [y for _, y in pts], color=f"C{k + 2}", marker="o", ms=4, lw=1, alpha=0.7,
                   label=f"{source.split(' (')[0]}: M {m}, H {h}")
     ours = scale.get("points", [])
-    colour = {2: "black", 4: "C3"}  # ours by replicas M
+    kinds = sorted({(q["params"], q["replicas"]) for q in ours})  # one colour per size and M
+    colour = {k: c for k, c in zip(kinds, ["black", "C3", "C0", "C1", "C4", "C5"])}
     for q in ours:
-        marker = "*" if q["H"] == 30 else "D"
+        marker, c = "*" if q["H"] == 30 else "D", colour[(q["params"], q["replicas"])]
         for ax, x in ((left, q["params"]), (right, q["tokens_per_param"])):
-            ax.scatter([x], [100 * q["gap_best_lrs"]], marker=marker, s=90 if marker == "*" else 40,
-                       color=colour.get(q["replicas"], "C4"), zorder=4)
+            ax.scatter([x], [100 * q["gap_best_lrs"]], marker=marker, s=90 if marker == "*" else 40, color=c, zorder=4)
         near = [o for o in ours if o is not q and o["tokens"] == q["tokens"] and o["params"] == q["params"]
                 and abs(o["gap_best_lrs"] - q["gap_best_lrs"]) < 0.002]  # (labels apart: the higher one above)
         dy = -3 if not near else 3 if q["gap_best_lrs"] >= near[0]["gap_best_lrs"] else -9
-        right.annotate(f"{q['params'] / 1e6:.0f}M, M {q['replicas']}, H {q['H']}: {100 * q['gap_best_lrs']:+.2f}%, "
-                       f"{q['fewer_bytes']:.0f}x fewer bytes", (q["tokens_per_param"], 100 * q["gap_best_lrs"]),
-                       xytext=(7, dy), textcoords="offset points", fontsize=7)
-    left.scatter([], [], marker="*", color="black", label="ours, H 30: the package default (int4), best lrs; M 2")
-    left.scatter([], [], marker="D", color="black", label="ours, H 100")
-    if any(q["replicas"] == 4 for q in ours):
-        left.scatter([], [], marker="*", color=colour[4], label="ours, M 4")
+        right.annotate(f"H {q['H']}: {100 * q['gap_best_lrs']:+.2f}%, {q['fewer_bytes']:.0f}x", color=c,
+                       xy=(q["tokens_per_param"], 100 * q["gap_best_lrs"]), xytext=(7, dy), textcoords="offset points",
+                       fontsize=7)
+    for (params, m), c in colour.items():
+        left.scatter([], [], marker="s", color=c, label=f"ours: {params / 1e6:.0f}M, M {m} (the package default, int4)")
+    left.scatter([], [], marker="*", color="0.3", label="ours at H 30 (star), H 100 (diamond); best lrs")
     left.axhline(0, color="black", lw=0.8)
     left.set_xscale("log")
     _gap_axes(left, "parameters", "Gap to data parallelism by size\n(published: ~20 tokens per parameter)",
@@ -465,7 +464,7 @@ def plot_gap_vs_size(scale: dict, path: Path, stamp: str) -> None:
     right.axvline(20, color="0.6", lw=0.8)
     right.text(20, right.get_ylim()[1], " 20", fontsize=7, va="top", color="0.4")
     right.set(xlabel="tokens per parameter", ylabel="validation loss above AllReduce (%)",
-              title="Ours by tokens per parameter\n(dotted: the published 90-100M, M 2 gaps, at 20)")
+              title="Ours by tokens per parameter: gap, times fewer bytes\n(dotted: the published 90-100M, M 2 gaps, at 20)")
     right.title.set_fontsize(9)
     right.grid(alpha=0.3)
     right.set_ylim(bottom=0)
