@@ -331,6 +331,18 @@ def test_an_outer_step_of_high_gain_is_warned_of_with_what_it_measured():
     assert outer_step_warning(DiLoCoXConfig(replicas=2, outer_lr=1.4)) is None  # within 1.5
 
 
+def test_more_than_two_replicas_are_told_the_outer_step_was_tuned_with_two():
+    """With 4 replicas the default outer step measured +7.7% against AllReduce (2 replicas: +2.3%): a run of more
+    than 2 replicas is told so, naming the flags; one of 2 is not; a high gain keeps its own warning."""
+    from megatron_diloco.algorithm.config import outer_step_warning
+
+    said = outer_step_warning(DiLoCoXConfig(replicas=4))
+    assert said is not None and said.startswith("4 replicas") and "--diloco-x-outer-lr" in said and "+7.7%" in said
+    assert outer_step_warning(DiLoCoXConfig(replicas=3, outer_lr=0.5, outer_momentum=0.5)) is not None
+    assert outer_step_warning(DiLoCoXConfig(replicas=2)) is None
+    assert "diverged" in outer_step_warning(DiLoCoXConfig(replicas=4, outer_lr=0.7, outer_momentum=0.9))
+
+
 def test_defaults_have_no_ineffective_settings():
     assert ineffective_settings(DiLoCoXConfig()) == []
 
