@@ -162,13 +162,19 @@ def main() -> None:
     p.add_argument("--commit", help="the commit measured (stored with --results)")
     p.add_argument("--profile", metavar="FIRST:LAST", help="profile these steps of every run (recorder "
                    "``profile``: its table printed and kept in the run's record); timings then exclude them")
+    p.add_argument("--trace", action="store_true", help="with --profile: also each run's timeline, "
+                   "DIR/<run>/trace.json.gz (a Chrome trace; benchmarks/throughput/trace_gaps.py reads where the "
+                   "device idles)")
     p.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny model, 2 runs")
     a = p.parse_args()
     if a.cpu_smoke:
         a.runs, a.iters, a.skip = "cpu:local:2,cpu:fast_workers:4", 4, 1
     plan = [(f"{m}_{path}_mbs{mbs}", m, path, int(mbs)) for m, path, mbs in (r.split(":") for r in a.runs.split(","))]
+    if a.trace and not a.profile:
+        p.error("--trace: only with --profile (the steps it records)")
     env, record = ({"BENCH_PROFILE_STEPS": a.profile}, ["timers", "profile"]) if a.profile else ({}, ["timers"])
-    jobs = [ExampleJob(name, run_args(m, path, mbs, a), 1, env=env, record=record, timeout_s=150,
+    trace = lambda name: {"BENCH_PROFILE_TRACE": str(a.out / name / "trace.json.gz")} if a.trace else {}  # noqa: E731
+    jobs = [ExampleJob(name, run_args(m, path, mbs, a), 1, env={**env, **trace(name)}, record=record, timeout_s=150,
                        estimate_s=40 if a.cpu_smoke else 45) for name, m, path, mbs in plan]
     run_jobs(jobs, a.out, budget_s=a.budget_s)
     runs = [analyze(name, m, path, mbs, a) for name, m, path, mbs in plan]

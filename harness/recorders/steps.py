@@ -269,10 +269,11 @@ class ProfileRecorder(Recorder):
     default 12:13) under ``torch.profiler`` (CPU and CUDA): ``profile_steps``, ``profile_table`` (the
     ops and kernels by self device time, ``key_averages().table``, 40 rows) and
     ``profile_device_ms_per_step`` (the kernels' device time per step, the table's "Self CUDA time
-    total" over the steps; on CPU the ops' CPU time)."""
+    total" over the steps; on CPU the ops' CPU time). With ``BENCH_PROFILE_TRACE=PATH`` (rank 0) also the
+    timeline, as a Chrome trace (gzipped when PATH ends in ``.gz``): ``profile_trace``, its path."""
 
     name = "profile"
-    keys = ("profile_steps", "profile_table", "profile_device_ms_per_step")
+    keys = ("profile_steps", "profile_table", "profile_device_ms_per_step", "profile_trace")
 
     def install(self) -> None:
         import megatron.training.training as training
@@ -303,4 +304,8 @@ class ProfileRecorder(Recorder):
                 # kernels only: an op's own row repeats its kernels' time (as the table's total counts)
                 counted = [e for e in events if e.device_type == DeviceType.CUDA] if cuda else events
                 rec["profile_device_ms_per_step"] = sum(getattr(e, key) for e in counted) / 1e3 / (last - first + 1)
+                trace = os.environ.get("BENCH_PROFILE_TRACE")
+                if trace and os.environ.get("RANK", "0") == "0":
+                    prof[0].export_chrome_trace(trace)
+                    rec["profile_trace"] = trace
             return out
