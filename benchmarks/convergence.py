@@ -265,7 +265,7 @@ def run_args(name: str, seed: int, a: argparse.Namespace, data: str) -> tuple[li
               "--diloco-x-local-steps", str(a.local_steps), "--lr-decay-style", "cosine",
               *(["--distributed-backend", "gloo"] if a.cpu_smoke else [])]
     if a.call_s is not None:
-        common += checkpoint_flags(a.out / f"{name}_seed{seed}", a.steps, load_rng=not a.cpu_smoke)
+        common += checkpoint_flags(a.out / f"{name}_seed{seed}", a.eval_interval, a.steps, load_rng=not a.cpu_smoke)
     replicas = a.replicas if a.one_world or not (communicates(method) or method.get("alone")) else 1
     return common, [*common, "--global-batch-size", str(a.micro_batch * a.accum * replicas),
                     *method_flags(name, a.replicas)]

@@ -4,9 +4,8 @@ A lent GPU machine runs one command for at most 10 minutes and keeps its files f
 only while it stays held (30 s idle, 30 minutes in all). A run longer than one command is carried
 over several calls of the same command into the same folder ``DIR``:
 
-* every run saves into ``DIR/<run>/ckpt`` when it stops (its call's exit, the end of training) and loads
-  from it (:func:`checkpoint_flags`); on ``--load`` Megatron resumes from the latest checkpoint there by
-  itself (none yet: from iteration 0);
+* every run saves into ``DIR/<run>/ckpt`` and loads from it (:func:`checkpoint_flags`); on ``--load``
+  Megatron resumes from the latest checkpoint there by itself (none yet: from iteration 0);
 * each call gives its runs Megatron's ``--exit-duration-in-mins`` (:class:`Call`). Megatron 0.19
   checks it after every iteration (``training.checkpoint_and_decide_exit``: past it, it saves a
   checkpoint, when ``--save`` is set and that iteration was not just saved, then exits with status 0) and
@@ -14,8 +13,8 @@ over several calls of the same command into the same folder ``DIR``:
   the save and exit follow at that iteration; the resumed run does not repeat it, so that point is
   missing from the curve; an evaluation after training is made by the next call). The limit is whole minutes, counted on each rank from its
   import of ``megatron.training.training``: the call's seconds left less :data:`STOP_S`, rounded down.
-  A run that has not ended :data:`END_S` before the call's end is killed (its steps of this call are
-  lost, not its checkpoint); a run that cannot start at once (no free GPUs) waits for the next call;
+  A run that has not ended :data:`END_S` before the call's end is killed (its steps since its last save
+  are lost, not its checkpoint); a run that cannot start at once (no free GPUs) waits for the next call;
 * a run keeps only its latest checkpoint: Megatron deletes the one before each save as the save completes
   (``--save-retain-interval``, :func:`checkpoint_flags`), and a save that did not complete is deleted at the next
   start or end of a call (:func:`prune_checkpoints`);
@@ -98,22 +97,17 @@ class Call:
         return f"{run}/call{self.index}"
 
 
-def checkpoint_flags(run_dir: Path, train_iters: int, load_rng: bool = True) -> list[str]:
+def checkpoint_flags(run_dir: Path, save_interval: int, train_iters: int, load_rng: bool = True) -> list[str]:
     """The example's flags that make a run continue across calls: ``--save`` / ``--load`` of
-    ``run_dir/ckpt``, and ``--save-interval`` = ``--save-retain-interval`` past ``train_iters``.
-
-    So a run saves only when it stops: at its call's exit (``--exit-duration-in-mins``, ``--exit-interval``)
-    and at the end of training (Megatron saves there unless that iteration is a multiple of the interval).
-    A save at every evaluation cost a 302M run about 80 of each call's 420 s of training (four saves of about
-    20 GB); it only helps a run killed before its exit save, which the call's ``STOP_S`` is there to prevent.
-    Megatron deletes the checkpoint before each save once the save completes (its previous iteration is no
-    multiple of the retain interval): a continued run loads only its latest, and each save of one world of 2
-    DiLoCoX replicas holds both replicas' weights, inner optimizer and outer state (kept, they filled a lent
-    machine's disk). ``load_rng`` False: ``--no-load-rng`` (the CPU shim's RNG tracker has no state to
-    restore)."""
-    ckpt, past = str(run_dir / "ckpt"), str(train_iters + 1)
-    return ["--save", ckpt, "--load", ckpt, "--save-interval", past, "--save-retain-interval", past,
-            *([] if load_rng else ["--no-load-rng"])]
+    ``run_dir/ckpt``, ``--save-interval`` and ``--save-retain-interval`` past ``train_iters`` (a multiple of the
+    save interval that no save reaches, so that Megatron deletes every checkpoint once the next is saved: a
+    continued run loads only its latest, and each save of one world of 2 DiLoCoX replicas holds both replicas'
+    weights, inner optimizer and outer state, about 20 GB at 302M: kept, they filled a lent machine's disk).
+    ``load_rng`` False: ``--no-load-rng`` (the CPU shim's RNG tracker has no state to restore)."""
+    ckpt = str(run_dir / "ckpt")
+    retain = save_interval * (train_iters // save_interval + 1)
+    return ["--save", ckpt, "--load", ckpt, "--save-interval", str(save_interval),
+            "--save-retain-interval", str(retain), *([] if load_rng else ["--no-load-rng"])]
 
 
 def saved_iteration(run_dir: Path) -> int | None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -89,7 +88,7 @@ def test_one_world_refuses_a_replica_alone(tmp_path):
 
 
 def test_a_continued_run_checkpoints_and_stops_within_its_call(tmp_path):
-    """``--call-s``: a run saves into and loads from ``DIR/<run>/ckpt`` (only when it stops), and
+    """``--call-s``: a run saves into and loads from ``DIR/<run>/ckpt`` (a save at every evaluation), and
     its launch in call k stops by Megatron's --exit-duration-in-mins (the whole minutes the call has
     left less ``STOP_S``), logs into ``DIR/<run>/call<k>/`` and exits with teardown (no fast exit:
     a save starts helper processes); the runner ends it ``END_S`` before the call's end at the latest."""
@@ -102,8 +101,8 @@ def test_a_continued_run_checkpoints_and_stops_within_its_call(tmp_path):
     ej = convergence.job_for("default", 1, a, "/data/corpus", call)
     ckpt = str(tmp_path / "default_seed1" / "ckpt")
     assert ej.name == "default_seed1/call2" and _flag(ej.args, "--save") == _flag(ej.args, "--load") == ckpt
-    assert _flag(ej.args, "--save-interval") == "3001" and "--no-load-rng" not in ej.args  # past the run: at stops
-    assert _flag(ej.args, "--save-retain-interval") == "3001"  # no save is a multiple of it: only the latest kept
+    assert _flag(ej.args, "--save-interval") == "300" and "--no-load-rng" not in ej.args
+    assert _flag(ej.args, "--save-retain-interval") == "3300"  # past the run's 3000 iterations: only the latest kept
     assert ej.args == [*convergence.run_args("default", 1, a, "/data/corpus")[1], "--exit-duration-in-mins", "7"]
     assert ej.estimate_s == 420.0 and ej.timeout_s == 420.0 + STOP_S - END_S
     (cmd,) = ej.job(tmp_path).commands
@@ -214,27 +213,19 @@ def test_at_a_calls_start_and_end_only_the_latest_checkpoint_is_kept(tmp_path):
 
 
 @pytest.mark.megatron
-def test_megatron_saves_only_at_stops_and_keeps_only_the_latest(tmp_path):
+def test_megatron_deletes_each_checkpoint_once_the_next_is_saved(tmp_path):
     """The continued runs' flags (:func:`harness.continued.checkpoint_flags`) on real Megatron (CPU, gloo, the
-    example with DiLoCoX in one world, evaluations every 2 iterations): a launch stopped at iteration 4 of 8
-    (``--exit-interval``, as a call's exit) saves there and nowhere before (a save at every evaluation cost a
-    302M run about 80 of each call's 420 s); the next launch loads it, saves at the end of training and
-    Megatron deletes iteration 4 once 8 is saved (``--save-retain-interval``; seen without it: a 302M run's saves
-    filled a machine's disk)."""
+    example with DiLoCoX in one world): saves at 2, 4, 6 and 8 of 8 iterations leave only the last, by Megatron's
+    ``--save-retain-interval`` (seen without it: a 302M run's saves filled a machine's disk)."""
     from harness.continued import checkpoint_flags
     from tests.megatron_utils import run_megatron
 
-    flags = [*checkpoint_flags(tmp_path / "run", 8, load_rng=False), "--train-iters", "8", "--eval-interval", "2",
-             "--eval-iters", "1"]
+    flags = checkpoint_flags(tmp_path / "run", 2, 8, load_rng=False)
+    assert _flag(flags, "--save-retain-interval") == "10"  # a multiple of the interval past the run
+    run_megatron(tmp_path, [*flags, "--train-iters", "8"])
     ckpt = tmp_path / "run" / "ckpt"
-    saved = lambda: sorted(p.name for p in ckpt.glob("iter_*"))  # noqa: E731
-    saves = lambda log: re.findall(r"saving checkpoint at iteration +(\d+)", log)  # noqa: E731
-    _, log = run_megatron(tmp_path / "call1", [*flags, "--exit-interval", "4"])
-    assert saves(log) == ["4"] and log.count("validation loss at iteration") == 2  # evaluated at 2 and 4
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4" and saved() == ["iter_0000004"]
-    _, log = run_megatron(tmp_path / "call2", flags)
-    assert saves(log) == ["8"]
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8" and saved() == ["iter_0000008"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000008"]
 
 
 def test_separate_worlds_are_refused_a_continued_run_before_anything_starts(tmp_path, monkeypatch):
