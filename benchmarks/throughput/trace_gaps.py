@@ -4,8 +4,8 @@ launched the kernel each gap waited for.
 Reads the Chrome trace that ``fast_path.py --profile FIRST:LAST --trace`` writes (``DIR/<run>/trace.json.gz``,
 torch.profiler's export). Device work: events of category ``kernel``, ``gpu_memcpy``, ``gpu_memset``, merged
 into busy intervals; idle: the time between the first and the last that no interval covers. Each gap of at least
-``--min-us`` is charged to the kernel that ends it: its launch (the ``cuda_runtime`` event of the same
-``correlation``) and the host ops around that launch (``cpu_op`` events containing it: the innermost, and the
+``--min-us`` is charged to the kernel that ends it: its launch (the ``cuda_runtime`` or ``cuda_driver`` event of
+the same ``correlation``) and the host ops around that launch (``cpu_op`` events containing it: the innermost, and the
 outermost below the step). Host calls that wait for the device (names containing ``Synchronize``, or a
 ``cudaMemcpy`` other than ``Async``) are counted with their time.
 
@@ -41,7 +41,7 @@ def gaps(events: list[dict], steps: int = 1, min_us: float = 20.0) -> dict:
     if not device:
         raise SystemExit("no device events (kernel / gpu_memcpy / gpu_memset) in the trace: a CPU-only profile?")
     launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
     busy, idle, found = 0.0, 0.0, []
     start, end = device[0]["ts"], device[0]["ts"] + device[0]["dur"]
