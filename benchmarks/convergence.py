@@ -265,7 +265,7 @@ def run_args(name: str, seed: int, a: argparse.Namespace, data: str) -> tuple[li
               "--diloco-x-local-steps", str(a.local_steps), "--lr-decay-style", "cosine",
               *(["--distributed-backend", "gloo"] if a.cpu_smoke else [])]
     if a.call_s is not None:
-        common += checkpoint_flags(a.out / f"{name}_seed{seed}", a.eval_interval, a.steps, load_rng=not a.cpu_smoke)
+        common += checkpoint_flags(a.out / f"{name}_seed{seed}", a.steps, load_rng=not a.cpu_smoke)
     replicas = a.replicas if a.one_world or not (communicates(method) or method.get("alone")) else 1
     return common, [*common, "--global-batch-size", str(a.micro_batch * a.accum * replicas),
                     *method_flags(name, a.replicas)]
@@ -283,14 +283,15 @@ def job_for(name: str, seed: int, a: argparse.Namespace, data: str, call: Call |
         raise SystemExit(f"--call-s: {name!r} runs R separate worlds joined by --diloco-x-outer-store, which "
                          "cannot save or load a checkpoint; continue it as one world of R ranks: add --one-world")
     common, args = run_args(name, seed, a, data)
-    job, estimate_s, timeout_s = run, a.estimate_s, a.timeout_s
+    job, estimate_s, timeout_s, env = run, a.estimate_s, a.timeout_s, None
     if call is not None:
         job, args, estimate_s, timeout_s = call.job_name(run), [*args, *call.flags()], call.run_s, call.timeout_s
+        env = call.env()
     if a.one_world:
-        return ExampleJob(job, args, a.replicas, estimate_s=estimate_s, timeout_s=timeout_s, record=["losses"],
-                          meta={"method": method, "common": common})
+        return ExampleJob(job, args, a.replicas, env=env or {}, estimate_s=estimate_s, timeout_s=timeout_s,
+                          record=["losses"], meta={"method": method, "common": common})
     return replica_worlds_job(job, a.out, args, a.replicas if communicates(method) else 1, ["losses"],
-                              diloco=communicates(method), estimate_s=estimate_s, timeout_s=timeout_s,
+                              diloco=communicates(method), env=env, estimate_s=estimate_s, timeout_s=timeout_s,
                               fingerprint={"method": method, "common": common})
 
 

@@ -4,17 +4,21 @@ A lent GPU machine runs one command for at most 10 minutes and keeps its files f
 only while it stays held (30 s idle, 30 minutes in all). A run longer than one command is carried
 over several calls of the same command into the same folder ``DIR``:
 
-* every run saves into ``DIR/<run>/ckpt`` and loads from it (:func:`checkpoint_flags`); on ``--load``
-  Megatron resumes from the latest checkpoint there by itself (none yet: from iteration 0);
-* each call gives its runs Megatron's ``--exit-duration-in-mins`` (:class:`Call`). Megatron 0.19
-  checks it after every iteration (``training.checkpoint_and_decide_exit``: past it, it saves a
-  checkpoint, when ``--save`` is set and that iteration was not just saved, then exits with status 0) and
-  after every evaluation batch (``training.evaluate``: past it, the evaluation is dropped unprinted and
-  the save and exit follow at that iteration; the resumed run does not repeat it, so that point is
-  missing from the curve; an evaluation after training is made by the next call). The limit is whole minutes, counted on each rank from its
-  import of ``megatron.training.training``: the call's seconds left less :data:`STOP_S`, rounded down.
-  A run that has not ended :data:`END_S` before the call's end is killed (its steps since its last save
-  are lost, not its checkpoint); a run that cannot start at once (no free GPUs) waits for the next call;
+* every run saves into ``DIR/<run>/ckpt`` when it stops (its call's exit, the end of training) and loads
+  from it (:func:`checkpoint_flags`); on ``--load`` Megatron resumes from the latest checkpoint there by
+  itself (none yet: from iteration 0);
+* each call stops its runs at one deadline, :data:`STOP_S` before the call's end (:class:`Call`), through
+  Megatron's ``--exit-duration-in-mins``. Megatron 0.19 checks it after every iteration
+  (``training.checkpoint_and_decide_exit``: past it, it saves a checkpoint, when ``--save`` is set and that
+  iteration was not just saved, then exits with status 0) and after every evaluation batch
+  (``training.evaluate``: past it, the evaluation is dropped unprinted and the save and exit follow at that
+  iteration; the resumed run does not repeat it, so that point is missing from the curve; an evaluation after
+  training is made by the next call). Its limit is whole minutes from the program's start; the harness gives
+  Megatron, through its own ``training.set_startup_timestamps``, the start that puts that limit on the
+  deadline (``BENCH_PROGRAM_START``, read by ``harness/run.py``), so the stop is to the iteration, not to the
+  minute, and counts from the call rather than from each rank's imports (about 28 s after its launch at 302M).
+  A run that has not ended :data:`END_S` before the call's end is killed (its steps of this call are lost,
+  not its checkpoint); a run that cannot start at once (no free GPUs) waits for the next call;
 * a run keeps only its latest checkpoint: Megatron deletes the one before each save as the save completes
   (``--save-retain-interval``, :func:`checkpoint_flags`), and a save that did not complete is deleted at the next
   start or end of a call (:func:`prune_checkpoints`);
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shlex
 import shutil
 import time
@@ -42,12 +47,14 @@ from typing import Callable
 
 from harness.runner import done
 
-#: Seconds a call keeps after its runs' exit limit: the ranks' start before Megatron's clock, the
-#: iteration in flight, the checkpoint save (with the save's helper processes' start), the teardown,
-#: and :data:`END_S`.
-STOP_S = 60.0
+#: Seconds a call keeps after its runs' deadline: the steps to the next outer boundary, where DiLoCoX takes the
+#: exit (up to H: 16 s at 302M and H 100), the checkpoint save (a process's first: 26-37 s for one world of 2
+#: DiLoCoX replicas at 302M on H200s, later ones 13-17 s), the teardown (about 10 s) and :data:`END_S`.
+STOP_S = 90.0
 #: Seconds a call keeps after its last run was ended: the manifest and the report.
 END_S = 15.0
+#: Seconds after the launch within which a run of the call may still start (its deadline is the call's).
+LATE_START_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,21 +68,28 @@ class Call:
     exit_interval: int | None = None
     """Megatron's ``--exit-interval`` for this call's runs as well: they also stop (and save) at the first
     multiple of it, a split by iterations rather than by time (checks; not in the run's flags)."""
+    start: float = dataclasses.field(default_factory=time.time)
+    """When the call launches its runs (``time.time()``): its deadline counts from here."""
 
     def __post_init__(self) -> None:
-        if self.exit_mins < 1:
+        if self.run_s < 60:
             raise SystemExit(f"--call-s: {self.left_s:.0f} s left at the launch, less {STOP_S:.0f} s to stop, leave "
-                             "no whole minute for Megatron's --exit-duration-in-mins")
-
-    @property
-    def exit_mins(self) -> int:
-        """Megatron's ``--exit-duration-in-mins`` of this call's runs."""
-        return int((self.left_s - STOP_S) // 60)
+                             "less than a minute to train")
 
     @property
     def run_s(self) -> float:
-        """A run's seconds of Megatron's clock in this call (the runner's estimate for it)."""
-        return 60.0 * self.exit_mins
+        """Seconds from the launch to the runs' deadline (the runner's estimate for a run)."""
+        return self.left_s - STOP_S
+
+    @property
+    def exit_mins(self) -> int:
+        """Megatron's ``--exit-duration-in-mins`` of this call's runs: the whole minutes at or past the deadline."""
+        return math.ceil(self.run_s / 60)
+
+    @property
+    def program_start(self) -> float:
+        """The program start (``time.time()``) given to Megatron: ``exit_mins`` before the deadline."""
+        return self.start + self.run_s - 60 * self.exit_mins
 
     @property
     def timeout_s(self) -> float:
@@ -84,30 +98,40 @@ class Call:
 
     @property
     def budget_s(self) -> float:
-        """The runner's budget: a run that cannot start within it would outlast the call, and waits."""
-        return self.left_s - STOP_S
+        """The runner's budget: a run (estimated at :attr:`run_s`) starts only within :data:`LATE_START_S` of the
+        launch; one that cannot (no free GPUs) waits for the next call."""
+        return self.run_s + LATE_START_S
 
     def flags(self) -> list[str]:
         """The example's flags of this call's launches (after the run's own)."""
         return ["--exit-duration-in-mins", str(self.exit_mins),
                 *(["--exit-interval", str(self.exit_interval)] if self.exit_interval else [])]
 
+    def env(self) -> dict[str, str]:
+        """The environment of this call's launches: the program start that puts Megatron's limit on the deadline."""
+        return {"BENCH_PROGRAM_START": f"{self.program_start:.3f}"}
+
     def job_name(self, run: str) -> str:
         """The runner's job of ``run`` in this call: its folder ``DIR/<run>/call<k>``."""
         return f"{run}/call{self.index}"
 
 
-def checkpoint_flags(run_dir: Path, save_interval: int, train_iters: int, load_rng: bool = True) -> list[str]:
+def checkpoint_flags(run_dir: Path, train_iters: int, load_rng: bool = True) -> list[str]:
     """The example's flags that make a run continue across calls: ``--save`` / ``--load`` of
-    ``run_dir/ckpt``, ``--save-interval`` and ``--save-retain-interval`` past ``train_iters`` (a multiple of the
-    save interval that no save reaches, so that Megatron deletes every checkpoint once the next is saved: a
-    continued run loads only its latest, and each save of one world of 2 DiLoCoX replicas holds both replicas'
-    weights, inner optimizer and outer state, about 20 GB at 302M: kept, they filled a lent machine's disk).
-    ``load_rng`` False: ``--no-load-rng`` (the CPU shim's RNG tracker has no state to restore)."""
-    ckpt = str(run_dir / "ckpt")
-    retain = save_interval * (train_iters // save_interval + 1)
-    return ["--save", ckpt, "--load", ckpt, "--save-interval", str(save_interval),
-            "--save-retain-interval", str(retain), *([] if load_rng else ["--no-load-rng"])]
+    ``run_dir/ckpt``, and ``--save-interval`` = ``--save-retain-interval`` past ``train_iters``.
+
+    So a run saves only when it stops: at its call's exit (``--exit-duration-in-mins``, ``--exit-interval``)
+    and at the end of training (Megatron saves there unless that iteration is a multiple of the interval).
+    A save at every evaluation cost a 302M run about 80 of each call's 420 s of training (four saves of about
+    20 GB); it only helps a run killed before its exit save, which the call's ``STOP_S`` is there to prevent.
+    Megatron deletes the checkpoint before each save once the save completes (its previous iteration is no
+    multiple of the retain interval): a continued run loads only its latest, and each save of one world of 2
+    DiLoCoX replicas holds both replicas' weights, inner optimizer and outer state (kept, they filled a lent
+    machine's disk). ``load_rng`` False: ``--no-load-rng`` (the CPU shim's RNG tracker has no state to
+    restore)."""
+    ckpt, past = str(run_dir / "ckpt"), str(train_iters + 1)
+    return ["--save", ckpt, "--load", ckpt, "--save-interval", past, "--save-retain-interval", past,
+            *([] if load_rng else ["--no-load-rng"])]
 
 
 def saved_iteration(run_dir: Path) -> int | None:
@@ -146,7 +170,7 @@ def last_done(run_dir: Path) -> dict | None:
 
 
 class Manifest:
-    """``DIR/manifest.json``: ``calls`` (per call: its index, seconds left, exit minutes and interval, the
+    """``DIR/manifest.json``: ``calls`` (per call: its index, seconds left and to the deadline, exit interval, the
     runs not finished at its start) and ``runs`` (per run: ``flags``, one shell line, ``train_iters``,
     ``saved_iteration``, ``finished``, ``calls``: those that took it up)."""
 
@@ -177,13 +201,13 @@ class Manifest:
         todo = [run for run, state in self.refresh(finished).items() if run in runs and not state["finished"]]
         for run in todo:
             self.data["runs"][run]["calls"].append(call.index)
-        self.data["calls"].append({"call": call.index, "left_s": round(call.left_s, 1), "exit_mins": call.exit_mins,
+        self.data["calls"].append({"call": call.index, "left_s": round(call.left_s, 1), "run_s": round(call.run_s, 1),
                                    "exit_interval": call.exit_interval, "unfinished": todo,
                                    "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
         self.write()
         how = "no manifest: every run from iteration 0" if call.index == 1 else "runs continued from their checkpoints"
         print(f"[continued] call {call.index} into {self.out} ({how}): {len(todo)} of {len(runs)} run(s) not "
-              f"finished, launched to stop after {call.exit_mins} min", flush=True)
+              f"finished, launched to stop {call.run_s:.0f} s from now", flush=True)
         return todo
 
     def refresh(self, finished: Callable[[Path], bool]) -> dict[str, dict]:

@@ -172,6 +172,10 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_diloco import compat
 
     compat.apply_all()  # what the example does first (idempotent): Megatron importable on any device
+    if os.environ.get("BENCH_PROGRAM_START"):  # continued runs: --exit-duration-in-mins counts from here
+        from megatron.training import training  # (harness/continued.py: the call's deadline, to the iteration)
+
+        training.set_startup_timestamps(program_start=float(os.environ["BENCH_PROGRAM_START"]))
     record: dict[str, Any] = {}
     recorders = build(cfg.record, record)
     for r in recorders:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -88,33 +89,39 @@ def test_one_world_refuses_a_replica_alone(tmp_path):
 
 
 def test_a_continued_run_checkpoints_and_stops_within_its_call(tmp_path):
-    """``--call-s``: a run saves into and loads from ``DIR/<run>/ckpt`` (a save at every evaluation), and
-    its launch in call k stops by Megatron's --exit-duration-in-mins (the whole minutes the call has
-    left less ``STOP_S``), logs into ``DIR/<run>/call<k>/`` and exits with teardown (no fast exit:
-    a save starts helper processes); the runner ends it ``END_S`` before the call's end at the latest."""
-    from harness.continued import END_S, STOP_S, Call
+    """``--call-s``: a run saves into and loads from ``DIR/<run>/ckpt`` (only when it stops), and its launch in
+    call k stops at the call's deadline, ``STOP_S`` before the call's end: Megatron's --exit-duration-in-mins (whole
+    minutes) with the program start that puts it there (``BENCH_PROGRAM_START``); it logs into
+    ``DIR/<run>/call<k>/`` and exits with teardown (no fast exit: a save starts helper processes); the runner ends it
+    ``END_S`` before the call's end at the latest."""
+    from harness.continued import END_S, LATE_START_S, STOP_S, Call
 
     a = _a(tmp_path)
     a.one_world, a.call_s = True, 540.0
-    call = Call(2, left_s=530.0)
-    assert call.exit_mins == 7 and call.run_s == 420.0 and call.budget_s == 470.0
+    call = Call(2, left_s=530.0, start=1000.0)
+    assert call.run_s == 530.0 - STOP_S == 440.0 and call.budget_s == 440.0 + LATE_START_S
+    assert call.exit_mins == 8 and call.program_start == 1000.0 + 440.0 - 480.0  # 8 minutes end at the deadline
     ej = convergence.job_for("default", 1, a, "/data/corpus", call)
     ckpt = str(tmp_path / "default_seed1" / "ckpt")
     assert ej.name == "default_seed1/call2" and _flag(ej.args, "--save") == _flag(ej.args, "--load") == ckpt
-    assert _flag(ej.args, "--save-interval") == "300" and "--no-load-rng" not in ej.args
-    assert _flag(ej.args, "--save-retain-interval") == "3300"  # past the run's 3000 iterations: only the latest kept
-    assert ej.args == [*convergence.run_args("default", 1, a, "/data/corpus")[1], "--exit-duration-in-mins", "7"]
-    assert ej.estimate_s == 420.0 and ej.timeout_s == 420.0 + STOP_S - END_S
+    assert _flag(ej.args, "--save-interval") == "3001" and "--no-load-rng" not in ej.args  # past the run: at stops
+    assert _flag(ej.args, "--save-retain-interval") == "3001"  # no save is a multiple of it: only the latest kept
+    assert ej.args == [*convergence.run_args("default", 1, a, "/data/corpus")[1], "--exit-duration-in-mins", "8"]
+    assert ej.env == {"BENCH_PROGRAM_START": "960.000"}
+    assert ej.estimate_s == 440.0 and ej.timeout_s == 530.0 - END_S
     (cmd,) = ej.job(tmp_path).commands
     assert "--fast-exit" not in cmd.argv and _flag(cmd.argv, "--out") == str(tmp_path / "default_seed1" / "call2")
     # one world of one rank (allreduce, single) checkpoints without --one-world too; on CPU, no RNG state to load
     a.one_world, a.cpu_smoke = False, True
-    (cmd,) = convergence.job_for("single", 1, a, "/data/corpus", Call(1, 530.0, exit_interval=4)).commands
+    job = convergence.job_for("single", 1, a, "/data/corpus", Call(1, 530.0, exit_interval=4, start=1000.0))
+    (cmd,) = job.commands
     argv = _example_args(cmd)
     assert _flag(argv, "--load") == str(tmp_path / "single_seed1" / "ckpt") and "--no-load-rng" in argv
-    assert argv[-4:] == ["--exit-duration-in-mins", "7", "--exit-interval", "4"]
+    assert argv[-4:] == ["--exit-duration-in-mins", "8", "--exit-interval", "4"]
+    assert job.env["BENCH_PROGRAM_START"] == "960.000"
     assert _flag(cmd.argv, "--out") == str(tmp_path / "single_seed1" / "call1" / "replica0")
-    with pytest.raises(SystemExit, match="--exit-duration-in-mins"):  # no whole minute left to train
+    assert Call(1, left_s=STOP_S + 61).exit_mins == 2  # 61 s: the start a minute less a second before the launch
+    with pytest.raises(SystemExit, match="less than a minute"):
         Call(1, left_s=STOP_S + 59)
 
 
@@ -213,19 +220,35 @@ def test_at_a_calls_start_and_end_only_the_latest_checkpoint_is_kept(tmp_path):
 
 
 @pytest.mark.megatron
-def test_megatron_deletes_each_checkpoint_once_the_next_is_saved(tmp_path):
-    """The continued runs' flags (:func:`harness.continued.checkpoint_flags`) on real Megatron (CPU, gloo, the
-    example with DiLoCoX in one world): saves at 2, 4, 6 and 8 of 8 iterations leave only the last, by Megatron's
-    ``--save-retain-interval`` (seen without it: a 302M run's saves filled a machine's disk)."""
+def test_megatron_stops_at_the_calls_deadline_saves_only_there_and_keeps_only_the_latest(tmp_path):
+    """The continued runs' flags and deadline on real Megatron (CPU, gloo, the example with DiLoCoX in one world,
+    an evaluation every iteration). Call 1: ``--exit-duration-in-mins 1`` with the call's program start
+    (``BENCH_PROGRAM_START``, read by ``harness/run.py``) putting the deadline 5 s after the launch: Megatron stops at
+    the first iteration past it, saved there, long before its own minute (counted from each rank's imports: more
+    than 60 s). Call 2 (``--exit-interval``, as a split by steps) loads that save, saves only at its own stop, not at
+    its evaluations (a save at every evaluation cost a 302M run about 80 of each call's 420 s), and Megatron deletes
+    call 1's save once its own is complete (``--save-retain-interval``; without it a 302M run's saves filled a
+    machine's disk)."""
+    import time
+
     from harness.continued import checkpoint_flags
     from tests.megatron_utils import run_megatron
 
-    flags = checkpoint_flags(tmp_path / "run", 2, 8, load_rng=False)
-    assert _flag(flags, "--save-retain-interval") == "10"  # a multiple of the interval past the run
-    run_megatron(tmp_path, [*flags, "--train-iters", "8"])
+    flags = [*checkpoint_flags(tmp_path / "run", 100000, load_rng=False), "--train-iters", "100000",
+             "--eval-interval", "1", "--eval-iters", "1", "--exit-duration-in-mins", "1"]
     ckpt = tmp_path / "run" / "ckpt"
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
-    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000008"]
+    saves = lambda log: [int(i) for i in re.findall(r"saving checkpoint at iteration +(\d+)", log)]  # noqa: E731
+    kept = lambda: (int((ckpt / "latest_checkpointed_iteration.txt").read_text()), sorted(ckpt.glob("iter_*")))  # noqa: E731
+    began = time.time()
+    _, log = run_megatron(tmp_path / "call1", flags, env={"BENCH_PROGRAM_START": f"{began + 5 - 60:.3f}"})
+    took = time.time() - began
+    assert "exiting program after" in log and len(saves(log)) == 1, log[-3000:]
+    assert took < 55, f"stopped after {took:.0f} s: Megatron's own minute, not the call's deadline"
+    (n,) = saves(log)
+    assert kept() == (n, [ckpt / f"iter_{n:07d}"])
+    _, log = run_megatron(tmp_path / "call2", [*flags, "--exit-interval", str(n + 2)])
+    assert saves(log) == [n + 2] and log.count("validation loss at iteration") == 2  # evaluated at n + 1, n + 2
+    assert kept() == (n + 2, [ckpt / f"iter_{n + 2:07d}"])
 
 
 def test_separate_worlds_are_refused_a_continued_run_before_anything_starts(tmp_path, monkeypatch):

@@ -392,6 +392,11 @@ REPLICA_LOCAL: tuple[Patch, ...] = (
           (CallSite(_T, "train", "checkpoint_and_decide_exit"),),
           "the world-wide exit decisions (--exit-duration-in-mins, --exit-signal-handler) are taken at outer "
           "boundaries only", "replica_local.checkpoint_and_decide_exit", _LOCAL),
+    Patch("evaluate_exit_duration", _T, "evaluate",
+          (CallSite(_T, "evaluate_and_print_results", "evaluate"),),
+          "an evaluation does not take the exit itself: with the exit waiting for a boundary, its dropped "
+          "evaluation would leave Megatron's evaluate timer running and fail the next one",
+          "replica_local.evaluate", _LOCAL),
 )
 
 _LAUNCH = "megatron_diloco.launch"

@@ -18,6 +18,8 @@ Megatron call site                                     what this module does
 ``checkpoint_and_decide_exit``: ``--exit-duration-     taken at outer boundaries only: one world
 in-mins`` all-reduce, ``--exit-signal-handler``        collective each per boundary, at most H
 all-gather, both over the world                        inner steps late
+``evaluate``: ``--exit-duration-in-mins`` after each   not taken: the evaluation runs to its end and
+batch (drops the evaluation)                           the next boundary exits
 =====================================================  =======================================
 
 The *replica group* is Megatron's intra-distributed-optimizer-instance group: every rank of one
@@ -152,6 +154,22 @@ def install_replica_local_collectives(args: argparse.Namespace, at_boundary: Cal
             args.exit_signal_handler, args.exit_duration_in_mins = saved
 
     training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
+
+    # An evaluation's own check of --exit-duration-in-mins (after each batch) would drop the evaluation and
+    # leave Megatron's ``evaluate`` timer running while the exit waits for the boundary: the next evaluation
+    # then fails ("timer has already been started"). The evaluation runs to its end; the boundary exits.
+    original_evaluate = training.evaluate
+
+    @functools.wraps(original_evaluate)
+    def evaluate(*a, **k):
+        saved = args.exit_duration_in_mins
+        args.exit_duration_in_mins = None
+        try:
+            return original_evaluate(*a, **k)
+        finally:
+            args.exit_duration_in_mins = saved
+
+    training.evaluate = evaluate
 
 
 def replica_local_finalize(finalize: Callable) -> Callable:
