@@ -10,10 +10,10 @@ over several calls of the same command into the same folder ``DIR``:
 * each call stops its runs at one deadline, :data:`STOP_S` before the call's end (:class:`Call`), through
   Megatron's ``--exit-duration-in-mins``. Megatron 0.19 checks it after every iteration
   (``training.checkpoint_and_decide_exit``: past it, it saves a checkpoint, when ``--save`` is set and that
-  iteration was not just saved, then exits with status 0) and after every evaluation batch
-  (``training.evaluate``: past it, the evaluation is dropped unprinted and the save and exit follow at that
-  iteration; the resumed run does not repeat it, so that point is missing from the curve; an evaluation after
-  training is made by the next call). Its limit is whole minutes from the program's start; the harness gives
+  iteration was not just saved, then exits with status 0; with DiLoCoX at the next outer boundary) and, without
+  DiLoCoX, after every evaluation batch (``training.evaluate``: past it, the evaluation is dropped unprinted and
+  the save and exit follow at that iteration; the resumed run does not repeat it, so that point is missing from
+  the curve; with DiLoCoX the evaluation finishes). An evaluation after training is made by the next call. Its limit is whole minutes from the program's start; the harness gives
   Megatron, through its own ``training.set_startup_timestamps``, the start that puts that limit on the
   deadline (``BENCH_PROGRAM_START``, read by ``harness/run.py``), so the stop is to the iteration, not to the
   minute, and counts from the call rather than from each rank's imports (about 28 s after its launch at 302M).
