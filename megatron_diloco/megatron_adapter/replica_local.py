@@ -140,18 +140,26 @@ def install_replica_local_collectives(args: argparse.Namespace, at_boundary: Cal
             timer.set_barrier_group(group)
 
     # 3. Exit decisions (world-wide) at boundaries only.
+    @contextlib.contextmanager
+    def exits_off(**cleared):
+        """Megatron's exit flags set to ``cleared`` (name -> value) inside the block, restored after it."""
+        saved = {name: getattr(args, name) for name in cleared}
+        for name, value in cleared.items():
+            setattr(args, name, value)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(args, name, value)
+
     original_decide_exit = training.checkpoint_and_decide_exit
 
     @functools.wraps(original_decide_exit)
     def checkpoint_and_decide_exit(*a, **k):
         if at_boundary():
             return original_decide_exit(*a, **k)
-        saved = args.exit_signal_handler, args.exit_duration_in_mins
-        args.exit_signal_handler, args.exit_duration_in_mins = False, None
-        try:
+        with exits_off(exit_signal_handler=False, exit_duration_in_mins=None):
             return original_decide_exit(*a, **k)
-        finally:
-            args.exit_signal_handler, args.exit_duration_in_mins = saved
 
     training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
 
@@ -162,12 +170,8 @@ def install_replica_local_collectives(args: argparse.Namespace, at_boundary: Cal
 
     @functools.wraps(original_evaluate)
     def evaluate(*a, **k):
-        saved = args.exit_duration_in_mins
-        args.exit_duration_in_mins = None
-        try:
+        with exits_off(exit_duration_in_mins=None):
             return original_evaluate(*a, **k)
-        finally:
-            args.exit_duration_in_mins = saved
 
     training.evaluate = evaluate
 
