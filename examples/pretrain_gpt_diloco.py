@@ -16,6 +16,9 @@ attention (flash kernels on a GPU) in place of the local spec's unfused ``DotPro
 ``--rope-fusion`` turns Megatron's fused RoPE back on (the demo passes ``--no-rope-fusion``); without
 Transformer Engine, on a GPU, megatron-diloco's Triton kernel serves it
 (``megatron_diloco/megatron_adapter/fused_rope.py``); on CPU it is refused before training.
+Without Apex or Transformer Engine, on a GPU, Megatron's gradient norm and clipping run on the package's
+multi-tensor kernels instead of Megatron's fallbacks, which read each gradient's norm back to the host
+(``megatron_diloco/megatron_adapter/multi_tensor.py``; equal within fp32 rounding).
 
 On a machine without CUDA, ``megatron_diloco.compat.cpu`` patches Megatron-Core to run over gloo;
 ``compat.distopt_resume`` fixes resuming the distributed optimizer (fp32, or without TE/Apex).
@@ -59,7 +62,7 @@ from megatron.training.utils import (  # noqa: E402
 )
 
 import megatron_diloco  # noqa: E402
-from megatron_diloco.megatron_adapter import fused_rope  # noqa: E402
+from megatron_diloco.megatron_adapter import fused_rope, multi_tensor  # noqa: E402
 from megatron_diloco.megatron_adapter.integration import destroy_process_groups_at_exit  # noqa: E402
 from megatron_diloco.megatron_adapter.sdpa_attention import check_args as check_sdpa_args  # noqa: E402
 from megatron_diloco.megatron_adapter.sdpa_attention import get_gpt_layer_sdpa_spec  # noqa: E402
@@ -268,6 +271,7 @@ def main() -> None:
     if args.attention_sdpa:
         check_sdpa_args(args, flag="--attention-sdpa")
     fused_rope.install(args)  # rope fusion without Transformer Engine: the Triton kernel (refused on CPU)
+    multi_tensor.install(args)  # without Apex or Transformer Engine: the gradient norm without host syncs
     if args.diloco_x:
         megatron_diloco.install(args)  # validates the flags, sets the replica topology
     pretrain(

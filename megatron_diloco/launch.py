@@ -20,7 +20,9 @@ Usage (one process per rank, e.g. under torchrun)::
 3. right after ``parse_and_validate_args`` returns, gives Megatron's rope fusion (its default with
    RoPE) the package's Triton kernel where Transformer Engine is absent
    (:func:`megatron_diloco.megatron_adapter.fused_rope.install`; on a machine without a GPU it exits
-   naming ``--no-rope-fusion``), then calls :func:`megatron_diloco.install`, which validates the flags
+   naming ``--no-rope-fusion``) and, without Apex or Transformer Engine on a GPU, gradient clipping a norm
+   computed without host synchronizations (:func:`megatron_diloco.megatron_adapter.multi_tensor.install`),
+   then calls :func:`megatron_diloco.install`, which validates the flags
    (exiting with a message naming the flag) and wires DiLoCoX into Megatron's training loop; without
    ``--diloco-x`` it changes nothing.
 
@@ -108,10 +110,11 @@ def _patch_argument_parsing(state: _State) -> None:
     def parse_and_validate_args(*args, **kwargs):
         # Megatron's parse_and_validate_args calls the module-global parse_args: the wrapper above.
         parsed = original_parse_and_validate(*args, **kwargs)
-        from megatron_diloco.megatron_adapter import fused_rope
+        from megatron_diloco.megatron_adapter import fused_rope, multi_tensor
 
         try:
             fused_rope.install(parsed)  # rope fusion without Transformer Engine (idempotent)
+            multi_tensor.install(parsed)  # the gradient norm without host syncs, without Apex / TE (idempotent)
         except ValueError as err:
             raise SystemExit(f"megatron-diloco: error: {err}") from None
         if not state.script_adds_flags:

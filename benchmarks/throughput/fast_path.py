@@ -17,6 +17,9 @@ biases, distributed optimizer, torch AdamW, ``--num-workers 0``). Paths (``--run
 * ``fast_rope``: ``fast_workers`` with ``--rope-fusion``: Megatron's fused RoPE, served without
   Transformer Engine by the package's Triton kernel (``megatron_adapter/fused_rope.py``) instead of the
   unfused ``mul`` / ``cat`` / ``neg`` kernels;
+* ``fast_sync_norm``: ``fast_rope`` with Megatron's own gradient-norm and clipping fallbacks (recorder
+  ``megatron_multi_tensor``): a host read-back per gradient's norm, as before the package's multi-tensor
+  kernels (``megatron_adapter/multi_tensor.py``), which every other path here runs on;
 * ``te``: Transformer Engine's layers (``--transformer-impl transformer_engine``, where it is installed) with
   ``fast_rope``'s loader settings and TE's own fused RoPE.
 
@@ -61,9 +64,12 @@ _FAST = ["--attention-sdpa", "--no-create-attention-mask-in-dataloader"]
 _WORKERS = [*_FAST, "--num-workers", "2"]
 PATHS = {"local": [], "sdpa": ["--attention-sdpa"], "fast": _FAST, "fast_workers": _WORKERS,
          "fast_rope": FAST_PATH,  # _WORKERS + --rope-fusion
+         "fast_sync_norm": FAST_PATH,  # with Megatron's grad-norm fallback (RECORDERS)
          # Transformer Engine's layers (where it is installed), with the fast path's loader and its fused RoPE
          "te": ["--transformer-impl", "transformer_engine", "--no-create-attention-mask-in-dataloader",
                 "--num-workers", "2", "--rope-fusion"]}
+#: recorders a path adds to the runs' own
+RECORDERS = {"fast_sync_norm": ["megatron_multi_tensor"]}
 #: priority order: the budget drops the last ones first
 DEFAULT_RUNS = ("85M:local:16,85M:local:64,85M:fast:128,302M:local:32,302M:fast:64,302M:fast:128,"
                 "85M:sdpa:64,302M:sdpa:32,85M:fast:256,85M:fast_workers:256,302M:fast_workers:128,"
@@ -76,7 +82,8 @@ DEFINITIONS = {
     "tokens_per_s": "micro-batch x seq / median train_step time (device-synchronized) after the first iterations",
     "mfu": "6 N tokens/s / peak (N: parameters on the rank, embeddings included)",
     "mfu_with_attention": "(6 N + 6 L s h) tokens/s / peak (causal attention products added)",
-    "paths": {k: " ".join(v) or "(today's path)" for k, v in PATHS.items()},
+    "paths": {k: " ".join([*v, *(f"(recorder {r})" for r in RECORDERS.get(k, []))]) or "(today's path)"
+              for k, v in PATHS.items()},
 }
 
 
@@ -174,7 +181,8 @@ def main() -> None:
         p.error("--trace: only with --profile (the steps it records)")
     env, record = ({"BENCH_PROFILE_STEPS": a.profile}, ["timers", "profile"]) if a.profile else ({}, ["timers"])
     trace = lambda name: {"BENCH_PROFILE_TRACE": str(a.out / name / "trace.json.gz")} if a.trace else {}  # noqa: E731
-    jobs = [ExampleJob(name, run_args(m, path, mbs, a), 1, env={**env, **trace(name)}, record=record, timeout_s=150,
+    jobs = [ExampleJob(name, run_args(m, path, mbs, a), 1, env={**env, **trace(name)},
+                       record=record + RECORDERS.get(path, []), timeout_s=150,
                        estimate_s=40 if a.cpu_smoke else 45) for name, m, path, mbs in plan]
     run_jobs(jobs, a.out, budget_s=a.budget_s)
     runs = [analyze(name, m, path, mbs, a) for name, m, path, mbs in plan]

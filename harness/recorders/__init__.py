@@ -7,7 +7,7 @@ By concern (each module's docstring says what its recorders write into the rank'
 * ``checkpoint.py``: ``checkpoint`` (saves, loads, grad scaler, save memory);
 * ``federation.py``: ``federation`` (separate jobs: rounds, heals, final fingerprints);
 * ``steps.py``: ``timers``, ``losses``, ``memory``, ``rounds``, ``boundary_check``, ``fixed_eval``,
-  ``plain_ddp``, ``profile`` (the benchmarks' step times, losses and memory);
+  ``plain_ddp``, ``megatron_multi_tensor``, ``profile`` (the benchmarks' step times, losses and memory);
 * ``network.py``: ``link`` (the in-process slow link), ``wan`` (the CPU WAN benchmark);
 * ``codec_capture.py``: ``codec_capture`` (real pseudo-gradients saved to files);
 * ``by_name.py``: ``by_name`` (the exchange by name's pull and push against canonical indices);
@@ -26,12 +26,13 @@ from .codec_capture import CodecCaptureRecorder
 from .federation import FederationRecorder
 from .network import LinkRecorder, WanRecorder
 from .slots import SlotsRecorder
-from .steps import (BoundaryCheckRecorder, FixedEvalRecorder, LossesRecorder, MemoryRecorder, PlainDDPRecorder,
-                    ProfileRecorder, RoundsRecorder, TimersRecorder)
+from .steps import (BoundaryCheckRecorder, FixedEvalRecorder, LossesRecorder, MegatronMultiTensorRecorder,
+                    MemoryRecorder, PlainDDPRecorder, ProfileRecorder, RoundsRecorder, TimersRecorder)
 from .training import TrainingRecorder
 
 #: Every recorder of this repository by its ``name`` (a bare ``--record`` name).
 RECORDERS: dict[str, type[Recorder]] = {r.name: r for r in (
     TrainingRecorder, CheckpointRecorder, FederationRecorder,
     TimersRecorder, LossesRecorder, MemoryRecorder, RoundsRecorder, BoundaryCheckRecorder, FixedEvalRecorder,
-    PlainDDPRecorder, ProfileRecorder, LinkRecorder, WanRecorder, CodecCaptureRecorder, SlotsRecorder, ByNameRecorder)}
+    PlainDDPRecorder, MegatronMultiTensorRecorder, ProfileRecorder, LinkRecorder, WanRecorder, CodecCaptureRecorder,
+    SlotsRecorder, ByNameRecorder)}

@@ -29,6 +29,8 @@ Each writes its keys into the rank's record ``rank{R}.json``; what they hold:
   replayed (by default each evaluation takes the stream's next batches);
 * ``plain_ddp``: the example's argument parsing ignores ``--use-distributed-optimizer`` (its demo
   defaults add it): plain Megatron DDP, gradients all-reduced;
+* ``megatron_multi_tensor``: gradient clipping keeps Megatron's multi-tensor fallbacks (one host read-back
+  per gradient's norm) instead of the package's kernels, where neither Apex nor Transformer Engine is there;
 * ``profile``: a window of steps under ``torch.profiler``: the top ops and kernels by device time
   (:class:`ProfileRecorder`).
 """
@@ -262,6 +264,21 @@ class PlainDDPRecorder(Recorder):
         def parse_and_validate_args(orig, *a, **k):
             sys.argv = [x for x in sys.argv if x != "--use-distributed-optimizer"]
             return orig(*a, **k)
+
+
+class MegatronMultiTensorRecorder(Recorder):
+    """Keeps Megatron's own multi-tensor fallbacks in gradient clipping (the package's device-side norm
+    and scale, ``megatron_adapter.multi_tensor.install``, not installed): the before of that change
+    (no record keys)."""
+
+    name = "megatron_multi_tensor"
+
+    def install(self) -> None:
+        from megatron_diloco.megatron_adapter import multi_tensor
+
+        @wrap(multi_tensor, "install")
+        def install(orig, *a, **k):
+            return False
 
 
 class ProfileRecorder(Recorder):

@@ -41,6 +41,7 @@ CHECKED = ("0.19.2",)
 GLOBAL = "module global"  # a name in the target's module (or ``alias.name`` with ``alias`` that module)
 LOCAL_IMPORT = "imported in the function"  # ``from <target module> import name`` inside the caller
 ATTRIBUTE = "attribute of an object"  # ``self.name(...)`` / ``obj.name(...)``: the class attribute
+ARGUMENT = "passed by name"  # ``calls(..., name, ...)``: the module global handed to another function
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,23 @@ def _rope_fusion_without_te(args: argparse.Namespace) -> bool:
     return fused is None or getattr(fused, "__module__", None) == "megatron_diloco.megatron_adapter.fused_rope"
 
 
+_MULTI_TENSOR = "megatron_diloco.megatron_adapter.multi_tensor"
+_MULTI_TENSOR_INSTALL = f"{_MULTI_TENSOR}.install"
+
+
+def local_multi_tensor_fallbacks(args: argparse.Namespace | None = None) -> bool:
+    """Megatron's gradient clipping on its own multi-tensor fallbacks (neither Transformer Engine nor Apex
+    installed: ``clip_grads.l2_norm_impl`` is ``local_multi_tensor_l2_norm``, or already the package's
+    kernel) on CUDA (``multi_tensor.install``'s condition)."""
+    if _cpu(args):
+        return False
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    impl = clip_grads.l2_norm_impl
+    return impl is utils.local_multi_tensor_l2_norm or getattr(impl, "__module__", None) == _MULTI_TENSOR
+
+
 #: when an entry applies, from the run's arguments (``Patch.when``)
 CONDITIONS: dict[str, Callable[[argparse.Namespace], bool]] = {
     "always": lambda args: True,
@@ -141,6 +159,7 @@ CONDITIONS: dict[str, Callable[[argparse.Namespace], bool]] = {
     "launcher": _launcher,
     "wheel or cpu": _helpers_not_built,
     "rope fusion on CUDA without Transformer Engine": _rope_fusion_without_te,
+    "CUDA without Apex or Transformer Engine": local_multi_tensor_fallbacks,
 }
 
 
@@ -214,6 +233,13 @@ def _call_site_problem(patch: Patch, site: CallSite) -> str | None:
     if site.lookup == GLOBAL and _found_in(getattr(caller, "__globals__", {}), site.calls, patch) is None:
         return (f"{site.where} no longer finds {site.calls} in {patch.module}, so replacing it there would not "
                 "reach that call")
+    elif site.lookup == ARGUMENT:
+        name = patch.attribute
+        if not any(isinstance(n, ast.Call) and ast.unparse(n.func) == site.calls
+                   and any(isinstance(a, ast.Name) and a.id == name for a in n.args) for n in ast.walk(tree)):
+            return f"{site.where} no longer passes {name} to {site.calls}()"
+        if getattr(caller, "__globals__", {}).get("__name__") != patch.module:
+            return f"{site.where} no longer reads {name} from {patch.module}"
     elif site.lookup == LOCAL_IMPORT:
         name = site.calls.rsplit(".", 1)[-1]
         if not any(isinstance(n, ast.ImportFrom) and n.module == patch.module and any(a.name == name for a in n.names)
@@ -490,5 +516,23 @@ FUSED_ROPE = Patch(
     "fused_rope.fused_apply_rotary_pos_emb", "megatron_diloco.megatron_adapter.fused_rope.install",
     when="rope fusion on CUDA without Transformer Engine")
 
+_CLIP = "megatron.core.optimizer.clip_grads"
+#: the multi-tensor kernels Megatron takes from Transformer Engine or Apex, its host-synchronizing fallbacks
+#: replaced without them (``megatron_adapter.multi_tensor.install``, called where ``fused_rope.install`` is)
+MULTI_TENSOR_L2_NORM = Patch(
+    "multi_tensor_l2_norm", _CLIP, "l2_norm_impl",
+    (CallSite(_CLIP, "get_grad_norm_fp32", "multi_tensor_applier", ARGUMENT),),
+    "without Transformer Engine or Apex the gradient norm reads each tensor's norm back to the host (a device "
+    "synchronization per tensor at every step); the package's kernel keeps it on the device",
+    "multi_tensor.multi_tensor_l2_norm", _MULTI_TENSOR_INSTALL, when="CUDA without Apex or Transformer Engine",
+    parameters=("chunk_size", "noop_flag", "tensor_lists", "per_tensor"))
+MULTI_TENSOR_SCALE = Patch(
+    "multi_tensor_scale", _CLIP, "multi_tensor_scale_impl",
+    (CallSite(_CLIP, "clip_grad_by_total_norm_fp32", "multi_tensor_applier", ARGUMENT),),
+    "without Transformer Engine or Apex gradient clipping launches two kernels per tensor; the package's "
+    "scales them with one multi-tensor kernel", "multi_tensor.multi_tensor_scale", _MULTI_TENSOR_INSTALL,
+    when="CUDA without Apex or Transformer Engine",
+    parameters=("chunk_size", "noop_flag", "tensor_lists", "scale"))
+
 CATALOGUE: tuple[Patch, ...] = (*INSTALL, DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, PRETRAINING_SAMPLER, *REPLICA_LOCAL,
-                                *LAUNCHER, *COMPAT, *INSTANCE, FUSED_ROPE)
+                                *LAUNCHER, *COMPAT, *INSTANCE, FUSED_ROPE, MULTI_TENSOR_L2_NORM, MULTI_TENSOR_SCALE)
