@@ -33,6 +33,12 @@ def test_idle_is_the_time_no_kernel_covers_and_each_long_gap_is_charged_to_its_l
     assert r["by_inner_op"] == {"aten::mm": [1, 0.1], "aten::item": [1, 0.05]}
     assert r["by_outer_op"] == {"aten::mm": [1, 0.1], "optimizer.step": [1, 0.05]}  # the step's own marker skipped
     assert r["syncs"] == {"cudaStreamSynchronize": [1, 0.015]}
+    # each gap where it began, with the host ops its kernel was launched in (outermost first)
+    assert r["gap_list"] == [[pytest.approx(0.15), 100, ["aten::mm"]],
+                             [pytest.approx(0.4), 50, ["optimizer.step", "aten::item"]]]
+    assert r["waits"] == []  # none as long as the default 1 ms
+    waits = gaps(_trace(), steps=1, min_us=20, wait_ms=0.01)["waits"]
+    assert waits == [[pytest.approx(0.42), pytest.approx(0.015), "cudaStreamSynchronize", ["optimizer.step"]]]
     halves = gaps(_trace(), steps=2, min_us=20)
     assert halves["idle_ms"] == pytest.approx(0.08) and halves["by_inner_op"]["aten::mm"] == [0.5, 0.05]
     path = tmp_path / "trace.json.gz"
