@@ -16,7 +16,8 @@ HARNESS = Path(__file__).resolve().parent.parent / "harness"
 def test_every_recorder_has_one_short_name():
     assert set(recorders.RECORDERS) == {
         "training", "checkpoint", "federation", "timers", "losses", "memory", "rounds", "boundary_check",
-        "fixed_eval", "plain_ddp", "profile", "link", "wan", "codec_capture", "slots", "by_name"}
+        "fixed_eval", "plain_ddp", "megatron_multi_tensor", "profile", "link", "wan", "codec_capture", "slots",
+        "by_name"}
     for name, cls in recorders.RECORDERS.items():
         assert cls.name == name and resolve(name) is cls
 

@@ -28,8 +28,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(autouse=True)
 def megatron_on_this_device():
     """Megatron's fallbacks and clipping place results with ``device="cuda"``: on CPU the compat layer's
-    rewrite of CUDA placements (what every CPU run of this package has) for the test's duration."""
-    if DEVICE == "cuda":
+    rewrite of CUDA placements (what every CPU run of this package has) for the test's duration, unless an
+    earlier test in this process applied the compat layer for good (a second rewrite would stack)."""
+    if DEVICE == "cuda" or cpu._applied:
         yield
         return
     with cpu._CudaToCpuMode():
